@@ -1,0 +1,676 @@
+#!/usr/bin/env python
+"""Forward+backward attention throughput on packed documents, implementations side by side.
+
+Every implementation is first checked against an fp32 reference (per-document SDPA, math
+backend) on a small check shape with the same document distribution, then timed on each shape:
+
+  usp           usp_graph.varlen_attn (this repo's public wrapper)
+  torch_varlen  torch.nn.attention.varlen.varlen_attn (flash varlen)
+  flex          torch.compile(flex_attention) with a document BlockMask
+  padded_sdpa   documents padded to the longest one, F.scaled_dot_product_attention; pack and
+                unpack are timed; bidirectional needs a key-padding mask (not the flash backend)
+
+FLOPs are useful FLOPs only (no padding, no cross-document or masked-out work): a document of
+n tokens costs fwd = 4*n*n*H*K bidirectional, 4*(n*(n+1)/2)*H*K causal; fwd+bwd = 3.5 * fwd
+(backward = 2.5 * forward, the FlashAttention benchmark convention).
+
+Examples:
+  # the H200 run: markdown table on stdout, everything as JSON
+  PYTHONUNBUFFERED=1 python tools/bench_varlen_gpu.py --json $OUT/bench_varlen.json
+
+  # a subset of implementations and shapes
+  python tools/bench_varlen_gpu.py --impls usp,torch_varlen --shapes 65536:causal
+
+  # smoke test of the script's own logic (tiny shapes; GPU-only implementations are skipped)
+  python tools/bench_varlen_gpu.py --device cpu --quick
+"""
+
+from __future__ import annotations
+
+# Legend of shape suffixes: T packed tokens, H heads, K head dim, N documents, L padded
+# document length (the longest document), N1 = N + 1 boundaries, 1 = a batch of one.
+
+import argparse
+import datetime
+import gc
+import inspect
+import json
+import math
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+IMPLS = ("usp", "torch_varlen", "flex", "padded_sdpa")
+BASELINE = "torch_varlen"
+TOLERANCE = 2e-2  # bf16 relative error bound, ||x - ref|| / ||ref||
+FLOP_CONVENTION = (
+    "useful FLOPs only; per document of n tokens fwd = 4*n^2*H*K (bidirectional) or "
+    "4*n(n+1)/2*H*K (causal); fwd+bwd = 3.5 * fwd"
+)
+DEFAULT_SHAPES = "32768:bi,32768:causal,65536:causal"
+QUICK = {"shapes": "1024:bi,1024:causal", "doc_mean": 128.0, "check_tokens": 512, "warmup": 1, "reps": 3}
+FULL = {"shapes": DEFAULT_SHAPES, "doc_mean": 2048.0, "check_tokens": 8192, "warmup": 3, "reps": 20}
+
+
+# ---------------------------------------------------------------------------------------------
+# Documents, inputs, FLOPs
+
+
+@dataclass(frozen=True)
+class Shape:
+    tokens: int
+    causal: bool
+
+    @property
+    def label(self) -> str:
+        size = f"{self.tokens // 1024}K" if self.tokens % 1024 == 0 else str(self.tokens)
+        return f"{size} {'causal' if self.causal else 'bi'}"
+
+
+@dataclass
+class Docs:
+    """Document boundaries of one packed stream, in the forms the implementations want."""
+
+    lengths: list[int]
+    cu_seqlens_N1: torch.Tensor  # int32, on the device
+    max_seqlen: int
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    shapes = []
+    for item in text.split(","):
+        tokens, _, mode = item.strip().partition(":")
+        if mode not in ("bi", "causal") or not tokens.isdigit() or int(tokens) < 1:
+            raise argparse.ArgumentTypeError(
+                f"bad shape {item!r}: expected TOKENS:bi or TOKENS:causal, e.g. 32768:causal"
+            )
+        shapes.append(Shape(int(tokens), mode == "causal"))
+    return shapes
+
+
+def sample_doc_lengths(total: int, *, mean: float, sigma: float, seed: int) -> list[int]:
+    """Log-normal document lengths with the given mean, each >= 1, summing exactly to `total`.
+
+    The last document is cut to fit. Seeded by (seed, total) so the bidirectional and causal runs
+    of one token count see the same documents."""
+    rng = random.Random(seed * 1_000_003 + total)
+    mu = math.log(mean) - sigma * sigma / 2  # E[lognormal(mu, sigma)] = exp(mu + sigma^2 / 2)
+    lengths: list[int] = []
+    remaining = total
+    while remaining > 0:
+        n = min(max(1, round(rng.lognormvariate(mu, sigma))), remaining)
+        lengths.append(n)
+        remaining -= n
+    return lengths
+
+
+def make_docs(lengths: list[int], device: torch.device) -> Docs:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return Docs(lengths, torch.tensor(cu, dtype=torch.int32, device=device), max(lengths))
+
+
+def doc_stats(lengths: list[int]) -> dict[str, Any]:
+    total = sum(lengths)
+    return {
+        "num_docs": len(lengths),
+        "min": min(lengths),
+        "median": statistics.median(lengths),
+        "mean": total / len(lengths),
+        "max": max(lengths),
+        # share of the dense T x T score matrix that is inside documents
+        "block_diag_density": sum(n * n for n in lengths) / (total * total),
+    }
+
+
+def attention_flops(lengths: list[int], heads: int, head_dim: int, causal: bool) -> tuple[float, float]:
+    """(fwd, fwd+bwd) useful FLOPs; see FLOP_CONVENTION."""
+    pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+    fwd = 4.0 * pairs * heads * head_dim
+    return fwd, 3.5 * fwd
+
+
+def make_inputs(
+    tokens: int, heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q_THK, k_THK, v_THK (leaves requiring grad) and dout_THK, standard normal."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    q_THK, k_THK, v_THK, dout_THK = (
+        torch.randn(tokens, heads, head_dim, generator=gen, device=device, dtype=dtype) for _ in range(4)
+    )
+    for x in (q_THK, k_THK, v_THK):
+        x.requires_grad_(True)
+    return q_THK, k_THK, v_THK, dout_THK
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations: each builder returns (attention function on packed THK tensors, note)
+
+
+def build_usp(docs: Docs, causal: bool, device: torch.device) -> tuple[AttnFn, str]:
+    import usp_graph  # the package under test; may not exist yet, which reports FAIL
+
+    varlen_attn = usp_graph.varlen_attn
+    cu_N1, max_len = docs.cu_seqlens_N1, docs.max_seqlen
+
+    def run(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THK: torch.Tensor) -> torch.Tensor:
+        out = varlen_attn(q_THK, k_THK, v_THK, cu_N1, cu_N1, max_len, max_len, is_causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+
+    return run, ""
+
+
+def build_torch_varlen(docs: Docs, causal: bool, device: torch.device) -> tuple[AttnFn, str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    # torch 2.11 spells causal as window_size=(-1, 0) (bottom-right, equal to top-left for the
+    # square per-document blocks here); other releases have or may have is_causal=.
+    if not causal:
+        kwargs: dict[str, Any] = {}
+    elif "is_causal" in params:
+        kwargs = {"is_causal": True}
+    elif "window_size" in params:
+        kwargs = {"window_size": (-1, 0)}
+    else:
+        raise RuntimeError(f"cannot ask varlen_attn{inspect.signature(varlen_attn)} for causal attention")
+    cu_N1, max_len = docs.cu_seqlens_N1, docs.max_seqlen
+
+    def run(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THK: torch.Tensor) -> torch.Tensor:
+        return varlen_attn(q_THK, k_THK, v_THK, cu_N1, cu_N1, max_len, max_len, **kwargs)
+
+    return run, " ".join(f"{k}={v}" for k, v in kwargs.items())
+
+
+def build_flex(docs: Docs, causal: bool, device: torch.device) -> tuple[AttnFn, str]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = device.type == "cuda"
+    if compiled:
+        # A fresh Dynamo cache per (shape, mode) keeps static kernels and stays clear of the
+        # recompile limit, past which flex_attention silently falls back to its dense eager path.
+        torch._dynamo.reset()
+    counts = torch.tensor(docs.lengths, device=device)
+    doc_id_T = torch.repeat_interleave(torch.arange(docs.num_docs, device=device), counts)
+
+    if causal:
+        def document_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return (doc_id_T[q_idx] == doc_id_T[kv_idx]) & (q_idx >= kv_idx)
+    else:
+        def document_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return doc_id_T[q_idx] == doc_id_T[kv_idx]
+
+    tokens = docs.tokens
+    sync(device)
+    start = time.perf_counter()
+    block_mask = create_block_mask(document_mask, None, None, tokens, tokens, device=device, _compile=compiled)
+    sync(device)
+    mask_ms = (time.perf_counter() - start) * 1e3
+    attend = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+    def run(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THK: torch.Tensor) -> torch.Tensor:
+        # (T, H, K) -> (1, H, T, K) is a view: the layout a projection + transpose produces
+        q_1HTK, k_1HTK, v_1HTK = (x.transpose(0, 1).unsqueeze(0) for x in (q_THK, k_THK, v_THK))
+        out_1HTK = attend(q_1HTK, k_1HTK, v_1HTK, block_mask=block_mask)
+        return out_1HTK[0].transpose(0, 1)
+
+    mode = "compiled" if compiled else "eager"
+    return run, f"{mode}; BlockMask built once, untimed ({mask_ms:.0f} ms incl. compile)"
+
+
+def build_padded_sdpa(docs: Docs, causal: bool, device: torch.device) -> tuple[AttnFn, str]:
+    N, L = docs.num_docs, docs.max_seqlen
+    # token t of document d at position p lives at row d * L + p of the padded (N * L) buffer
+    dest_T = torch.cat([torch.arange(n, device=device) + d * L for d, n in enumerate(docs.lengths)])
+    key_mask_N11L = None
+    if not causal:
+        # Padded keys must be masked for exactness. Causal needs no mask: padding sits at the
+        # end, so valid rows never see it (and padded rows are dropped on unpack).
+        lengths_N = torch.tensor(docs.lengths, device=device)
+        key_mask_N11L = (torch.arange(L, device=device) < lengths_N[:, None]).view(N, 1, 1, L)
+
+    def pack(x_THK: torch.Tensor) -> torch.Tensor:
+        H, K = x_THK.shape[1:]
+        padded = x_THK.new_zeros(N * L, H, K).index_copy(0, dest_T, x_THK)
+        return padded.view(N, L, H, K).transpose(1, 2)  # N H L K
+
+    def run(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THK: torch.Tensor) -> torch.Tensor:
+        out_NHLK = F.scaled_dot_product_attention(
+            pack(q_THK), pack(k_THK), pack(v_THK), attn_mask=key_mask_N11L, is_causal=causal
+        )
+        H, K = q_THK.shape[1:]
+        return out_NHLK.transpose(1, 2).reshape(N * L, H, K).index_select(0, dest_T)
+
+    padded_share = docs.tokens / (N * L)
+    note = f"N={N} L={L} ({padded_share:.0%} of padded tokens valid); pack/unpack timed"
+    if not causal:
+        note += "; bool key-padding mask (no flash backend)"
+    return run, note
+
+
+BUILDERS: dict[str, Callable[[Docs, bool, torch.device], tuple[AttnFn, str]]] = {
+    "usp": build_usp,
+    "torch_varlen": build_torch_varlen,
+    "flex": build_flex,
+    "padded_sdpa": build_padded_sdpa,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference check
+
+
+def reference_attention(
+    q_THK: torch.Tensor, k_THK: torch.Tensor, v_THK: torch.Tensor, dout_THK: torch.Tensor,
+    lengths: list[int], causal: bool,
+) -> dict[str, torch.Tensor]:
+    """fp32 out, dq, dk, dv: SDPA (math backend) per document."""
+    q, k, v = (x.detach().float().requires_grad_(True) for x in (q_THK, k_THK, v_THK))
+    outs, start = [], 0
+    for n in lengths:
+        q_1HNK, k_1HNK, v_1HNK = (x[start:start + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.MATH):
+            out_1HNK = F.scaled_dot_product_attention(q_1HNK, k_1HNK, v_1HNK, is_causal=causal)
+        outs.append(out_1HNK[0].transpose(0, 1))
+        start += n
+    out_THK = torch.cat(outs)
+    dq, dk, dv = torch.autograd.grad(out_THK, (q, k, v), dout_THK.float())
+    return {"out": out_THK.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    ref64 = ref.detach().double()
+    return (torch.linalg.vector_norm(x.detach().double() - ref64) / torch.linalg.vector_norm(ref64)).item()
+
+
+def check_impl(
+    fn: AttnFn, inputs: tuple[torch.Tensor, ...], ref: dict[str, torch.Tensor]
+) -> tuple[bool, dict[str, float]]:
+    q_THK, k_THK, v_THK, dout_THK = inputs
+    out_THK = fn(q_THK, k_THK, v_THK)
+    if out_THK.shape != q_THK.shape:
+        raise RuntimeError(f"output shape {tuple(out_THK.shape)} != query shape {tuple(q_THK.shape)}")
+    dq, dk, dv = torch.autograd.grad(out_THK, (q_THK, k_THK, v_THK), dout_THK)
+    errs = {name: rel_err(x, ref[name]) for name, x in zip(("out", "dq", "dk", "dv"), (out_THK, dq, dk, dv))}
+    ok = all(math.isfinite(e) and e < TOLERANCE for e in errs.values())
+    return ok, errs
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], None], device: torch.device, *, warmup: int, reps: int) -> dict[str, float]:
+    """Median (and min/max) milliseconds of `fn` over `reps` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        sync(device)
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "reps": reps}
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def short_error(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"[:240]
+
+
+def report_exception(what: str, exc: BaseException) -> None:
+    print(f"  {what}: FAIL {short_error(exc)}", flush=True)
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-4))
+    print("    " + tb.strip().replace("\n", "\n    "), file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Run
+
+
+@dataclass
+class Result:
+    shape: str
+    impl: str
+    status: str = "FAIL"  # PASS / FAIL (numerical check or error) / SKIP (not supported on CPU)
+    check: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+    note: str = ""
+    ms_fwd_bwd: float | None = None
+    ms_fwd: float | None = None
+    tflops_fwd_bwd: float | None = None
+    tflops_fwd: float | None = None
+    vs_torch_fwd_bwd: float | None = None  # torch varlen time / this time (>1 = faster)
+    vs_torch_fwd: float | None = None
+    peak_mem_gib: float | None = None
+    peak_extra_gib: float | None = None  # peak minus what was allocated before (inputs etc.)
+    timing: dict[str, Any] = field(default_factory=dict)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+        env["cudnn"] = torch.backends.cudnn.version()
+    else:
+        env["device_name"] = f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    try:
+        env["repo_commit"] = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()
+    except Exception:
+        env["repo_commit"] = None
+    return env
+
+
+def run_checks(
+    impls: list[str], causal: bool, args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> dict[str, tuple[str, dict[str, float], str]]:
+    """impl -> (PASS/FAIL/SKIP, rel errors, error text) on the check shape for one mode."""
+    lengths = sample_doc_lengths(args.check_tokens, mean=args.doc_mean, sigma=args.doc_sigma, seed=args.seed)
+    docs = make_docs(lengths, device)
+    mode = "causal" if causal else "bi"
+    print(f"check {args.check_tokens} tokens {mode}: {docs.num_docs} documents, lengths {lengths}", flush=True)
+    inputs = make_inputs(args.check_tokens, args.heads, args.head_dim, dtype=dtype, device=device, seed=args.seed + 1)
+    ref = reference_attention(*inputs, lengths, causal)
+    results: dict[str, tuple[str, dict[str, float], str]] = {}
+    for impl in impls:
+        try:
+            fn, _ = BUILDERS[impl](docs, causal, device)
+            ok, errs = check_impl(fn, inputs, ref)
+            status = "PASS" if ok else "FAIL"
+            shown = " ".join(f"{k}={v:.2e}" for k, v in errs.items())
+            print(f"  {impl}: {status} rel err {shown} (< {TOLERANCE:g})", flush=True)
+            results[impl] = (status, errs, "" if ok else f"rel err >= {TOLERANCE:g}")
+        except Exception as exc:
+            skip = device.type == "cpu" and impl in ("torch_varlen", "flex")
+            if skip:
+                print(f"  {impl}: SKIP on CPU ({short_error(exc)})", flush=True)
+            else:
+                report_exception(impl, exc)
+            results[impl] = ("SKIP" if skip else "FAIL", {}, short_error(exc))
+        finally:
+            free_memory(device)
+    return results
+
+
+def bench_shape(
+    shape: Shape, impls: list[str], checks: dict[str, tuple[str, dict[str, float], str]],
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+) -> tuple[dict[str, Any], list[Result]]:
+    lengths = sample_doc_lengths(shape.tokens, mean=args.doc_mean, sigma=args.doc_sigma, seed=args.seed)
+    docs = make_docs(lengths, device)
+    stats = doc_stats(lengths)
+    fwd_flops, fwd_bwd_flops = attention_flops(lengths, args.heads, args.head_dim, shape.causal)
+    print(
+        f"\n{shape.label}: {docs.num_docs} documents (min {stats['min']}, median {stats['median']:g}, "
+        f"max {stats['max']}), useful TFLOP fwd {fwd_flops / 1e12:.3f} fwd+bwd {fwd_bwd_flops / 1e12:.3f}",
+        flush=True,
+    )
+    shape_info = {
+        "label": shape.label, "tokens": shape.tokens, "causal": shape.causal,
+        "heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype,
+        "docs": stats, "lengths": lengths, "fwd_flops": fwd_flops, "fwd_bwd_flops": fwd_bwd_flops,
+    }
+    q_THK, k_THK, v_THK, dout_THK = make_inputs(
+        shape.tokens, args.heads, args.head_dim, dtype=dtype, device=device, seed=args.seed + 2
+    )
+    results = []
+    for impl in impls:
+        res = Result(shape.label, impl)
+        status, res.check, res.error = checks[impl]
+        if status == "SKIP" or (status == "FAIL" and not res.check):
+            res.status = status  # could not even run on the check shape
+            results.append(res)
+            continue
+        try:
+            fn, res.note = BUILDERS[impl](docs, shape.causal, device)
+
+            def fwd_bwd(fn: AttnFn = fn) -> None:
+                out_THK = fn(q_THK, k_THK, v_THK)
+                torch.autograd.grad(out_THK, (q_THK, k_THK, v_THK), dout_THK)
+
+            def fwd(fn: AttnFn = fn) -> None:
+                with torch.no_grad():
+                    fn(q_THK, k_THK, v_THK)
+
+            sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+            t_fb = time_ms(fwd_bwd, device, warmup=args.warmup, reps=args.reps)
+            t_f = time_ms(fwd, device, warmup=args.warmup, reps=args.reps)
+            if device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated(device)
+                res.peak_mem_gib = peak / 2**30
+                res.peak_extra_gib = (peak - before) / 2**30
+            res.timing = {"fwd_bwd_ms": t_fb, "fwd_ms": t_f}
+            res.ms_fwd_bwd, res.ms_fwd = t_fb["median"], t_f["median"]
+            res.tflops_fwd_bwd = fwd_bwd_flops / (res.ms_fwd_bwd * 1e-3) / 1e12
+            res.tflops_fwd = fwd_flops / (res.ms_fwd * 1e-3) / 1e12
+            res.status = status  # PASS, or FAIL of the numerical check (timed anyway, flagged)
+            print(
+                f"  {impl}: fwd+bwd {res.ms_fwd_bwd:.3f} ms {res.tflops_fwd_bwd:.1f} TFLOP/s, "
+                f"fwd {res.ms_fwd:.3f} ms {res.tflops_fwd:.1f} TFLOP/s"
+                + (f", peak {res.peak_mem_gib:.2f} GiB" if res.peak_mem_gib is not None else ""),
+                flush=True,
+            )
+        except Exception as exc:
+            report_exception(impl, exc)
+            res.status, res.error = "FAIL", short_error(exc)
+        finally:
+            fn = None  # drop the closure (block mask, index buffers) before the next one
+            free_memory(device)
+        results.append(res)
+    base = next((r for r in results if r.impl == BASELINE and r.ms_fwd_bwd is not None), None)
+    if base is not None:
+        for r in results:
+            if r.ms_fwd_bwd is not None and r.ms_fwd is not None:
+                r.vs_torch_fwd_bwd = base.ms_fwd_bwd / r.ms_fwd_bwd
+                r.vs_torch_fwd = base.ms_fwd / r.ms_fwd
+    return shape_info, results
+
+
+def fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def markdown_table(results: list[Result]) -> str:
+    header = (
+        "| shape | impl | check | ms fwd+bwd | TFLOP/s fwd+bwd | ms fwd | TFLOP/s fwd "
+        "| vs torch varlen f+b | vs torch varlen fwd | peak GiB | note |"
+    )
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    for r in results:
+        note = r.error if r.error else r.note
+        lines.append(
+            f"| {r.shape} | {r.impl} | {r.status} | {fmt(r.ms_fwd_bwd, '.3f')} | {fmt(r.tflops_fwd_bwd, '.1f')} "
+            f"| {fmt(r.ms_fwd, '.3f')} | {fmt(r.tflops_fwd, '.1f')} | {fmt(r.vs_torch_fwd_bwd, '.2f', 'x')} "
+            f"| {fmt(r.vs_torch_fwd, '.2f', 'x')} | {fmt(r.peak_mem_gib, '.2f')} | {note.replace('|', '/')} |"
+        )
+    return "\n".join(lines)
+
+
+def check_table(checks: dict[str, dict[str, tuple[str, dict[str, float], str]]]) -> str:
+    lines = ["| mode | impl | check | rel err out | dq | dk | dv | note |", "|---|---|---|---|---|---|---|---|"]
+    for mode, per_impl in checks.items():
+        for impl, (status, errs, error) in per_impl.items():
+            cells = " | ".join(fmt(errs.get(k), ".2e") for k in ("out", "dq", "dk", "dv"))
+            lines.append(f"| {mode} | {impl} | {status} | {cells} | {error.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__[__doc__.index("Examples:"):],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--shapes", default=None,
+                        help=f"comma list of TOKENS:bi|causal (default {FULL['shapes']}; --quick {QUICK['shapes']})")
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma list out of {','.join(IMPLS)}")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--doc-mean", type=float, default=None,
+                        help=f"mean document length (default {FULL['doc_mean']:g}; --quick {QUICK['doc_mean']:g})")
+    parser.add_argument("--doc-sigma", type=float, default=1.0, help="sigma of log(document length)")
+    parser.add_argument("--check-tokens", type=int, default=None,
+                        help=f"tokens of the correctness check shape (default {FULL['check_tokens']})")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=None, help=f"default {FULL['warmup']}")
+    parser.add_argument("--reps", type=int, default=None, help=f"timed reps, median reported (default {FULL['reps']})")
+    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke test")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and few reps: a smoke run")
+    parser.add_argument("--json", type=Path, default=None, help="write all results as JSON here")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if any implementation is FAIL")
+    args = parser.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.shape_list = parse_shapes(args.shapes)
+    args.impl_list = [s.strip() for s in args.impls.split(",") if s.strip()]
+    unknown = sorted(set(args.impl_list) - set(IMPLS))
+    if unknown:
+        parser.error(f"unknown --impls {unknown}; choose from {', '.join(IMPLS)}")
+    if args.reps < 1 or args.warmup < 1 or args.check_tokens < 1 or args.doc_mean < 1:
+        # warmup >= 1 keeps compilation (flex, and its separate no_grad graph) out of the timings
+        parser.error("--reps >= 1, --warmup >= 1, --check-tokens >= 1 and --doc-mean >= 1 are required")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available; use --device cpu --quick for a smoke test", file=sys.stderr)
+        return 2
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, args.dtype)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be true fp32
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+
+    env = environment(device)
+    print("# Packed-document attention benchmark")
+    print(f"date {env['date_utc']}  torch {env['torch']}  cuda {env['cuda']}  triton {env['triton']}  "
+          f"device {env['device_name']}  repo {env['repo_commit']}")
+    print(f"{args.dtype} H={args.heads} K={args.head_dim}; document lengths log-normal mean {args.doc_mean:g} "
+          f"sigma {args.doc_sigma:g} seed {args.seed}; warmup {args.warmup}, median of {args.reps} reps")
+    print(f"FLOPs: {FLOP_CONVENTION}")
+    if args.reps < 10 and not args.quick:
+        print(f"warning: median of only {args.reps} reps", file=sys.stderr)
+
+    checks: dict[str, dict[str, tuple[str, dict[str, float], str]]] = {}
+    for causal in sorted({s.causal for s in args.shape_list}):
+        mode = "causal" if causal else "bi"
+        try:
+            checks[mode] = run_checks(args.impl_list, causal, args, device, dtype)
+        except Exception as exc:  # the reference itself failed: nothing can be checked
+            report_exception(f"reference {mode}", exc)
+            checks[mode] = {impl: ("FAIL", {}, f"reference failed: {short_error(exc)}") for impl in args.impl_list}
+
+    shapes_info, results = [], []
+    for shape in args.shape_list:
+        info, shape_results = bench_shape(
+            shape, args.impl_list, checks["causal" if shape.causal else "bi"], args, device, dtype
+        )
+        shapes_info.append(info)
+        results.extend(shape_results)
+
+    print(f"\n## Correctness vs fp32 per-document SDPA ({args.check_tokens} tokens, rel err < {TOLERANCE:g})\n")
+    print(check_table(checks))
+    print(f"\n## Throughput ({env['device_name']}, torch {env['torch']}, {env['date_utc']})\n")
+    print(f"{args.dtype}, H={args.heads}, K={args.head_dim}. {FLOP_CONVENTION} (backward = 2.5x forward). "
+          "Times are medians over CUDA events; 'vs torch varlen' = torch varlen time / this time. "
+          "Peak memory includes inputs and grads.\n")
+    for info in shapes_info:
+        d = info["docs"]
+        print(f"- {info['label']}: {d['num_docs']} documents, lengths min {d['min']} median {d['median']:g} "
+              f"max {d['max']}, {d['block_diag_density']:.2%} of the dense score matrix")
+    print()
+    print(markdown_table(results))
+
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "environment": env,
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                         if k not in ("shape_list", "impl_list")},
+            "flop_convention": FLOP_CONVENTION,
+            "tolerance": TOLERANCE,
+            "checks": {mode: {impl: {"status": s, "rel_err": e, "error": err} for impl, (s, e, err) in per.items()}
+                       for mode, per in checks.items()},
+            "shapes": shapes_info,
+            "results": [vars(r) for r in results],
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
+        print(f"\nJSON written to {args.json}")
+    failed = [r for r in results if r.status == "FAIL"]
+    return 1 if args.strict and failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

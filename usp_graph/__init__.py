@@ -1,0 +1,21 @@
+"""usp_graph: SDPA -> varlen attention + context-parallel collectives, with registered backward rules.
+
+Public entry points:
+- `AttentionMetadata`: document boundaries of a packed token stream.
+- `varlen_attn`: attention within documents of packed `(T, H, K)` tensors (ops ``usp::varlen_fwd/bwd``).
+- `sdpa_to_usp`: the single function mapping one SDPA call to pack -> varlen -> unpack.
+- `attention_mode`: route every SDPA call in a block through `sdpa_to_usp`.
+- `registry`: the table of backward rules.
+"""
+
+from __future__ import annotations
+
+from . import registry
+from .metadata import AttentionMetadata
+from .mode import attention_mode
+from .ops.varlen import varlen_attn
+from .sdpa import sdpa_to_usp
+
+__version__ = "0.1.0"
+
+__all__ = ["AttentionMetadata", "attention_mode", "registry", "sdpa_to_usp", "varlen_attn", "__version__"]

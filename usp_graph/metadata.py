@@ -1,0 +1,243 @@
+"""Document boundaries of a packed token stream.
+
+# T packed tokens, N document capacity (max_docs)
+
+`cu_seqlens_N1` holds the start of each document and, last, the token count; unused tail slots
+repeat the total, so a fixed capacity carries any number of documents up to `max_docs` and the
+tensor's shape (hence a traced graph) stays the same when boundaries change between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["AttentionMetadata"]
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _is_real(t: torch.Tensor) -> bool:
+    """False for fake/meta/functional tensors, whose values cannot (and need not) be read."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not (t.is_meta or is_fake(t) or type(t) is not torch.Tensor)
+
+
+def _as_int_list(name: str, values: Any, *, allow_2d: bool = False) -> tuple[list[int], list[int]]:
+    """Host ints of `values` (flattened row-major) and the indices where its rows start."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype not in _INT_DTYPES:
+            raise ValueError(f"{name} must be an integer tensor, got dtype {values.dtype}")
+        if values.dim() == 2 and allow_2d:
+            rows, cols = values.shape
+            return values.reshape(-1).tolist(), [r * cols for r in range(rows)]
+        if values.dim() != 1:
+            allowed = "1-D or 2-D" if allow_2d else "1-D"
+            raise ValueError(f"{name} must be {allowed}, got a tensor of shape {tuple(values.shape)}")
+        return values.tolist(), [0]
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ValueError(
+            f"{name} must be a sequence of ints or an integer tensor, got {type(values).__name__}"
+        )
+    out = []
+    for i, x in enumerate(values):
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ValueError(f"{name}[{i}] must be an int, got {x!r}")
+        out.append(x)
+    return out, [0]
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionMetadata:
+    """Global document boundaries of a packed token stream.
+
+    cu_seqlens: int32 `(max_docs + 1,)`: document starts, then the token count; unused tail slots
+        repeat the total.
+    max_seqlen: a static upper bound on any document's length (kernels size work by it).
+    total_tokens: the token count, equal to ``cu_seqlens[-1]``.
+
+    Construct it with `from_lengths`, `from_position_ids`, `from_document_ids` or `per_sample`.
+    Direct construction validates too. Boundaries may change between steps without retracing as
+    long as `max_docs` (capacity) and `max_seqlen` stay the same.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    total_tokens: int
+
+    def __post_init__(self) -> None:
+        cu = self.cu_seqlens
+        if not isinstance(cu, torch.Tensor):
+            raise ValueError(f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise ValueError(f"cu_seqlens must be int32, got {cu.dtype}; convert with .to(torch.int32)")
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(
+                f"cu_seqlens must be 1-D with at least 2 entries (max_docs + 1), got shape {tuple(cu.shape)}"
+            )
+        for name in ("max_seqlen", "total_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        if isinstance(self.max_seqlen, int) and self.max_seqlen < 0:
+            raise ValueError(f"max_seqlen must be >= 0, got {self.max_seqlen}")
+        if _is_real(cu):
+            _check_cu_seqlens(cu.tolist(), self.max_seqlen, self.total_tokens)
+
+    # ---- constructors -------------------------------------------------------------------------
+
+    @classmethod
+    def from_lengths(
+        cls,
+        lengths: Sequence[int] | torch.Tensor,
+        *,
+        max_docs: int | None = None,
+        max_seqlen: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> AttentionMetadata:
+        """Documents of the given lengths, in order. Zero lengths are allowed (empty documents)."""
+        lens, _ = _as_int_list("lengths", lengths)
+        if not lens:
+            raise ValueError("lengths is empty: give at least one document length")
+        for i, n in enumerate(lens):
+            if n < 0:
+                raise ValueError(f"lengths[{i}] = {n} is negative")
+        return cls._build(lens, max_docs=max_docs, max_seqlen=max_seqlen, device=device)
+
+    @classmethod
+    def from_position_ids(
+        cls,
+        position_ids: torch.Tensor,
+        *,
+        max_docs: int | None = None,
+        max_seqlen: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> AttentionMetadata:
+        """A document starts wherever the position is 0 and at every row start (rows of a 2-D
+        tensor are flattened row-major, as the tokens are packed)."""
+        pos, row_starts = _as_int_list("position_ids", position_ids, allow_2d=True)
+        if not pos:
+            raise ValueError("position_ids is empty")
+        for i, p in enumerate(pos):
+            if p < 0:
+                raise ValueError(f"position_ids has a negative position {p} at flat index {i}")
+        starts = sorted(set(row_starts) | {i for i, p in enumerate(pos) if p == 0})
+        return cls._from_starts(starts, len(pos), max_docs, max_seqlen, device)
+
+    @classmethod
+    def from_document_ids(
+        cls,
+        document_ids: torch.Tensor,
+        *,
+        max_docs: int | None = None,
+        max_seqlen: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> AttentionMetadata:
+        """A document starts wherever the id differs from the previous token's and at every row
+        start. Ids need not be sorted; two runs of the same id are two documents."""
+        ids, row_starts = _as_int_list("document_ids", document_ids, allow_2d=True)
+        if not ids:
+            raise ValueError("document_ids is empty")
+        starts = sorted(set(row_starts) | {i for i in range(1, len(ids)) if ids[i] != ids[i - 1]})
+        return cls._from_starts(starts, len(ids), max_docs, max_seqlen, device)
+
+    @classmethod
+    def per_sample(
+        cls, batch_size: int, seq_len: int, *, device: torch.device | str | None = None
+    ) -> AttentionMetadata:
+        """One document per batch row: exactly SDPA's own semantics on a `(batch_size, seq_len)` batch."""
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        return cls._build([seq_len] * batch_size, max_docs=None, max_seqlen=None, device=device)
+
+    @classmethod
+    def _from_starts(
+        cls,
+        starts: list[int],
+        total: int,
+        max_docs: int | None,
+        max_seqlen: int | None,
+        device: torch.device | str | None,
+    ) -> AttentionMetadata:
+        bounds = [*starts, total]
+        lens = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        return cls._build(lens, max_docs=max_docs, max_seqlen=max_seqlen, device=device)
+
+    @classmethod
+    def _build(
+        cls,
+        lens: list[int],
+        *,
+        max_docs: int | None,
+        max_seqlen: int | None,
+        device: torch.device | str | None,
+    ) -> AttentionMetadata:
+        n = len(lens)
+        if max_docs is None:
+            max_docs = n
+        if isinstance(max_docs, bool) or not isinstance(max_docs, int) or max_docs < 1:
+            raise ValueError(f"max_docs must be a positive int, got {max_docs!r}")
+        if n > max_docs:
+            raise ValueError(f"{n} documents exceed the capacity max_docs={max_docs}; raise max_docs")
+        longest = max(lens)
+        if max_seqlen is None:
+            max_seqlen = longest
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+            raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+        if longest > max_seqlen:
+            doc = lens.index(longest)
+            raise ValueError(
+                f"document {doc} has {longest} tokens, more than max_seqlen={max_seqlen}; raise max_seqlen"
+            )
+        cu = [0]
+        for length in lens:
+            cu.append(cu[-1] + length)
+        cu += [cu[-1]] * (max_docs - n)
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        if device is not None:
+            cu_t = cu_t.to(device)
+        return cls(cu_t, max_seqlen, cu[-1])
+
+    # ---- views ---------------------------------------------------------------------------------
+
+    @property
+    def max_docs(self) -> int:
+        """Capacity: how many documents this metadata's shape can describe."""
+        return self.cu_seqlens.numel() - 1
+
+    def lengths(self) -> list[int]:
+        """Document lengths, padding slots included as zeros (reads the tensor: a host sync on GPU)."""
+        cu = self.cu_seqlens.tolist()
+        return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        return AttentionMetadata(self.cu_seqlens.to(device), self.max_seqlen, self.total_tokens)
+
+    def __repr__(self) -> str:
+        return (
+            f"AttentionMetadata(total_tokens={self.total_tokens}, max_docs={self.max_docs}, "
+            f"max_seqlen={self.max_seqlen}, device={self.cu_seqlens.device})"
+        )
+
+
+def _check_cu_seqlens(cu: list[int], max_seqlen: int, total: int) -> None:
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {cu[0]}")
+    for i in range(1, len(cu)):
+        if cu[i] < cu[i - 1]:
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing: cu_seqlens[{i}] = {cu[i]} < cu_seqlens[{i - 1}] = {cu[i - 1]}"
+            )
+    if isinstance(total, int) and cu[-1] != total:
+        raise ValueError(f"cu_seqlens must end at the token count {total}, got cu_seqlens[-1] = {cu[-1]}")
+    if isinstance(max_seqlen, int):
+        for i in range(1, len(cu)):
+            if cu[i] - cu[i - 1] > max_seqlen:
+                raise ValueError(
+                    f"document {i - 1} has {cu[i] - cu[i - 1]} tokens, more than max_seqlen={max_seqlen}"
+                )

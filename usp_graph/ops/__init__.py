@@ -1,0 +1,10 @@
+"""usp custom ops. Importing this package defines every op and registers its backward rule."""
+
+from __future__ import annotations
+
+from .. import registry
+from . import varlen
+
+registry.check_complete()
+
+__all__ = ["varlen"]

@@ -1,0 +1,428 @@
+"""Varlen attention on packed documents: the ``usp::varlen_fwd`` / ``usp::varlen_bwd`` custom ops.
+
+# T packed tokens, H query heads, G key/value heads (H % G == 0), K head dim, Kv value head dim,
+# N document slots (cu_seqlens has N + 1 entries)
+
+Semantics (the flash-attention varlen convention):
+- document i holds queries ``q[cu_q[i]:cu_q[i+1]]`` and keys ``k[cu_k[i]:cu_k[i+1]]``; no attention
+  crosses documents;
+- causal is bottom-right aligned: query r of a document with lq queries and lk keys sees keys
+  c <= r + lk - lq (identical to ordinary causal when lq == lk);
+- a query row that sees no key (an empty key range, or causal with lq > lk) gets out = 0 and
+  lse = -inf (log of an empty sum), on every device;
+- lse is `(H, T)`, float32 (float64 for float64 inputs).
+
+Kernels:
+- CPU: per document over ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward op),
+  which was bitwise deterministic across runs and thread counts; GQA is native to it.
+- CUDA: ``aten._flash_attention_forward/backward`` in their varlen form (the kernel behind
+  ``torch.nn.attention.varlen.varlen_attn``; GQA native) for fp16/bf16; other dtypes and head dims
+  use a per-document math path in fp32 (fp64 for fp64).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .. import registry
+
+__all__ = ["varlen_fwd", "varlen_bwd", "varlen_attn"]
+
+_aten = torch.ops.aten
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU kernel: one flash-CPU call per document.
+
+
+def _doc_bounds(
+    cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, max_q: int, max_k: int
+) -> list[tuple[int, int, int, int]]:
+    """Per-document (q start, q end, k start, k end), with the checks the CUDA kernel cannot afford."""
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    if len(bq) != len(bk):
+        raise ValueError(
+            f"cu_seqlens_q has {len(bq)} entries but cu_seqlens_k has {len(bk)}; they must match"
+        )
+    for name, b, total, bound in (("cu_seqlens_q", bq, t_q, max_q), ("cu_seqlens_k", bk, t_k, max_k)):
+        if b[0] != 0 or b[-1] != total:
+            raise ValueError(f"{name} must run from 0 to the token count {total}, got {b[0]}..{b[-1]}")
+        for i in range(1, len(b)):
+            if b[i] < b[i - 1]:
+                raise ValueError(f"{name} must be non-decreasing: {name}[{i}] = {b[i]} < {b[i - 1]}")
+            if b[i] - b[i - 1] > bound:
+                raise ValueError(
+                    f"document {i - 1} has {b[i] - b[i - 1]} tokens in {name}, more than its max_seqlen={bound}"
+                )
+    return [(bq[i], bq[i + 1], bk[i], bk[i + 1]) for i in range(len(bq) - 1)]
+
+
+def _bottom_right_mask(lq: int, lk: int, dtype: torch.dtype) -> Tensor:
+    # The CPU flash kernel's is_causal is top-left aligned when lq != lk; express bottom-right as an
+    # additive mask (it must have the query's dtype).
+    keep = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+    return torch.zeros(lq, lk, dtype=dtype).masked_fill(~keep, float("-inf"))
+
+
+def _causal_args(lq: int, lk: int, is_causal: bool, dtype: torch.dtype) -> tuple[bool, Tensor | None]:
+    if not is_causal:
+        return False, None
+    if lq == lk:
+        return True, None
+    return False, _bottom_right_mask(lq, lk, dtype)
+
+
+def _bhlk(x: Tensor) -> Tensor:
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _cpu_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
+    t_q, h, _ = q.shape
+    out = q.new_zeros(t_q, h, v.shape[-1])
+    lse = torch.full((h, t_q), float("-inf"), dtype=_lse_dtype(q.dtype), device=q.device)
+    for sq, eq, sk, ek in _doc_bounds(cu_q, cu_k, t_q, k.shape[0], max_q, max_k):
+        lq, lk = eq - sq, ek - sk
+        if lq == 0 or lk == 0:  # the kernel crashes on empty inputs; the answer is out 0, lse -inf
+            continue
+        causal, mask = _causal_args(lq, lk, is_causal, q.dtype)
+        o_doc, lse_doc = _aten._scaled_dot_product_flash_attention_for_cpu(
+            _bhlk(q[sq:eq]), _bhlk(k[sk:ek]), _bhlk(v[sk:ek]), 0.0, causal, attn_mask=mask, scale=scale
+        )
+        out[sq:eq] = o_doc[0].transpose(0, 1)
+        lse[:, sq:eq] = lse_doc[0]
+        if mask is not None and lq > lk:
+            lse[:, sq : sq + lq - lk] = float("-inf")  # rows that see no key (the kernel says 0)
+    return out, lse
+
+
+def _cpu_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for sq, eq, sk, ek in _doc_bounds(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k):
+        lq, lk = eq - sq, ek - sk
+        if lq == 0 or lk == 0:
+            continue
+        causal, mask = _causal_args(lq, lk, is_causal, q.dtype)
+        l_doc = lse[:, sq:eq]
+        if mask is not None and lq > lk:
+            l_doc = l_doc.masked_fill(l_doc == float("-inf"), 0.0)  # back to the kernel's convention
+        g_q, g_k, g_v = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _bhlk(dout[sq:eq]),
+            _bhlk(q[sq:eq]),
+            _bhlk(k[sk:ek]),
+            _bhlk(v[sk:ek]),
+            _bhlk(out[sq:eq]),
+            l_doc.unsqueeze(0),
+            0.0,
+            causal,
+            attn_mask=mask,
+            scale=scale,
+        )
+        dq[sq:eq] = g_q[0].transpose(0, 1)
+        dk[sk:ek] = g_k[0].transpose(0, 1)
+        dv[sk:ek] = g_v[0].transpose(0, 1)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------------
+# Math path: any device and dtype (CUDA fp32/fp64, head dims flash does not take).
+
+
+def _math_doc_probs(q_d, k_d, lq, lk, is_causal, scale, acc):
+    h, g = q_d.shape[1], k_d.shape[1]
+    k_rep = k_d.to(acc).repeat_interleave(h // g, dim=1)
+    s_HQK = torch.einsum("qhd,khd->hqk", q_d.to(acc), k_rep) * scale
+    if is_causal:
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=q_d.device).tril(lk - lq)
+        s_HQK = s_HQK.masked_fill(~keep, float("-inf"))
+    lse_HQ = torch.logsumexp(s_HQK, dim=-1)
+    p_HQK = torch.exp(s_HQK - lse_HQ.masked_fill(lse_HQ == float("-inf"), 0.0).unsqueeze(-1))
+    return p_HQK, lse_HQ
+
+
+def _math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
+    t_q, h, _ = q.shape
+    acc = _lse_dtype(q.dtype)
+    out = q.new_zeros(t_q, h, v.shape[-1])
+    lse = torch.full((h, t_q), float("-inf"), dtype=acc, device=q.device)
+    g = k.shape[1]
+    for sq, eq, sk, ek in _doc_bounds(cu_q, cu_k, t_q, k.shape[0], max_q, max_k):
+        lq, lk = eq - sq, ek - sk
+        if lq == 0 or lk == 0:
+            continue
+        p_HQK, lse_HQ = _math_doc_probs(q[sq:eq], k[sk:ek], lq, lk, is_causal, scale, acc)
+        v_rep = v[sk:ek].to(acc).repeat_interleave(h // g, dim=1)
+        out[sq:eq] = torch.einsum("hqk,khd->qhd", p_HQK, v_rep).to(q.dtype)
+        lse[:, sq:eq] = lse_HQ
+    return out, lse
+
+
+def _math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale):
+    t_q, h, _ = q.shape
+    g = k.shape[1]
+    acc = _lse_dtype(q.dtype)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for sq, eq, sk, ek in _doc_bounds(cu_q, cu_k, t_q, k.shape[0], max_q, max_k):
+        lq, lk = eq - sq, ek - sk
+        if lq == 0 or lk == 0:
+            continue
+        p_HQK, _ = _math_doc_probs(q[sq:eq], k[sk:ek], lq, lk, is_causal, scale, acc)
+        do_ = dout[sq:eq].to(acc)
+        v_rep = v[sk:ek].to(acc).repeat_interleave(h // g, dim=1)
+        k_rep = k[sk:ek].to(acc).repeat_interleave(h // g, dim=1)
+        dv_rep = torch.einsum("hqk,qhd->khd", p_HQK, do_)
+        dp_HQK = torch.einsum("qhd,khd->hqk", do_, v_rep)
+        d_HQ = (do_ * out[sq:eq].to(acc)).sum(-1).transpose(0, 1)
+        ds_HQK = p_HQK * (dp_HQK - d_HQ.unsqueeze(-1)) * scale
+        dq[sq:eq] = torch.einsum("hqk,khd->qhd", ds_HQK, k_rep).to(q.dtype)
+        dk_rep = torch.einsum("hqk,qhd->khd", ds_HQK, q[sq:eq].to(acc))
+        dk[sk:ek] = dk_rep.unflatten(1, (g, h // g)).sum(2).to(k.dtype)
+        dv[sk:ek] = dv_rep.unflatten(1, (g, h // g)).sum(2).to(v.dtype)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA kernel: torch's flash varlen.
+
+
+def _flash_ok(q: Tensor, v: Tensor) -> bool:
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] == v.shape[-1]
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+    )
+
+
+def _cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
+    if not _flash_ok(q, v):
+        return _math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale)
+    out, lse, *_ = _aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False, scale=scale
+    )
+    # flash marks rows that see no key with lse = +inf; the contract says -inf (log of an empty sum).
+    return out, lse.masked_fill(lse == float("inf"), float("-inf"))
+
+
+def _cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale):
+    if not _flash_ok(q, v):
+        return _math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale)
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout is always 0
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv = _aten._flash_attention_backward(
+        dout.contiguous(),
+        q,
+        k,
+        v,
+        out,
+        lse.masked_fill(lse == float("-inf"), float("inf")),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        0.0,
+        is_causal,
+        rng_state,
+        unused,
+        scale=scale,
+    )
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------------
+# The ops.
+
+
+@torch.library.custom_op("usp::varlen_fwd", mutates_args=())
+def varlen_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    is_causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Packed-document attention forward: `(out_THKv, lse_HT)`. See the module docstring."""
+    if q.device.type == "cpu":
+        return _cpu_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
+    if q.device.type == "cuda":
+        return _cuda_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
+    return _math_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
+
+
+@varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale):
+    t_q, h, _ = q.shape
+    return q.new_empty(t_q, h, v.shape[-1]), q.new_empty(h, t_q, dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("usp::varlen_bwd", mutates_args=())
+def varlen_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    is_causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Packed-document attention backward: `(dq, dk, dv)` given the forward's `out` and `lse`."""
+    args = (
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        is_causal,
+        scale,
+    )
+    if q.device.type == "cpu":
+        return _cpu_bwd(*args)
+    if q.device.type == "cuda":
+        return _cuda_bwd(*args)
+    return _math_bwd(*args)
+
+
+@varlen_bwd.register_fake
+def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward rule.
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.max_q, ctx.max_k, ctx.is_causal, ctx.scale = max_q, max_k, is_causal, scale
+    # An unused lse (the common case) then arrives as None and costs nothing in backward.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    meta = (cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.is_causal, ctx.scale)
+    if grad_out is None:
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    else:
+        dq, dk, dv = torch.ops.usp.varlen_bwd(grad_out, q, k, v, out, lse, *meta)
+    if grad_lse is not None:
+        # d lse_i / d s_ij = p_ij, so the lse term adds scale * dlse_i * sum_j p_ij k_j to dq_i (an
+        # attention output with values k) and scale * sum_i p_ij dlse_i q_i to dk_j (the dv of a
+        # backward whose output gradient is dlse * q). Both reuse the same kernels.
+        w_TH1 = grad_lse.transpose(0, 1).unsqueeze(-1)
+        pk, lse_k = torch.ops.usp.varlen_fwd(q, k, k, *meta)
+        dq = dq + (ctx.scale * w_TH1 * pk).to(dq.dtype)
+        _, _, pt_wq = torch.ops.usp.varlen_bwd((w_TH1 * q).to(q.dtype), q, k, k, pk, lse_k, *meta)
+        dk = dk + (ctx.scale * pt_wq).to(dk.dtype)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+registry.register_rule(
+    varlen_fwd,
+    kind="attention",
+    setup_context=_setup_context,
+    backward=_backward,
+    backward_ops=(varlen_bwd,),
+    doc="varlen_bwd on the saved out/lse; an lse gradient adds terms computed by varlen_fwd/varlen_bwd",
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public wrapper.
+
+
+def _check_max(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def varlen_attn(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention within documents of packed `(T, H, K)` tensors.
+
+    q_THK, k_TGK, v_TGKv; `cu_seqlens_q/k` int32 `(N + 1,)` document boundaries (unused tail slots
+    repeat the total); `max_seqlen_q/k` upper bounds on document lengths. Causal is bottom-right
+    aligned within each document. With `enable_gqa`, G may divide H. Returns `out_THKv`, and
+    `lse_HT` when `return_lse` (differentiable too).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be packed (T, H, K), got shape {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(
+                f"q, k, v must share dtype and device; {name} is {t.dtype} on {t.device}, q is {q.dtype} on {q.device}"
+            )
+    if not q.is_floating_point():
+        raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            f"k and v must have the same tokens and heads, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    h, g = q.shape[1], k.shape[1]
+    if h != g:
+        if not enable_gqa:
+            raise ValueError(
+                f"q has {h} heads but k/v have {g}; pass enable_gqa=True for grouped-query attention"
+            )
+        if g == 0 or h % g:
+            raise ValueError(f"enable_gqa needs q heads ({h}) divisible by k/v heads ({g})")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+            desc = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, Tensor) else type(cu).__name__
+            raise ValueError(f"{name} must be a 1-D int32 tensor with >= 2 entries, got {desc}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}; move it with .to(q.device)")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} must have the same length"
+        )
+    _check_max("max_seqlen_q", max_seqlen_q)
+    _check_max("max_seqlen_k", max_seqlen_k)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    out, lse = torch.ops.usp.varlen_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(is_causal), float(scale)
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,192 @@
+"""`sdpa_to_usp`: the one function that decides the op sequence of an SDPA call under usp_graph.
+
+# B batch, H query heads, G key/value heads, L sequence, K head dim, T packed tokens (B * L)
+
+Eager (`attention_mode`), traced and compiled execution all call this function, so all of them
+run the same ops in the same order: that is what makes eager-vs-replay equality bitwise by
+construction rather than by luck.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .metadata import AttentionMetadata
+from .ops import varlen
+
+__all__ = ["sdpa_to_usp", "pack", "unpack"]
+
+
+def pack(x_BHLK: Tensor) -> Tensor:
+    """(B, H, L, K) -> (B*L, H, K): tokens of all rows back to back, row-major."""
+    b, h, seq, k = x_BHLK.shape
+    return x_BHLK.transpose(1, 2).reshape(b * seq, h, k)
+
+
+def unpack(x_THK: Tensor, batch: int) -> Tensor:
+    """(B*L, H, K) -> (B, H, L, K), the inverse of `pack`."""
+    t, h, k = x_THK.shape
+    return x_THK.reshape(batch, t // batch, h, k).transpose(1, 2)
+
+
+def _as_bhlk(name: str, x: Tensor) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
+    if x.dim() == 4:
+        return x
+    if x.dim() == 3:  # (B, L, K): SDPA without a head dim
+        return x.unsqueeze(1)
+    raise ValueError(f"{name} must be (B, H, L, K) or (B, L, K) for usp_graph, got shape {tuple(x.shape)}")
+
+
+def _is_tracing(*tensors: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(is_fake(t) or t.is_meta or type(t) is not Tensor for t in tensors)
+
+
+def _document_ids(metadata: AttentionMetadata | None, batch: int, seq: int, device: torch.device) -> Tensor:
+    """Document id of every token, (B, L)."""
+    if metadata is None:
+        return torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq)
+    cu = metadata.cu_seqlens.to(device=device, dtype=torch.int64)
+    tokens = torch.arange(batch * seq, device=device)
+    return (torch.searchsorted(cu, tokens, right=True) - 1).reshape(batch, seq)
+
+
+def _mask_is_causal(
+    attn_mask: Tensor, metadata: AttentionMetadata | None, batch: int, seq_q: int, seq_k: int
+) -> bool:
+    """Whether `attn_mask` is exactly the document-diagonal mask (True -> also causal, False -> not).
+
+    Raises ValueError when the mask is anything else: a varlen kernel cannot express it, and
+    dropping it silently would change the result.
+    """
+    if _is_tracing(attn_mask):
+        raise ValueError(
+            "attn_mask cannot be proven document-diagonal while tracing; drop the mask and pass the "
+            "document boundaries as usp_graph.AttentionMetadata instead"
+        )
+    if attn_mask.dtype == torch.bool:
+        keep = attn_mask
+    elif attn_mask.is_floating_point():
+        finite = attn_mask == 0
+        if not bool((finite | (attn_mask == float("-inf"))).all()):
+            raise ValueError(
+                "attn_mask: a float mask is only rewritten when every entry is 0 or -inf (a document mask); "
+                "pass document boundaries as AttentionMetadata instead of an additive bias"
+            )
+        keep = finite
+    else:
+        raise ValueError(f"attn_mask must be bool or float, got {attn_mask.dtype}")
+    if seq_q != seq_k:
+        raise ValueError(
+            f"attn_mask with query length {seq_q} != key length {seq_k} cannot be rewritten to varlen attention"
+        )
+    doc_BL = _document_ids(metadata, batch, seq_q, attn_mask.device)
+    same_B1LL = (doc_BL.unsqueeze(-1) == doc_BL.unsqueeze(-2)).unsqueeze(1)
+    causal_LL = torch.ones(seq_q, seq_k, dtype=torch.bool, device=attn_mask.device).tril()
+    try:
+        keep_B_LL = torch.broadcast_to(keep, (batch, keep.shape[-3] if keep.dim() >= 3 else 1, seq_q, seq_k))
+    except RuntimeError:
+        raise ValueError(
+            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, L, L) = "
+            f"({batch}, ..., {seq_q}, {seq_k})"
+        ) from None
+    if torch.equal(keep_B_LL, (same_B1LL & causal_LL).expand_as(keep_B_LL)):
+        return True
+    if torch.equal(keep_B_LL, same_B1LL.expand_as(keep_B_LL)):
+        return False
+    what = "the documents of the metadata" if metadata is not None else "one document per batch row"
+    raise ValueError(
+        f"attn_mask of shape {tuple(attn_mask.shape)} is not the block-diagonal mask of {what} (with or "
+        "without causality); usp_graph rewrites only document masks. Pass the document boundaries as "
+        "usp_graph.AttentionMetadata and no mask"
+    )
+
+
+def sdpa_to_usp(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    metadata: AttentionMetadata | None = None,
+) -> Tensor:
+    """One SDPA call as pack -> ``usp::varlen_fwd`` -> unpack, with `metadata`'s document boundaries.
+
+    Arguments are SDPA's. `metadata=None` means one document per batch row (exactly SDPA's
+    semantics); otherwise the `B * L` tokens of the call, read row-major, are the packed stream the
+    metadata describes, and no attention crosses a document boundary. `attn_mask` is accepted only
+    when it is provably that block-diagonal mask (checked in eager; refused while tracing);
+    `dropout_p > 0` is refused.
+    """
+    q_BHLK, k_BGLK, v_BGLK = _as_bhlk("query", query), _as_bhlk("key", key), _as_bhlk("value", value)
+    if dropout_p:
+        raise ValueError(
+            f"dropout_p={dropout_p}: usp_graph does not support dropout inside attention; pass 0.0"
+        )
+    b, h, seq_q, dim = q_BHLK.shape
+    bk, g, seq_k, _ = k_BGLK.shape
+    if bk != b or v_BGLK.shape[0] != b:
+        raise ValueError(
+            f"query, key, value must share the batch size, got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if g != h and not enable_gqa and g != 1:
+        raise ValueError(
+            f"query has {h} heads but key/value have {g}; pass enable_gqa=True for grouped-query attention"
+        )
+    if attn_mask is not None:
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True were both given; SDPA accepts only one of them")
+        is_causal = _mask_is_causal(attn_mask, metadata, b, seq_q, seq_k)
+
+    device = q_BHLK.device
+    if metadata is None:
+        if is_causal and seq_q != seq_k:
+            raise ValueError(
+                f"is_causal with query length {seq_q} != key length {seq_k}: SDPA aligns such a mask top-left, "
+                "varlen attention bottom-right; pass AttentionMetadata with explicit boundaries"
+            )
+        cu_q = torch.arange(0, b * seq_q + 1, seq_q, dtype=torch.int32, device=device)
+        cu_k = torch.arange(0, b * seq_k + 1, seq_k, dtype=torch.int32, device=device)
+        max_q, max_k = seq_q, seq_k
+    else:
+        if not isinstance(metadata, AttentionMetadata):
+            raise TypeError(f"metadata must be a usp_graph.AttentionMetadata, got {type(metadata).__name__}")
+        for name, x, n in (("query", query, b * seq_q), ("key", key, b * seq_k)):
+            if not (isinstance(n, int) and isinstance(metadata.total_tokens, int)):
+                continue  # symbolic sizes: the graph's input checks own this
+            if n != metadata.total_tokens:
+                raise ValueError(
+                    f"SDPA call with {name} of shape {tuple(x.shape)} has {n} tokens (batch * length) but the "
+                    f"metadata describes {metadata.total_tokens}; give metadata for this call's packed tokens"
+                )
+        cu_q = cu_k = metadata.cu_seqlens
+        if cu_q.device != device:
+            cu_q = cu_k = cu_q.to(device, non_blocking=True)
+        max_q = max_k = metadata.max_seqlen
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(dim)
+    out_THK = varlen.varlen_attn(
+        pack(q_BHLK),
+        pack(k_BGLK),
+        pack(v_BGLK),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=g != h,
+    )
+    out_BHLK = unpack(out_THK, b)
+    return out_BHLK.squeeze(1) if query.dim() == 3 else out_BHLK
