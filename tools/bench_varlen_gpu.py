@@ -27,9 +27,6 @@ Examples:
 
 from __future__ import annotations
 
-# Legend of shape suffixes: T packed tokens, H heads, K head dim, N documents, L padded
-# document length (the longest document), N1 = N + 1 boundaries, 1 = a batch of one.
-
 import argparse
 import datetime
 import gc
@@ -55,6 +52,9 @@ sys.path.insert(0, str(REPO_ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+# Legend of shape suffixes: T packed tokens, H heads, K head dim, N documents, L padded
+# document length (the longest document), N1 = N + 1 boundaries, 1 = a batch of one.
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -243,7 +243,7 @@ def build_flex(docs: Docs, causal: bool, device: torch.device) -> tuple[AttnFn, 
         return out_1HTK[0].transpose(0, 1)
 
     mode = "compiled" if compiled else "eager"
-    return run, f"{mode}; BlockMask built once, untimed ({mask_ms:.0f} ms incl. compile)"
+    return run, f"{mode}; BlockMask built once, untimed ({mask_ms:.0f} ms)"
 
 
 def build_padded_sdpa(docs: Docs, causal: bool, device: torch.device) -> tuple[AttnFn, str]:
@@ -319,7 +319,7 @@ def check_impl(
     if out_THK.shape != q_THK.shape:
         raise RuntimeError(f"output shape {tuple(out_THK.shape)} != query shape {tuple(q_THK.shape)}")
     dq, dk, dv = torch.autograd.grad(out_THK, (q_THK, k_THK, v_THK), dout_THK)
-    errs = {name: rel_err(x, ref[name]) for name, x in zip(("out", "dq", "dk", "dv"), (out_THK, dq, dk, dv))}
+    errs = {name: rel_err(x, ref[name]) for name, x in zip(("out", "dq", "dk", "dv"), (out_THK, dq, dk, dv), strict=True)}
     ok = all(math.isfinite(e) and e < TOLERANCE for e in errs.values())
     return ok, errs
 
@@ -361,13 +361,21 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+_START = time.perf_counter()
+
+
+def log(message: str) -> None:
+    """Progress line with seconds since start (compiles make some steps slow)."""
+    print(f"[{time.perf_counter() - _START:6.1f}s] {message}", flush=True)
+
+
 def short_error(exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first}"[:240]
+    return f"{type(exc).__name__}: {first}"[:200]
 
 
 def report_exception(what: str, exc: BaseException) -> None:
-    print(f"  {what}: FAIL {short_error(exc)}", flush=True)
+    log(f"  {what}: FAIL {short_error(exc)}")
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-4))
     print("    " + tb.strip().replace("\n", "\n    "), file=sys.stderr, flush=True)
 
@@ -431,7 +439,7 @@ def run_checks(
     lengths = sample_doc_lengths(args.check_tokens, mean=args.doc_mean, sigma=args.doc_sigma, seed=args.seed)
     docs = make_docs(lengths, device)
     mode = "causal" if causal else "bi"
-    print(f"check {args.check_tokens} tokens {mode}: {docs.num_docs} documents, lengths {lengths}", flush=True)
+    log(f"check {args.check_tokens} tokens {mode}: {docs.num_docs} documents, lengths {lengths}")
     inputs = make_inputs(args.check_tokens, args.heads, args.head_dim, dtype=dtype, device=device, seed=args.seed + 1)
     ref = reference_attention(*inputs, lengths, causal)
     results: dict[str, tuple[str, dict[str, float], str]] = {}
@@ -441,12 +449,12 @@ def run_checks(
             ok, errs = check_impl(fn, inputs, ref)
             status = "PASS" if ok else "FAIL"
             shown = " ".join(f"{k}={v:.2e}" for k, v in errs.items())
-            print(f"  {impl}: {status} rel err {shown} (< {TOLERANCE:g})", flush=True)
+            log(f"  {impl}: {status} rel err {shown} (< {TOLERANCE:g})")
             results[impl] = (status, errs, "" if ok else f"rel err >= {TOLERANCE:g}")
         except Exception as exc:
             skip = device.type == "cpu" and impl in ("torch_varlen", "flex")
             if skip:
-                print(f"  {impl}: SKIP on CPU ({short_error(exc)})", flush=True)
+                log(f"  {impl}: SKIP on CPU ({short_error(exc)})")
             else:
                 report_exception(impl, exc)
             results[impl] = ("SKIP" if skip else "FAIL", {}, short_error(exc))
@@ -463,10 +471,9 @@ def bench_shape(
     docs = make_docs(lengths, device)
     stats = doc_stats(lengths)
     fwd_flops, fwd_bwd_flops = attention_flops(lengths, args.heads, args.head_dim, shape.causal)
-    print(
-        f"\n{shape.label}: {docs.num_docs} documents (min {stats['min']}, median {stats['median']:g}, "
-        f"max {stats['max']}), useful TFLOP fwd {fwd_flops / 1e12:.3f} fwd+bwd {fwd_bwd_flops / 1e12:.3f}",
-        flush=True,
+    log(
+        f"{shape.label}: {docs.num_docs} documents (min {stats['min']}, median {stats['median']:g}, "
+        f"max {stats['max']}), useful TFLOP fwd {fwd_flops / 1e12:.4g} fwd+bwd {fwd_bwd_flops / 1e12:.4g}"
     )
     shape_info = {
         "label": shape.label, "tokens": shape.tokens, "causal": shape.causal,
@@ -492,8 +499,9 @@ def bench_shape(
                 torch.autograd.grad(out_THK, (q_THK, k_THK, v_THK), dout_THK)
 
             def fwd(fn: AttnFn = fn) -> None:
-                with torch.no_grad():
-                    fn(q_THK, k_THK, v_THK)
+                # the forward of the training step: grad enabled, graph dropped (no_grad would be
+                # another compiled graph for flex, and inference kernels elsewhere)
+                fn(q_THK, k_THK, v_THK)
 
             sync(device)
             if device.type == "cuda":
@@ -510,11 +518,10 @@ def bench_shape(
             res.tflops_fwd_bwd = fwd_bwd_flops / (res.ms_fwd_bwd * 1e-3) / 1e12
             res.tflops_fwd = fwd_flops / (res.ms_fwd * 1e-3) / 1e12
             res.status = status  # PASS, or FAIL of the numerical check (timed anyway, flagged)
-            print(
-                f"  {impl}: fwd+bwd {res.ms_fwd_bwd:.3f} ms {res.tflops_fwd_bwd:.1f} TFLOP/s, "
-                f"fwd {res.ms_fwd:.3f} ms {res.tflops_fwd:.1f} TFLOP/s"
-                + (f", peak {res.peak_mem_gib:.2f} GiB" if res.peak_mem_gib is not None else ""),
-                flush=True,
+            log(
+                f"  {impl}: fwd+bwd {res.ms_fwd_bwd:.3f} ms {fmt_tflops(res.tflops_fwd_bwd)} TFLOP/s, "
+                f"fwd {res.ms_fwd:.3f} ms {fmt_tflops(res.tflops_fwd)} TFLOP/s"
+                + (f", peak {res.peak_mem_gib:.2f} GiB" if res.peak_mem_gib is not None else "")
             )
         except Exception as exc:
             report_exception(impl, exc)
@@ -536,6 +543,10 @@ def fmt(x: float | None, spec: str, suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
+def fmt_tflops(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}" if x >= 10 else f"{x:.3g}"
+
+
 def markdown_table(results: list[Result]) -> str:
     header = (
         "| shape | impl | check | ms fwd+bwd | TFLOP/s fwd+bwd | ms fwd | TFLOP/s fwd "
@@ -545,8 +556,8 @@ def markdown_table(results: list[Result]) -> str:
     for r in results:
         note = r.error if r.error else r.note
         lines.append(
-            f"| {r.shape} | {r.impl} | {r.status} | {fmt(r.ms_fwd_bwd, '.3f')} | {fmt(r.tflops_fwd_bwd, '.1f')} "
-            f"| {fmt(r.ms_fwd, '.3f')} | {fmt(r.tflops_fwd, '.1f')} | {fmt(r.vs_torch_fwd_bwd, '.2f', 'x')} "
+            f"| {r.shape} | {r.impl} | {r.status} | {fmt(r.ms_fwd_bwd, '.3f')} | {fmt_tflops(r.tflops_fwd_bwd)} "
+            f"| {fmt(r.ms_fwd, '.3f')} | {fmt_tflops(r.tflops_fwd)} | {fmt(r.vs_torch_fwd_bwd, '.2f', 'x')} "
             f"| {fmt(r.vs_torch_fwd, '.2f', 'x')} | {fmt(r.peak_mem_gib, '.2f')} | {note.replace('|', '/')} |"
         )
     return "\n".join(lines)
@@ -590,7 +601,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.shape_list = parse_shapes(args.shapes)
+    try:
+        args.shape_list = parse_shapes(args.shapes)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     args.impl_list = [s.strip() for s in args.impls.split(",") if s.strip()]
     unknown = sorted(set(args.impl_list) - set(IMPLS))
     if unknown:
@@ -608,10 +622,13 @@ def main(argv: list[str] | None = None) -> int:
         print("CUDA is not available; use --device cpu --quick for a smoke test", file=sys.stderr)
         return 2
     if device.type == "cuda":
+        if device.index is None:  # set_device and friends want an index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     dtype = getattr(torch, args.dtype)
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be true fp32
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+    warnings.filterwarnings("ignore", message=".*_compile flag on create_block_mask.*")  # deprecated, still works
 
     env = environment(device)
     print("# Packed-document attention benchmark")
@@ -644,8 +661,9 @@ def main(argv: list[str] | None = None) -> int:
     print(check_table(checks))
     print(f"\n## Throughput ({env['device_name']}, torch {env['torch']}, {env['date_utc']})\n")
     print(f"{args.dtype}, H={args.heads}, K={args.head_dim}. {FLOP_CONVENTION} (backward = 2.5x forward). "
-          "Times are medians over CUDA events; 'vs torch varlen' = torch varlen time / this time. "
-          "Peak memory includes inputs and grads.\n")
+          f"fwd = the forward of the training step (grad enabled). Times are medians of {args.reps} reps ({'CUDA events' if device.type == 'cuda' else 'wall clock'}); "
+          "'vs torch varlen' = torch varlen time / this time (>1 = faster). "
+          "Peak memory (max_memory_allocated, reset per implementation) includes inputs and grads.\n")
     for info in shapes_info:
         d = info["docs"]
         print(f"- {info['label']}: {d['num_docs']} documents, lengths min {d['min']} median {d['median']:g} "

@@ -1,0 +1,227 @@
+"""usp::varlen_fwd/bwd against a per-document reference in float64.
+
+# T packed tokens, H query heads, G key/value heads, K head dim
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from usp_graph import AttentionMetadata, registry, varlen_attn
+
+# Lengths with empty and length-1 documents in every position that matters.
+LENGTH_SETS = [[5, 0, 1, 7, 3], [1], [0, 4, 0], [9, 1, 1, 0, 6, 2]]
+
+
+def _random_lengths(gen: torch.Generator, n_docs: int, max_len: int) -> list[int]:
+    lens = torch.randint(0, max_len + 1, (n_docs,), generator=gen).tolist()
+    lens[int(torch.randint(0, n_docs, (1,), generator=gen))] = 1
+    lens[int(torch.randint(0, n_docs, (1,), generator=gen))] = 0
+    if sum(lens) == 0:
+        lens[0] = 3
+    return lens
+
+
+def _qkv(gen, t_q, t_k, h, g, k, dtype):
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+
+    return r(t_q, h, k), r(t_k, g, k), r(t_k, g, k)
+
+
+def _reference(q, k, v, cu_q, cu_k, is_causal, scale):
+    """Per-document math SDPA in float64 with an explicit bottom-right causal mask."""
+    q, k, v = (x.double() for x in (q, k, v))
+    h, g = q.shape[1], k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    outs = []
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(bq) - 1):
+        lq, lk = bq[i + 1] - bq[i], bk[i + 1] - bk[i]
+        if lq == 0:
+            continue
+        qd = q[bq[i] : bq[i + 1]].transpose(0, 1)
+        kd = k[bk[i] : bk[i + 1]].transpose(0, 1).repeat_interleave(h // g, 0)
+        vd = v[bk[i] : bk[i + 1]].transpose(0, 1).repeat_interleave(h // g, 0)
+        s = qd @ kd.transpose(-1, -2) * scale
+        if is_causal:
+            keep = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+            s = s.masked_fill(~keep, float("-inf"))
+        p = torch.softmax(s, -1).nan_to_num(0.0)  # rows that see no key: 0
+        outs.append((p @ vd).transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_zeros(0, h, v.shape[-1])
+
+
+def _rel(x, ref):
+    """||x - ref|| / ||ref||; absolute when ref is exactly zero (e.g. dq of a length-1 document)."""
+    x, ref = x.double(), ref.double()
+    denom = ref.norm().item()
+    return (x - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def _check_against_reference(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, tol):
+    gen = torch.Generator().manual_seed(1234)
+    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=is_causal, scale=scale, enable_gqa=True)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = _reference(q64, k64, v64, cu_q, cu_k, is_causal, scale)
+    assert _rel(out, ref) <= tol
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), g.to(out.dtype))
+    rq, rk, rv = torch.autograd.grad(ref, (q64, k64, v64), g)
+    for got, want in ((dq, rq), (dk, rk), (dv, rv)):
+        assert _rel(got, want) <= tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
+def test_varlen_matches_per_document_reference(dtype, tol, is_causal, heads):
+    gen = torch.Generator().manual_seed(hash((str(dtype), is_causal, heads)) % 2**31)
+    h, g = heads
+    for lens in [*LENGTH_SETS, _random_lengths(gen, 8, 24)]:
+        meta = AttentionMetadata.from_lengths(lens, max_docs=len(lens) + 2)
+        q, k, v = _qkv(gen, meta.total_tokens, meta.total_tokens, h, g, 16, dtype)
+        cu = meta.cu_seqlens
+        _check_against_reference(q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, is_causal, 0.37, tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_causal_is_bottom_right_when_query_and_key_lengths_differ(dtype, tol):
+    gen = torch.Generator().manual_seed(7)
+    lq, lk = [3, 6, 0, 1, 4], [5, 2, 3, 0, 4]  # shorter, longer, no queries, no keys, equal
+    mq, mk = AttentionMetadata.from_lengths(lq), AttentionMetadata.from_lengths(lk)
+    q, k, v = _qkv(gen, mq.total_tokens, mk.total_tokens, 4, 2, 8, dtype)
+    _check_against_reference(
+        q, k, v, mq.cu_seqlens, mk.cu_seqlens, mq.max_seqlen, mk.max_seqlen, True, 8**-0.5, tol
+    )
+
+
+def test_rows_that_see_no_key_give_zero_output_and_minus_inf_lse():
+    gen = torch.Generator().manual_seed(3)
+    cu_q = torch.tensor([0, 4, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 2, 2], dtype=torch.int32)  # doc 0: 4 queries over 2 keys; doc 1: no keys
+    q, k, v = _qkv(gen, 6, 2, 2, 2, 8, torch.float64)
+    out, lse = varlen_attn(q, k, v, cu_q, cu_k, 4, 2, is_causal=True, return_lse=True)
+    assert torch.equal(out[:2], torch.zeros_like(out[:2])) and torch.equal(out[4:], torch.zeros_like(out[4:]))
+    assert bool((lse[:, [0, 1, 4, 5]] == float("-inf")).all())
+    assert bool(lse[:, 2:4].isfinite().all())
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert bool(dq.isfinite().all() and dk.isfinite().all() and dv.isfinite().all())
+    assert torch.equal(dq[:2], torch.zeros_like(dq[:2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_half_precision_close_to_float64_reference(dtype, is_causal):
+    gen = torch.Generator().manual_seed(11)
+    meta = AttentionMetadata.from_lengths([17, 0, 1, 30, 12])
+    q, k, v = _qkv(gen, meta.total_tokens, meta.total_tokens, 4, 2, 32, dtype)
+    cu = meta.cu_seqlens
+    _check_against_reference(q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, is_causal, None, 2e-2)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gradcheck_float64(is_causal):
+    gen = torch.Generator().manual_seed(5)
+    meta = AttentionMetadata.from_lengths([3, 0, 1, 4], max_docs=6)
+    q, k, v = _qkv(gen, 8, 8, 4, 2, 4, torch.float64)
+    cu, m = meta.cu_seqlens, meta.max_seqlen
+
+    def f(q, k, v):
+        return varlen_attn(q, k, v, cu, cu, m, m, is_causal=is_causal, scale=0.6, enable_gqa=True, return_lse=True)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_gradcheck_lse_with_unequal_lengths():
+    gen = torch.Generator().manual_seed(6)
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 7], dtype=torch.int32)
+    q, k, v = _qkv(gen, 5, 7, 2, 1, 4, torch.float64)
+
+    def f(q, k, v):
+        return varlen_attn(q, k, v, cu_q, cu_k, 3, 4, is_causal=True, enable_gqa=True, return_lse=True)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_opcheck_passes_for_both_ops():
+    gen = torch.Generator().manual_seed(8)
+    meta = AttentionMetadata.from_lengths([3, 0, 1, 4], max_docs=6)
+    q, k, v = _qkv(gen, 8, 8, 4, 2, 8, torch.float64)
+    cu = meta.cu_seqlens
+    fwd_args = (q, k, v, cu, cu, 4, 4, True, 0.3)
+    for result in torch.library.opcheck(torch.ops.usp.varlen_fwd.default, fwd_args).values():
+        assert result == "SUCCESS"
+    out, lse = torch.ops.usp.varlen_fwd(*(x.detach() if isinstance(x, torch.Tensor) else x for x in fwd_args))
+    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, cu, cu, 4, 4, True, 0.3)
+    for result in torch.library.opcheck(torch.ops.usp.varlen_bwd.default, bwd_args).values():
+        assert result == "SUCCESS"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_runs_are_bitwise_equal(dtype):
+    gen = torch.Generator().manual_seed(9)
+    meta = AttentionMetadata.from_lengths([40, 0, 1, 23, 64])
+    cu, m = meta.cu_seqlens, meta.max_seqlen
+    q, k, v = _qkv(gen, meta.total_tokens, meta.total_tokens, 4, 2, 16, dtype)
+    g = torch.randn(meta.total_tokens, 4, 16, generator=gen).to(dtype)
+    runs = []
+    for _ in range(2):
+        out = varlen_attn(q, k, v, cu, cu, m, m, is_causal=True, enable_gqa=True)
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_unused_lse_adds_no_backward_work():
+    # With lse unused, backward is exactly one varlen_bwd: the lse terms must not run.
+    gen = torch.Generator().manual_seed(10)
+    meta = AttentionMetadata.from_lengths([4, 3])
+    q, k, v = _qkv(gen, 7, 7, 2, 2, 8, torch.float64)
+    cu = meta.cu_seqlens
+    seen = []
+
+    class Count(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    out = varlen_attn(q, k, v, cu, cu, 4, 4)
+    with Count():
+        out.sum().backward()
+    usp_ops = [f for f in seen if f.namespace == "usp"]
+    assert usp_ops == [torch.ops.usp.varlen_bwd.default]
+
+
+def test_registry_has_varlen_rule_and_refuses_unknown_ops():
+    rule = registry.rule_for(torch.ops.usp.varlen_fwd.default)
+    assert rule.kind == "attention"
+    assert rule.backward_ops == (torch.ops.usp.varlen_bwd.default,)
+    assert registry.is_backward_op(torch.ops.usp.varlen_bwd.default)
+    with pytest.raises(NotImplementedError, match="aten.mm.default"):
+        registry.rule_for(torch.ops.aten.mm.default)
+
+
+def test_registry_check_complete_names_an_op_without_a_rule():
+    lib = torch.library.Library("usp_test_orphan", "DEF")
+    lib.define("orphan(Tensor x) -> Tensor")
+    with pytest.raises(NotImplementedError, match="usp_test_orphan::orphan"):
+        registry.check_complete("usp_test_orphan")
+    registry.check_complete()  # the package's own namespace is complete
+
+
+def test_matches_sdpa_per_sample_in_float32():
+    # One document per row is exactly SDPA's semantics.
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(3, 4, 10, 16, generator=gen)
+    k = torch.randn(3, 2, 10, 16, generator=gen)
+    v = torch.randn(3, 2, 10, 16, generator=gen)
+    meta = AttentionMetadata.per_sample(3, 10)
+    pack = lambda x: x.transpose(1, 2).reshape(30, x.shape[1], 16)
+    cu = meta.cu_seqlens
+    out = varlen_attn(pack(q), pack(k), pack(v), cu, cu, 10, 10, is_causal=True, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert _rel(out, pack(ref)) <= 1e-6
