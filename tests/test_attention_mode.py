@@ -137,4 +137,3 @@ def test_three_dim_inputs_and_mqa_broadcast_follow_sdpa():
     with attention_mode():
         out = F.scaled_dot_product_attention(q, kv, kv)
     assert _rel(out, F.scaled_dot_product_attention(q, kv, kv)) <= 1e-12
-

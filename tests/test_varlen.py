@@ -130,7 +130,9 @@ def test_gradcheck_float64(is_causal):
     cu, m = meta.cu_seqlens, meta.max_seqlen
 
     def f(q, k, v):
-        return varlen_attn(q, k, v, cu, cu, m, m, is_causal=is_causal, scale=0.6, enable_gqa=True, return_lse=True)
+        return varlen_attn(
+            q, k, v, cu, cu, m, m, is_causal=is_causal, scale=0.6, enable_gqa=True, return_lse=True
+        )
 
     assert torch.autograd.gradcheck(f, (q, k, v))
 

@@ -13,6 +13,13 @@ EXAMPLES = """examples:
 """
 
 
+def _loss_and_grads(model, loss_fn, batch):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
@@ -26,33 +33,35 @@ def _demo(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     config = LlamaConfig(vocab_size=256, dim=64, n_layers=args.layers, n_heads=4, n_kv_heads=2, ffn_dim=128)
     # Log-normal document lengths with empty and length-1 documents mixed in, as real packs have.
-    lengths = (torch.randn(args.docs, generator=gen, dtype=torch.float64) * 0.8 + 3.0).exp().round().long().clamp(1, 200)
+    lengths = (
+        (torch.randn(args.docs, generator=gen, dtype=torch.float64) * 0.8 + 3.0)
+        .exp()
+        .round()
+        .long()
+        .clamp(1, 200)
+    )
     lengths[1 % args.docs] = 0
     lengths[2 % args.docs] = 1
     lengths = lengths.tolist()
-    say(f"[1/3] Llama-style model ({config.n_layers} layers, {config.n_heads} heads, {config.n_kv_heads} kv heads)")
+    say(
+        f"[1/3] Llama-style model ({config.n_layers} layers, {config.n_heads} heads, {config.n_kv_heads} kv heads)"
+    )
     say(f"      packed row of {sum(lengths)} tokens in {len(lengths)} documents: {lengths}")
 
     status = 0
     for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
         torch.manual_seed(args.seed)
         model = Llama(config).to(dtype)
-        batch = make_llama_batch(config, lengths, generator=torch.Generator().manual_seed(args.seed), with_attn_mask=True)
+        batch = make_llama_batch(
+            config, lengths, generator=torch.Generator().manual_seed(args.seed), with_attn_mask=True
+        )
         meta = AttentionMetadata.from_position_ids(batch["position_ids"], max_docs=len(lengths) + 4)
 
-        def run(b):
-            model.zero_grad(set_to_none=True)
-            loss = llama_loss(model, b)
-            loss.backward()
-            return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-        ref_loss, ref_grads = run(batch)
+        ref_loss, ref_grads = _loss_and_grads(model, llama_loss, batch)
         plain = {k: v for k, v in batch.items() if k != "attn_mask"}
         with attention_mode(meta) as mode:
-            loss, grads = run(plain)
-        worst = max(
-            ((g - ref_grads[n]).norm() / ref_grads[n].norm()).item() for n, g in grads.items()
-        )
+            loss, grads = _loss_and_grads(model, llama_loss, plain)
+        worst = max(((g - ref_grads[n]).norm() / ref_grads[n].norm()).item() for n, g in grads.items())
         loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
         ok = loss_err <= tol and worst <= tol
         status |= not ok
@@ -70,7 +79,9 @@ def _demo(args: argparse.Namespace) -> int:
     same = torch.equal(a, b)
     status |= not same
     say(f"[3/3] two eager runs bitwise equal: {'OK' if same else 'FAIL'}")
-    say(f"done in {time.perf_counter() - t0:.1f} s: {'all checks passed' if status == 0 else 'CHECKS FAILED'}")
+    say(
+        f"done in {time.perf_counter() - t0:.1f} s: {'all checks passed' if status == 0 else 'CHECKS FAILED'}"
+    )
     return status
 
 
