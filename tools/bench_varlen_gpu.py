@@ -222,16 +222,20 @@ def build_flex(docs: Docs, causal: bool, device: torch.device) -> tuple[AttnFn, 
     doc_id_T = torch.repeat_interleave(torch.arange(docs.num_docs, device=device), counts)
 
     if causal:
+
         def document_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return (doc_id_T[q_idx] == doc_id_T[kv_idx]) & (q_idx >= kv_idx)
     else:
+
         def document_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return doc_id_T[q_idx] == doc_id_T[kv_idx]
 
     tokens = docs.tokens
     sync(device)
     start = time.perf_counter()
-    block_mask = create_block_mask(document_mask, None, None, tokens, tokens, device=device, _compile=compiled)
+    block_mask = create_block_mask(
+        document_mask, None, None, tokens, tokens, device=device, _compile=compiled
+    )
     sync(device)
     mask_ms = (time.perf_counter() - start) * 1e3
     attend = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
@@ -289,14 +293,18 @@ BUILDERS: dict[str, Callable[[Docs, bool, torch.device], tuple[AttnFn, str]]] = 
 
 
 def reference_attention(
-    q_THK: torch.Tensor, k_THK: torch.Tensor, v_THK: torch.Tensor, dout_THK: torch.Tensor,
-    lengths: list[int], causal: bool,
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    v_THK: torch.Tensor,
+    dout_THK: torch.Tensor,
+    lengths: list[int],
+    causal: bool,
 ) -> dict[str, torch.Tensor]:
     """fp32 out, dq, dk, dv: SDPA (math backend) per document."""
     q, k, v = (x.detach().float().requires_grad_(True) for x in (q_THK, k_THK, v_THK))
     outs, start = [], 0
     for n in lengths:
-        q_1HNK, k_1HNK, v_1HNK = (x[start:start + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        q_1HNK, k_1HNK, v_1HNK = (x[start : start + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         with sdpa_kernel(SDPBackend.MATH):
             out_1HNK = F.scaled_dot_product_attention(q_1HNK, k_1HNK, v_1HNK, is_causal=causal)
         outs.append(out_1HNK[0].transpose(0, 1))
@@ -319,7 +327,10 @@ def check_impl(
     if out_THK.shape != q_THK.shape:
         raise RuntimeError(f"output shape {tuple(out_THK.shape)} != query shape {tuple(q_THK.shape)}")
     dq, dk, dv = torch.autograd.grad(out_THK, (q_THK, k_THK, v_THK), dout_THK)
-    errs = {name: rel_err(x, ref[name]) for name, x in zip(("out", "dq", "dk", "dv"), (out_THK, dq, dk, dv), strict=True)}
+    errs = {
+        name: rel_err(x, ref[name])
+        for name, x in zip(("out", "dq", "dk", "dv"), (out_THK, dq, dk, dv), strict=True)
+    }
     ok = all(math.isfinite(e) and e < TOLERANCE for e in errs.values())
     return ok, errs
 
@@ -339,7 +350,9 @@ def time_ms(fn: Callable[[], None], device: torch.device, *, warmup: int, reps: 
         fn()
     sync(device)
     if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
+        ]
         for start, end in events:
             start.record()
             fn()
@@ -415,7 +428,9 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["device_name"] = torch.cuda.get_device_name(device)
         env["cudnn"] = torch.backends.cudnn.version()
     else:
-        env["device_name"] = f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+        env["device_name"] = (
+            f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+        )
     try:
         import triton
 
@@ -425,7 +440,10 @@ def environment(device: torch.device) -> dict[str, Any]:
     try:
         env["repo_commit"] = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, timeout=10, check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout.strip()
     except Exception:
         env["repo_commit"] = None
@@ -440,7 +458,9 @@ def run_checks(
     docs = make_docs(lengths, device)
     mode = "causal" if causal else "bi"
     log(f"check {args.check_tokens} tokens {mode}: {docs.num_docs} documents, lengths {lengths}")
-    inputs = make_inputs(args.check_tokens, args.heads, args.head_dim, dtype=dtype, device=device, seed=args.seed + 1)
+    inputs = make_inputs(
+        args.check_tokens, args.heads, args.head_dim, dtype=dtype, device=device, seed=args.seed + 1
+    )
     ref = reference_attention(*inputs, lengths, causal)
     results: dict[str, tuple[str, dict[str, float], str]] = {}
     for impl in impls:
@@ -464,8 +484,12 @@ def run_checks(
 
 
 def bench_shape(
-    shape: Shape, impls: list[str], checks: dict[str, tuple[str, dict[str, float], str]],
-    args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+    shape: Shape,
+    impls: list[str],
+    checks: dict[str, tuple[str, dict[str, float], str]],
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> tuple[dict[str, Any], list[Result]]:
     lengths = sample_doc_lengths(shape.tokens, mean=args.doc_mean, sigma=args.doc_sigma, seed=args.seed)
     docs = make_docs(lengths, device)
@@ -476,9 +500,16 @@ def bench_shape(
         f"max {stats['max']}), useful TFLOP fwd {fwd_flops / 1e12:.4g} fwd+bwd {fwd_bwd_flops / 1e12:.4g}"
     )
     shape_info = {
-        "label": shape.label, "tokens": shape.tokens, "causal": shape.causal,
-        "heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype,
-        "docs": stats, "lengths": lengths, "fwd_flops": fwd_flops, "fwd_bwd_flops": fwd_bwd_flops,
+        "label": shape.label,
+        "tokens": shape.tokens,
+        "causal": shape.causal,
+        "heads": args.heads,
+        "head_dim": args.head_dim,
+        "dtype": args.dtype,
+        "docs": stats,
+        "lengths": lengths,
+        "fwd_flops": fwd_flops,
+        "fwd_bwd_flops": fwd_bwd_flops,
     }
     q_THK, k_THK, v_THK, dout_THK = make_inputs(
         shape.tokens, args.heads, args.head_dim, dtype=dtype, device=device, seed=args.seed + 2
@@ -527,7 +558,7 @@ def bench_shape(
             report_exception(impl, exc)
             res.status, res.error = "FAIL", short_error(exc)
         finally:
-            fn = None  # drop the closure (block mask, index buffers) before the next one
+            fn = fwd_bwd = fwd = None  # drop the closures (block mask, index buffers) before the next one
             free_memory(device)
         results.append(res)
     base = next((r for r in results if r.impl == BASELINE and r.ms_fwd_bwd is not None), None)
@@ -564,7 +595,10 @@ def markdown_table(results: list[Result]) -> str:
 
 
 def check_table(checks: dict[str, dict[str, tuple[str, dict[str, float], str]]]) -> str:
-    lines = ["| mode | impl | check | rel err out | dq | dk | dv | note |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | impl | check | rel err out | dq | dk | dv | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for mode, per_impl in checks.items():
         for impl, (status, errs, error) in per_impl.items():
             cells = " | ".join(fmt(errs.get(k), ".2e") for k in ("out", "dq", "dk", "dv"))
@@ -575,23 +609,36 @@ def check_table(checks: dict[str, dict[str, tuple[str, dict[str, float], str]]])
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog=__doc__[__doc__.index("Examples:"):],
+        epilog=__doc__[__doc__.index("Examples:") :],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--shapes", default=None,
-                        help=f"comma list of TOKENS:bi|causal (default {FULL['shapes']}; --quick {QUICK['shapes']})")
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        help=f"comma list of TOKENS:bi|causal (default {FULL['shapes']}; --quick {QUICK['shapes']})",
+    )
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma list out of {','.join(IMPLS)}")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    parser.add_argument("--doc-mean", type=float, default=None,
-                        help=f"mean document length (default {FULL['doc_mean']:g}; --quick {QUICK['doc_mean']:g})")
+    parser.add_argument(
+        "--doc-mean",
+        type=float,
+        default=None,
+        help=f"mean document length (default {FULL['doc_mean']:g}; --quick {QUICK['doc_mean']:g})",
+    )
     parser.add_argument("--doc-sigma", type=float, default=1.0, help="sigma of log(document length)")
-    parser.add_argument("--check-tokens", type=int, default=None,
-                        help=f"tokens of the correctness check shape (default {FULL['check_tokens']})")
+    parser.add_argument(
+        "--check-tokens",
+        type=int,
+        default=None,
+        help=f"tokens of the correctness check shape (default {FULL['check_tokens']})",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=None, help=f"default {FULL['warmup']}")
-    parser.add_argument("--reps", type=int, default=None, help=f"timed reps, median reported (default {FULL['reps']})")
+    parser.add_argument(
+        "--reps", type=int, default=None, help=f"timed reps, median reported (default {FULL['reps']})"
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke test")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few reps: a smoke run")
     parser.add_argument("--json", type=Path, default=None, help="write all results as JSON here")
@@ -628,14 +675,20 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be true fp32
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-    warnings.filterwarnings("ignore", message=".*_compile flag on create_block_mask.*")  # deprecated, still works
+    warnings.filterwarnings(
+        "ignore", message=".*_compile flag on create_block_mask.*"
+    )  # deprecated, still works
 
     env = environment(device)
     print("# Packed-document attention benchmark")
-    print(f"date {env['date_utc']}  torch {env['torch']}  cuda {env['cuda']}  triton {env['triton']}  "
-          f"device {env['device_name']}  repo {env['repo_commit']}")
-    print(f"{args.dtype} H={args.heads} K={args.head_dim}; document lengths log-normal mean {args.doc_mean:g} "
-          f"sigma {args.doc_sigma:g} seed {args.seed}; warmup {args.warmup}, median of {args.reps} reps")
+    print(
+        f"date {env['date_utc']}  torch {env['torch']}  cuda {env['cuda']}  triton {env['triton']}  "
+        f"device {env['device_name']}  repo {env['repo_commit']}"
+    )
+    print(
+        f"{args.dtype} H={args.heads} K={args.head_dim}; document lengths log-normal mean {args.doc_mean:g} "
+        f"sigma {args.doc_sigma:g} seed {args.seed}; warmup {args.warmup}, median of {args.reps} reps"
+    )
     print(f"FLOPs: {FLOP_CONVENTION}")
     if args.reps < 10 and not args.quick:
         print(f"warning: median of only {args.reps} reps", file=sys.stderr)
@@ -647,7 +700,9 @@ def main(argv: list[str] | None = None) -> int:
             checks[mode] = run_checks(args.impl_list, causal, args, device, dtype)
         except Exception as exc:  # the reference itself failed: nothing can be checked
             report_exception(f"reference {mode}", exc)
-            checks[mode] = {impl: ("FAIL", {}, f"reference failed: {short_error(exc)}") for impl in args.impl_list}
+            checks[mode] = {
+                impl: ("FAIL", {}, f"reference failed: {short_error(exc)}") for impl in args.impl_list
+            }
 
     shapes_info, results = [], []
     for shape in args.shape_list:
@@ -657,17 +712,23 @@ def main(argv: list[str] | None = None) -> int:
         shapes_info.append(info)
         results.extend(shape_results)
 
-    print(f"\n## Correctness vs fp32 per-document SDPA ({args.check_tokens} tokens, rel err < {TOLERANCE:g})\n")
+    print(
+        f"\n## Correctness vs fp32 per-document SDPA ({args.check_tokens} tokens, rel err < {TOLERANCE:g})\n"
+    )
     print(check_table(checks))
     print(f"\n## Throughput ({env['device_name']}, torch {env['torch']}, {env['date_utc']})\n")
-    print(f"{args.dtype}, H={args.heads}, K={args.head_dim}. {FLOP_CONVENTION} (backward = 2.5x forward). "
-          f"fwd = the forward of the training step (grad enabled). Times are medians of {args.reps} reps ({'CUDA events' if device.type == 'cuda' else 'wall clock'}); "
-          "'vs torch varlen' = torch varlen time / this time (>1 = faster). "
-          "Peak memory (max_memory_allocated, reset per implementation) includes inputs and grads.\n")
+    print(
+        f"{args.dtype}, H={args.heads}, K={args.head_dim}. {FLOP_CONVENTION} (backward = 2.5x forward). "
+        f"fwd = the forward of the training step (grad enabled). Times are medians of {args.reps} reps ({'CUDA events' if device.type == 'cuda' else 'wall clock'}); "
+        "'vs torch varlen' = torch varlen time / this time (>1 = faster). "
+        "Peak memory (max_memory_allocated, reset per implementation) includes inputs and grads.\n"
+    )
     for info in shapes_info:
         d = info["docs"]
-        print(f"- {info['label']}: {d['num_docs']} documents, lengths min {d['min']} median {d['median']:g} "
-              f"max {d['max']}, {d['block_diag_density']:.2%} of the dense score matrix")
+        print(
+            f"- {info['label']}: {d['num_docs']} documents, lengths min {d['min']} median {d['median']:g} "
+            f"max {d['max']}, {d['block_diag_density']:.2%} of the dense score matrix"
+        )
     print()
     print(markdown_table(results))
 
@@ -675,12 +736,17 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "environment": env,
-            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                         if k not in ("shape_list", "impl_list")},
+            "settings": {
+                k: (str(v) if isinstance(v, Path) else v)
+                for k, v in vars(args).items()
+                if k not in ("shape_list", "impl_list")
+            },
             "flop_convention": FLOP_CONVENTION,
             "tolerance": TOLERANCE,
-            "checks": {mode: {impl: {"status": s, "rel_err": e, "error": err} for impl, (s, e, err) in per.items()}
-                       for mode, per in checks.items()},
+            "checks": {
+                mode: {impl: {"status": s, "rel_err": e, "error": err} for impl, (s, e, err) in per.items()}
+                for mode, per in checks.items()
+            },
             "shapes": shapes_info,
             "results": [vars(r) for r in results],
         }
