@@ -290,7 +290,10 @@ def _varlen_args() -> dict[str, Any]:
 
 def _kv(heads: int, tokens: int = 8, dim: int = 8) -> dict[str, torch.Tensor]:
     g = gen(1)
-    return {"k": torch.randn(tokens, heads, dim, generator=g), "v": torch.randn(tokens, heads, dim, generator=g)}
+    return {
+        "k": torch.randn(tokens, heads, dim, generator=g),
+        "v": torch.randn(tokens, heads, dim, generator=g),
+    }
 
 
 Overrides = Callable[[dict[str, Any]], dict[str, Any]]
@@ -427,12 +430,6 @@ VARLEN_CASES: list[Any] = [
         ValueError,
         r"head dim",
         id="zero_head_dim",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=ZeroDivisionError,
-            reason="varlen.py:422 computes 1/sqrt(K) with K = 0 and raises a bare ZeroDivisionError "
-            "('float division by zero') instead of a ValueError naming the head dim",
-        ),
     ),
 ]
 
@@ -454,12 +451,6 @@ def test_bad_varlen_attn_argument_raises_naming_it_and_loses_nothing(
     assert torch.equal(varlen_attn(**base), reference)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="varlen.py:384-408 accept H = G = 0 heads; the CPU kernel then calls "
-    "aten._scaled_dot_product_flash_attention_for_cpu, which dies with SIGFPE (the whole process). "
-    "It should raise ValueError or return an empty (T, 0, Kv) output as F.scaled_dot_product_attention does",
-)
 def test_zero_heads_do_not_crash_the_process() -> None:
     code = (
         "import torch\n"
@@ -472,7 +463,9 @@ def test_zero_heads_do_not_crash_the_process() -> None:
         "    print('ValueError', e)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert result.returncode == 0, f"process died with {result.returncode}: {result.stderr[-500:]}"
 
 
@@ -529,9 +522,11 @@ SDPA_CASES: list[Any] = [
             s.q,
             s.k,
             s.v,
-            attn_mask=s.watch(as_additive(document_causal_mask(s.meta, 2, 4)).masked_fill(
-                document_causal_mask(s.meta, 2, 4), 0.5
-            )),
+            attn_mask=s.watch(
+                as_additive(document_causal_mask(s.meta, 2, 4)).masked_fill(
+                    document_causal_mask(s.meta, 2, 4), 0.5
+                )
+            ),
         ),
         ValueError,
         r"attn_mask: a float mask is only rewritten when every entry is 0 or -inf",
@@ -562,6 +557,14 @@ SDPA_CASES: list[Any] = [
         id="mask_shape_does_not_broadcast",
     ),
     pytest.param(
+        lambda s: sdpa_in_mode(
+            None, s.q, s.k, s.v, attn_mask=s.watch(torch.ones(3, 4, 4, dtype=torch.bool).tril())
+        ),
+        ValueError,
+        r"attn_mask of shape \(3, 4, 4\) does not broadcast",
+        id="mask_head_dim_does_not_match_query_heads",
+    ),
+    pytest.param(
         lambda s: sdpa_in_mode(AttentionMetadata.from_lengths([3, 3]), s.q, s.k, s.v, is_causal=True),
         ValueError,
         r"query of shape \(2, 2, 4, 8\) has 8 tokens \(batch \* length\) but the metadata describes 6",
@@ -586,13 +589,6 @@ SDPA_CASES: list[Any] = [
         ValueError,
         r"query of shape \(2, 2, 4, 8\) has 8 tokens",
         id="mask_and_query_tokens_differ_from_metadata",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=AssertionError,
-            reason="sdpa.py:146-149 check attn_mask against the metadata before sdpa.py:164-171 compare "
-            "token counts, so a valid per-row mask with metadata for the wrong token count reports "
-            "'attn_mask ... is not the block-diagonal mask' instead of the token-count mismatch",
-        ),
     ),
     pytest.param(
         lambda s: sdpa_in_mode(s.meta, s.watch(s.q.unsqueeze(0)), s.k, s.v),
@@ -615,7 +611,7 @@ SDPA_CASES: list[Any] = [
     pytest.param(
         lambda s: sdpa_to_usp(s.q, s.k, s.v, metadata=s.meta.cu_seqlens),
         TypeError,
-        r"metadata must be a usp_graph\.AttentionMetadata, got Tensor",
+        r"metadata must be a usp_graph\.AttentionMetadata.*got Tensor",
         id="sdpa_to_usp_metadata_wrong_type",
     ),
     pytest.param(
@@ -623,15 +619,8 @@ SDPA_CASES: list[Any] = [
             s.q, s.k, s.v, attn_mask=s.watch(document_causal_mask(s.meta, 2, 4)), metadata=s.meta.cu_seqlens
         ),
         TypeError,
-        r"metadata must be a usp_graph\.AttentionMetadata, got Tensor",
+        r"metadata must be a usp_graph\.AttentionMetadata.*got Tensor",
         id="sdpa_to_usp_metadata_wrong_type_with_mask",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=AttributeError,
-            reason="sdpa.py:149 runs _mask_is_causal (which reads metadata.cu_seqlens at sdpa.py:55) before "
-            "the isinstance check at sdpa.py:162, so a wrong metadata type with attn_mask raises "
-            "AttributeError ('Tensor' object has no attribute 'cu_seqlens') instead of TypeError",
-        ),
     ),
     pytest.param(
         lambda s: sdpa_in_mode(
@@ -654,9 +643,7 @@ SDPA_CASES: list[Any] = [
         id="mask_with_query_key_lengths_differ",
     ),
     pytest.param(
-        lambda s: sdpa_in_mode(
-            s.meta, s.watch(torch.randn(2, 4, 4, 8)), s.k, s.v
-        ),
+        lambda s: sdpa_in_mode(s.meta, s.watch(torch.randn(2, 4, 4, 8)), s.k, s.v),
         ValueError,
         r"query has 4 heads but key/value have 2; pass enable_gqa=True",
         id="heads_differ_without_gqa",
@@ -715,13 +702,6 @@ def test_accepted_document_causal_mask_matches_plain_sdpa_with_that_mask() -> No
     torch.testing.assert_close(routed, reference)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sdpa.py:89-102 compare the mask only within each batch row, so when a metadata document "
-    "spans two rows the per-row document mask is accepted and dropped, but varlen attention then "
-    "attends across the row boundary: the result silently differs from SDPA with that mask (max abs "
-    "diff ~2). It should raise ValueError (the mask cannot express the metadata's documents)",
-)
 def test_mask_is_not_silently_dropped_when_a_document_spans_two_rows() -> None:
     s = SdpaInputs()
     meta = AttentionMetadata.from_lengths([6, 2])  # document 0 = row 0 and the first half of row 1
@@ -734,13 +714,6 @@ def test_mask_is_not_silently_dropped_when_a_document_spans_two_rows() -> None:
     torch.testing.assert_close(routed, reference)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="sdpa.py:158 builds cu_seqlens with torch.arange(0, b * seq_q + 1, seq_q); for seq_q = 0 "
-    "that raises RuntimeError 'step must be nonzero', while F.scaled_dot_product_attention returns "
-    "an empty (B, H, 0, K) output",
-)
 def test_zero_length_sequence_without_metadata_returns_empty_like_sdpa() -> None:
     x = torch.randn(2, 2, 0, 8)
     assert sdpa_in_mode(None, x, x, x).shape == (2, 2, 0, 8)

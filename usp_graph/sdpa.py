@@ -58,7 +58,7 @@ def _document_ids(metadata: AttentionMetadata | None, batch: int, seq: int, devi
 
 
 def _mask_is_causal(
-    attn_mask: Tensor, metadata: AttentionMetadata | None, batch: int, seq_q: int, seq_k: int
+    attn_mask: Tensor, metadata: AttentionMetadata | None, batch: int, heads: int, seq_q: int, seq_k: int
 ) -> bool:
     """Whether `attn_mask` is exactly the document-diagonal mask (True -> also causal, False -> not).
 
@@ -87,14 +87,19 @@ def _mask_is_causal(
             f"attn_mask with query length {seq_q} != key length {seq_k} cannot be rewritten to varlen attention"
         )
     doc_BL = _document_ids(metadata, batch, seq_q, attn_mask.device)
+    if batch > 1 and seq_q > 0 and bool((doc_BL[1:, 0] == doc_BL[:-1, -1]).any()):
+        raise ValueError(
+            "attn_mask: a document of the metadata spans two batch rows, which a per-row SDPA mask cannot "
+            "express; drop the mask (the metadata alone defines the documents) or split documents at rows"
+        )
     same_B1LL = (doc_BL.unsqueeze(-1) == doc_BL.unsqueeze(-2)).unsqueeze(1)
     causal_LL = torch.ones(seq_q, seq_k, dtype=torch.bool, device=attn_mask.device).tril()
     try:
-        keep_B_LL = torch.broadcast_to(keep, (batch, keep.shape[-3] if keep.dim() >= 3 else 1, seq_q, seq_k))
+        keep_B_LL = torch.broadcast_to(keep, (batch, heads, seq_q, seq_k))
     except RuntimeError:
         raise ValueError(
             f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, L, L) = "
-            f"({batch}, ..., {seq_q}, {seq_k})"
+            f"({batch}, {heads}, {seq_q}, {seq_k})"
         ) from None
     if torch.equal(keep_B_LL, (same_B1LL & causal_LL).expand_as(keep_B_LL)):
         return True
@@ -143,24 +148,13 @@ def sdpa_to_usp(
         raise ValueError(
             f"query has {h} heads but key/value have {g}; pass enable_gqa=True for grouped-query attention"
         )
-    if attn_mask is not None:
-        if is_causal:
-            raise ValueError("attn_mask and is_causal=True were both given; SDPA accepts only one of them")
-        is_causal = _mask_is_causal(attn_mask, metadata, b, seq_q, seq_k)
-
-    device = q_BHLK.device
-    if metadata is None:
-        if is_causal and seq_q != seq_k:
-            raise ValueError(
-                f"is_causal with query length {seq_q} != key length {seq_k}: SDPA aligns such a mask top-left, "
-                "varlen attention bottom-right; pass AttentionMetadata with explicit boundaries"
-            )
-        cu_q = torch.arange(0, b * seq_q + 1, seq_q, dtype=torch.int32, device=device)
-        cu_k = torch.arange(0, b * seq_k + 1, seq_k, dtype=torch.int32, device=device)
-        max_q, max_k = seq_q, seq_k
-    else:
-        if not isinstance(metadata, AttentionMetadata):
-            raise TypeError(f"metadata must be a usp_graph.AttentionMetadata, got {type(metadata).__name__}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if metadata is not None and not isinstance(metadata, AttentionMetadata):
+        raise TypeError(
+            f"metadata must be a usp_graph.AttentionMetadata or None, got {type(metadata).__name__}"
+        )
+    if metadata is not None:
         for name, x, n in (("query", query, b * seq_q), ("key", key, b * seq_k)):
             if not (isinstance(n, int) and isinstance(metadata.total_tokens, int)):
                 continue  # symbolic sizes: the graph's input checks own this
@@ -169,11 +163,30 @@ def sdpa_to_usp(
                     f"SDPA call with {name} of shape {tuple(x.shape)} has {n} tokens (batch * length) but the "
                     f"metadata describes {metadata.total_tokens}; give metadata for this call's packed tokens"
                 )
+    if attn_mask is not None:
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True were both given; SDPA accepts only one of them")
+        is_causal = _mask_is_causal(attn_mask, metadata, b, h, seq_q, seq_k)
+
+    device = q_BHLK.device
+    if metadata is None:
+        if is_causal and seq_q != seq_k:
+            raise ValueError(
+                f"is_causal with query length {seq_q} != key length {seq_k}: SDPA aligns such a mask top-left, "
+                "varlen attention bottom-right; pass AttentionMetadata with explicit boundaries"
+            )
+        # arange(b + 1) * L, not arange(0, b*L + 1, L): a zero-length sequence is valid (step 0 is not).
+        cu_q = torch.arange(b + 1, dtype=torch.int32, device=device) * seq_q
+        cu_k = torch.arange(b + 1, dtype=torch.int32, device=device) * seq_k
+        max_q, max_k = seq_q, seq_k
+    else:
         cu_q = cu_k = metadata.cu_seqlens
         if cu_q.device != device:
             cu_q = cu_k = cu_q.to(device, non_blocking=True)
         max_q = max_k = metadata.max_seqlen
 
+    if dim == 0:
+        raise ValueError(f"query head dim must be positive, got query of shape {tuple(query.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(dim)
     out_THK = varlen.varlen_attn(

@@ -384,6 +384,11 @@ def varlen_attn(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if torch.is_autocast_enabled(q.device.type) and q.is_floating_point():
+        # Custom ops get no autocast rule of their own; follow SDPA's (run in the autocast dtype).
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be packed (T, H, K), got shape {tuple(t.shape)}")
         if t.dtype != q.dtype or t.device != q.device:
@@ -399,6 +404,10 @@ def varlen_attn(
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
     h, g = q.shape[1], k.shape[1]
+    if h == 0 or g == 0:
+        raise ValueError(f"q and k/v need at least one head, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"head dim must be positive, got q of shape {tuple(q.shape)}")
     if h != g:
         if not enable_gqa:
             raise ValueError(
@@ -422,7 +431,9 @@ def varlen_attn(
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     out, lse = torch.ops.usp.varlen_fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(is_causal), float(scale)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, float(scale)
     )
     return (out, lse) if return_lse else out
