@@ -11,6 +11,7 @@ Public entry points:
 from __future__ import annotations
 
 from . import registry
+from .cp import ContextParallel
 from .metadata import AttentionMetadata
 from .mode import attention_mode
 from .ops.varlen import varlen_attn
@@ -18,4 +19,12 @@ from .sdpa import sdpa_to_usp
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionMetadata", "attention_mode", "registry", "sdpa_to_usp", "varlen_attn", "__version__"]
+__all__ = [
+    "AttentionMetadata",
+    "ContextParallel",
+    "attention_mode",
+    "registry",
+    "sdpa_to_usp",
+    "varlen_attn",
+    "__version__",
+]

@@ -10,12 +10,16 @@ construction rather than by luck.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .metadata import AttentionMetadata
 from .ops import varlen
+
+if TYPE_CHECKING:
+    from .cp import ContextParallel
 
 __all__ = ["sdpa_to_usp", "pack", "unpack"]
 
@@ -124,6 +128,7 @@ def sdpa_to_usp(
     enable_gqa: bool = False,
     *,
     metadata: AttentionMetadata | None = None,
+    cp: ContextParallel | None = None,
 ) -> Tensor:
     """One SDPA call as pack -> ``usp::varlen_fwd`` -> unpack, with `metadata`'s document boundaries.
 
@@ -132,6 +137,10 @@ def sdpa_to_usp(
     metadata describes, and no attention crosses a document boundary. `attn_mask` is accepted only
     when it is provably that block-diagonal mask (checked in eager; refused while tracing);
     `dropout_p > 0` is refused.
+
+    With `cp` (a `usp_graph.ContextParallel`), `query/key/value` are this rank's sequence shards
+    and `metadata` (or one document per row) describes the GLOBAL packed stream of `B * L * P`
+    tokens; the strategy's collectives and ops run and the result is this rank's output shard.
     """
     q_BHLK, k_BGLK, v_BGLK = _as_bhlk("query", query), _as_bhlk("key", key), _as_bhlk("value", value)
     if dropout_p:
@@ -154,14 +163,26 @@ def sdpa_to_usp(
         raise TypeError(
             f"metadata must be a usp_graph.AttentionMetadata or None, got {type(metadata).__name__}"
         )
+    world = 1
+    if cp is not None:
+        from .cp import ContextParallel
+
+        if not isinstance(cp, ContextParallel):
+            raise TypeError(f"cp must be a usp_graph.ContextParallel or None, got {type(cp).__name__}")
+        if attn_mask is not None:
+            raise ValueError(
+                "attn_mask is not supported under context parallelism; pass AttentionMetadata instead"
+            )
+        world = cp.world
     if metadata is not None:
-        for name, x, n in (("query", query, b * seq_q), ("key", key, b * seq_k)):
+        for name, x, n in (("query", query, b * seq_q * world), ("key", key, b * seq_k * world)):
             if not (isinstance(n, int) and isinstance(metadata.total_tokens, int)):
                 continue  # symbolic sizes: the graph's input checks own this
             if n != metadata.total_tokens:
+                across = f" x {world} CP ranks" if world > 1 else ""
                 raise ValueError(
-                    f"SDPA call with {name} of shape {tuple(x.shape)} has {n} tokens (batch * length) but the "
-                    f"metadata describes {metadata.total_tokens}; give metadata for this call's packed tokens"
+                    f"SDPA call with {name} of shape {tuple(x.shape)} has {n} tokens (batch * length{across}) but "
+                    f"the metadata describes {metadata.total_tokens}; give metadata for this call's packed tokens"
                 )
     if attn_mask is not None:
         if is_causal:
@@ -189,6 +210,21 @@ def sdpa_to_usp(
         raise ValueError(f"query head dim must be positive, got query of shape {tuple(query.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(dim)
+    if cp is not None:
+        if metadata is None:  # one document per global row
+            cu_q = torch.arange(b + 1, dtype=torch.int32, device=device) * (seq_q * world)
+        if g != h and not enable_gqa:  # SDPA's broadcast of a single kv head
+            k_BGLK, v_BGLK = k_BGLK.expand(-1, h, -1, -1), v_BGLK.expand(-1, h, -1, -1)
+        out_BHLK = cp.attention(
+            q_BHLK,
+            k_BGLK,
+            v_BGLK,
+            cu_seqlens=cu_q,
+            max_seqlen=max_q if metadata is not None else seq_q * world,
+            is_causal=is_causal,
+            scale=float(scale),
+        )
+        return out_BHLK.squeeze(1) if query.dim() == 3 else out_BHLK
     out_THK = varlen.varlen_attn(
         pack(q_BHLK),
         pack(k_BGLK),

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from .. import registry
-from . import varlen
+from . import ring, varlen
 
 registry.check_complete()
 
-__all__ = ["varlen"]
+__all__ = ["ring", "varlen"]

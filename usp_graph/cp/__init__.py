@@ -1,0 +1,8 @@
+"""Context parallelism: strategies that run SDPA on sequence shards with global document metadata."""
+
+from __future__ import annotations
+
+from .context import STRATEGIES, ContextParallel
+from .layout import ChunkLayout
+
+__all__ = ["ContextParallel", "ChunkLayout", "STRATEGIES"]

@@ -1,0 +1,241 @@
+"""`ContextParallel`: which strategy, over which ranks, and how tokens are laid out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..metadata import AttentionMetadata
+from . import strategies
+from .layout import ChunkLayout
+
+__all__ = ["ContextParallel", "STRATEGIES"]
+
+STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp")
+LOAD_BALANCE = (None, "zigzag")
+
+
+def _ordered_sum(x: Tensor, group, world: int) -> Tensor:
+    """Sum over ranks in rank order 0..P-1: bitwise reproducible, unlike a backend's all-reduce."""
+    gathered = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(gathered, x.contiguous(), group=group)
+    total = gathered[0].clone()
+    for g in gathered[1:]:
+        total += g
+    return total
+
+
+class ContextParallel:
+    """A context-parallel attention plan over a process group.
+
+    strategy: ``"allgather_kv"`` (Q sharded, K/V all-gathered), ``"ulysses"`` (sequence <-> heads
+    all-to-all), ``"ring"`` (K/V rotate, LSE merge) or ``"usp"`` (Ulysses inside groups of
+    `ulysses_degree` consecutive ranks, ring across them).
+    group / mesh: the CP ranks (default: the whole world). For ``"usp"`` a 2-D `mesh` gives the
+    ring dimension first and the Ulysses dimension second.
+    load_balance: None (rank p holds the p-th 1/P of each row) or ``"zigzag"`` (rank p holds
+    chunks p and 2P-1-p of 2P, which balances causal work).
+    check_metadata: debug mode; every attention call first checks that all ranks hold the same
+    metadata (a host sync per call).
+
+    Sequence lengths must be divisible by P (2P with zigzag): `shard` raises otherwise.
+    """
+
+    def __init__(
+        self,
+        strategy: str,
+        *,
+        group: dist.ProcessGroup | None = None,
+        mesh=None,
+        ulysses_degree: int | None = None,
+        load_balance: str | None = None,
+        check_metadata: bool = False,
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
+        if load_balance not in LOAD_BALANCE:
+            raise ValueError(f"load_balance must be None or 'zigzag', got {load_balance!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "ContextParallel needs torch.distributed initialized: call init_process_group first"
+            )
+        if mesh is not None and group is not None:
+            raise ValueError("pass either group or mesh, not both")
+        self.strategy = strategy
+        self.load_balance = load_balance
+        self.check_metadata = check_metadata
+        ring_group = ulysses_group = None
+        if mesh is not None:
+            if strategy == "usp":
+                if mesh.ndim != 2:
+                    raise ValueError(f"strategy 'usp' needs a 2-D mesh (ring, ulysses), got {mesh.ndim}-D")
+                ring_group, ulysses_group = mesh.get_group(0), mesh.get_group(1)
+                if ulysses_degree not in (None, mesh.size(1)):
+                    raise ValueError(
+                        f"ulysses_degree={ulysses_degree} disagrees with the mesh's {mesh.size(1)}"
+                    )
+                ulysses_degree = mesh.size(1)
+                # The whole CP group: every rank of the mesh.
+                group = dist.new_group([int(r) for r in mesh.mesh.flatten().tolist()])
+            else:
+                if mesh.ndim != 1:
+                    raise ValueError(f"strategy {strategy!r} needs a 1-D mesh, got {mesh.ndim}-D")
+                group = mesh.get_group()
+        self.group = group if group is not None else dist.group.WORLD
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of the given CP group")
+        self.group_name = self.group.group_name
+        self.layout = ChunkLayout(self.world, zigzag=load_balance == "zigzag")
+
+        if strategy == "usp":
+            if ulysses_degree is None:
+                raise ValueError("strategy 'usp' needs ulysses_degree (ranks per Ulysses group)")
+            if isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int) or ulysses_degree < 1:
+                raise ValueError(f"ulysses_degree must be a positive int, got {ulysses_degree!r}")
+            if self.world % ulysses_degree:
+                raise ValueError(
+                    f"ulysses_degree={ulysses_degree} must divide the CP group size {self.world}"
+                )
+            if ring_group is None:
+                ring_group, ulysses_group = self._make_subgroups(ulysses_degree)
+            self.ulysses_degree = ulysses_degree
+            self.ring_size = self.world // ulysses_degree
+        elif ulysses_degree is not None:
+            raise ValueError(f"ulysses_degree is only for strategy 'usp', not {strategy!r}")
+        else:
+            self.ulysses_degree, self.ring_size = (
+                (self.world, 1) if strategy == "ulysses" else (1, self.world)
+            )
+        self.ring_group_name = ring_group.group_name if ring_group is not None else self.group_name
+        self.ulysses_group_name = ulysses_group.group_name if ulysses_group is not None else self.group_name
+
+    def _make_subgroups(self, u: int):
+        # new_group is collective: every rank creates every subgroup, in the same order.
+        ranks = [dist.get_global_rank(self.group, i) for i in range(self.world)]
+        mine_u = mine_r = None
+        for i in range(self.world // u):
+            g = dist.new_group([ranks[i * u + j] for j in range(u)])
+            if self.rank // u == i:
+                mine_u = g
+        for j in range(u):
+            g = dist.new_group([ranks[i * u + j] for i in range(self.world // u)])
+            if self.rank % u == j:
+                mine_r = g
+        return mine_r, mine_u
+
+    def __repr__(self) -> str:
+        extra = f", ulysses_degree={self.ulysses_degree}" if self.strategy == "usp" else ""
+        return (
+            f"ContextParallel({self.strategy!r}, world={self.world}, rank={self.rank}{extra}, "
+            f"load_balance={self.load_balance!r})"
+        )
+
+    # ---- token layout ----------------------------------------------------------------------------
+
+    def _chunks(self, n: int, what: str) -> int:
+        total = self.layout.row_chunks_total
+        if n % total:
+            how = f"2 x {self.world} (zigzag)" if self.layout.zigzag else str(self.world)
+            raise ValueError(
+                f"{what} length {n} is not divisible by {how}; pad the sequence to a multiple of {total}"
+            )
+        return total
+
+    def shard(self, x: Tensor, dim: int) -> Tensor:
+        """This rank's part of the global tensor `x` along its sequence dim `dim`."""
+        n = self._chunks(x.shape[dim], f"dim {dim}")
+        chunks = x.chunk(n, dim)
+        mine = [chunks[c] for c in self.layout.row_chunks(self.rank)]
+        return mine[0] if len(mine) == 1 else torch.cat(mine, dim)
+
+    def unshard(self, x: Tensor, dim: int) -> Tensor:
+        """The global tensor from every rank's shard along `dim` (differentiable: ``usp::all_gather``)."""
+        dim = dim % x.dim()
+        gathered = torch.ops.usp.all_gather(x, dim, self.world, self.group_name)
+        return strategies._reorder_chunks(gathered, dim, self.layout.gather_order())
+
+    # ---- attention -------------------------------------------------------------------------------
+
+    def attention(
+        self,
+        q_BHLK: Tensor,
+        k_BGLK: Tensor,
+        v_BGLK: Tensor,
+        *,
+        cu_seqlens: Tensor,
+        max_seqlen: int,
+        is_causal: bool,
+        scale: float,
+    ) -> Tensor:
+        """Attention of this rank's query shard over the whole (global) documents."""
+        ll = q_BHLK.shape[2]
+        if k_BGLK.shape[2] != ll:
+            raise ValueError(
+                f"context parallelism needs equal query and key lengths, got {ll} and {k_BGLK.shape[2]}"
+            )
+        if isinstance(ll, int) and ll % self.layout.per_rank:
+            raise ValueError(f"local sequence length {ll} must be even with zigzag load balancing")
+        if self.check_metadata:
+            self.assert_same_metadata(cu_seqlens)
+        fn = getattr(strategies, self.strategy)
+        return fn(
+            self,
+            q_BHLK,
+            k_BGLK,
+            v_BGLK,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            is_causal=is_causal,
+            scale=scale,
+        )
+
+    def assert_same_metadata(self, cu_seqlens: Tensor | AttentionMetadata) -> None:
+        """Debug check: every rank holds the same document boundaries (host sync)."""
+        cu = cu_seqlens.cu_seqlens if isinstance(cu_seqlens, AttentionMetadata) else cu_seqlens
+        gathered = [torch.empty_like(cu) for _ in range(self.world)]
+        dist.all_gather(gathered, cu.contiguous(), group=self.group)
+        bad = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+        if bad:
+            raise ValueError(
+                f"CP ranks disagree on the document boundaries: ranks {bad} differ from rank 0 "
+                f"({gathered[bad[0]].tolist()} vs {gathered[0].tolist()}); every rank must pass the same global metadata"
+            )
+
+    # ---- training helpers ------------------------------------------------------------------------
+
+    def token_mean(self, loss_sum: Tensor, num_tokens: Tensor | int) -> Tensor:
+        """This rank's share of the global token-mean loss: `loss_sum / (tokens over all ranks)`.
+
+        Summed over the CP ranks (`global_sum`) it equals the single-process mean; its gradient,
+        after `reduce_grads`, equals the single-process gradient.
+        """
+        n = torch.as_tensor(num_tokens, device=loss_sum.device).detach().to(torch.float64)
+        total = _ordered_sum(n, self.group, self.world)
+        return loss_sum / total.to(loss_sum.dtype)
+
+    def global_sum(self, x: Tensor) -> Tensor:
+        """Sum of a (detached) tensor over the CP ranks, in rank order."""
+        return _ordered_sum(x.detach(), self.group, self.world)
+
+    def reduce_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Sum every parameter's grad over the CP ranks, in place, in rank order (deterministic).
+
+        A parameter with no grad on this rank contributes zeros; it gets a grad when any rank has one.
+        """
+        params = [p for p in params if p.requires_grad]
+        if not params:
+            return
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
+        total = _ordered_sum(flat, self.group, self.world)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = total[offset : offset + n].view_as(p).clone()
+            offset += n

@@ -1,0 +1,184 @@
+"""Context-parallel attention strategies: local shards in, local shards out, global metadata.
+
+# B batch rows, H query heads, G key/value heads, Ll local row length, L global row length,
+# K head dim, T packed tokens, P CP ranks, U Ulysses degree, R ring size
+
+Every strategy derives its local document view from the GLOBAL `cu_seqlens` inside the
+computation (clamps and slices whose bounds come from shapes), so boundaries may change every
+step without retracing, and documents may cross shard boundaries.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..ops import varlen
+from ..sdpa import pack, unpack
+
+if TYPE_CHECKING:
+    from .context import ContextParallel
+
+__all__ = ["allgather_kv", "ulysses", "ring", "usp"]
+
+
+def _reorder_chunks(x: Tensor, dim: int, order: list[int]) -> Tensor:
+    """Permute the len(order) equal chunks of `x` along `dim` (identity orders cost nothing)."""
+    if order == list(range(len(order))):
+        return x
+    chunks = x.chunk(len(order), dim)
+    return torch.cat([chunks[i] for i in order], dim)
+
+
+def _rows_in_order(x_BHLK: Tensor, cp: ContextParallel) -> Tensor:
+    """(B, H, P*Ll, K) gathered rank-major -> global row order."""
+    return _reorder_chunks(x_BHLK, 2, cp.layout.gather_order())
+
+
+def _rows_rank_major(x_BHLK: Tensor, cp: ContextParallel) -> Tensor:
+    return _reorder_chunks(x_BHLK, 2, cp.layout.scatter_order())
+
+
+def _split_sizes(n: int, parts: int, what: str) -> list[int]:
+    if n < parts:
+        raise ValueError(
+            f"{what}: {n} heads cannot be split over a Ulysses degree of {parts}; lower the degree"
+        )
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def _ulysses_heads(
+    q: Tensor, k: Tensor, v: Tensor, degree: int
+) -> tuple[Tensor, Tensor, list[int], list[int]]:
+    """Head split for the all-to-all: q sizes, kv sizes, with KV heads replicated when the degree
+    does not divide them compatibly (the repeat's backward sums the replicas)."""
+    h, g = q.shape[1], k.shape[1]
+    q_sizes = _split_sizes(h, degree, "query")
+    if g == h:
+        return k, v, q_sizes, q_sizes
+    if h % degree == 0 and g % degree == 0:
+        return k, v, q_sizes, [g // degree] * degree
+    rep = h // g
+    return k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), q_sizes, q_sizes
+
+
+def _a2a(
+    x: Tensor, scatter_dim: int, gather_dim: int, scatter: list[int], gather: list[int], group: str
+) -> Tensor:
+    return torch.ops.usp.all_to_all(x, scatter_dim, gather_dim, scatter, gather, group)
+
+
+def allgather_kv(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
+    """Q stays sharded; K/V are all-gathered. One varlen call per local chunk, whose query view is
+    the global boundaries clamped to the chunk and whose keys run from 0 to the chunk end (causal)
+    or over the whole stream."""
+    b, _, ll, _ = q.shape
+    k_g = _rows_in_order(torch.ops.usp.all_gather(k, 2, cp.world, cp.group_name), cp)
+    v_g = _rows_in_order(torch.ops.usp.all_gather(v, 2, cp.world, cp.group_name), cp)
+    k_T, v_T, q_T = pack(k_g), pack(v_g), pack(q)
+    chunk = ll // cp.layout.per_rank
+    outs = []
+    for i, cid in enumerate(cp.layout.global_chunks(cp.rank, b)):
+        start, end = cid * chunk, (cid + 1) * chunk
+        cu_q = cu_seqlens.clamp(start, end) - start
+        if is_causal:
+            k_i, v_i, cu_k = k_T[:end], v_T[:end], cu_seqlens.clamp(max=end)
+        else:
+            k_i, v_i, cu_k = k_T, v_T, cu_seqlens
+        outs.append(
+            varlen.varlen_attn(
+                q_T[i * chunk : (i + 1) * chunk],
+                k_i,
+                v_i,
+                cu_q,
+                cu_k,
+                max_seqlen,
+                max_seqlen,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=True,
+            )
+        )
+    out_T = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+    return unpack(out_T, b)
+
+
+def ulysses(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
+    """Sequence <-> heads all-to-all; the full sequence with a subset of heads runs varlen with the
+    global boundaries, then the output goes back to sequence shards."""
+    b, _, ll, _ = q.shape
+    k, v, q_sizes, kv_sizes = _ulysses_heads(q, k, v, cp.world)
+    seq = [ll] * cp.world
+    q_g = _rows_in_order(_a2a(q, 1, 2, q_sizes, seq, cp.group_name), cp)
+    k_g = _rows_in_order(_a2a(k, 1, 2, kv_sizes, seq, cp.group_name), cp)
+    v_g = _rows_in_order(_a2a(v, 1, 2, kv_sizes, seq, cp.group_name), cp)
+    out_T = varlen.varlen_attn(
+        pack(q_g),
+        pack(k_g),
+        pack(v_g),
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=True,
+    )
+    out = _rows_rank_major(unpack(out_T, b), cp)
+    return _a2a(out, 2, 1, seq, q_sizes, cp.group_name)
+
+
+def _ring_call(q_T, k_T, v_T, chunk_ids, per_rank, group, cu_seqlens, max_seqlen, is_causal, scale):
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    out, _ = torch.ops.usp.ring_attn_fwd(
+        q_T, k_T, v_T, cu_seqlens, max_seqlen, is_causal, float(scale), chunk_ids, per_rank, group
+    )
+    return out
+
+
+def ring(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
+    """K/V rotate around the ring; partial outputs merged by log-sum-exp (``usp::ring_attn_fwd``)."""
+    b = q.shape[0]
+    ids = [c for r in range(cp.world) for c in cp.layout.global_chunks(r, b)]
+    per_rank = b * cp.layout.per_rank
+    out_T = _ring_call(
+        pack(q), pack(k), pack(v), ids, per_rank, cp.group_name, cu_seqlens, max_seqlen, is_causal, scale
+    )
+    return unpack(out_T, b)
+
+
+def usp(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
+    """2-D: Ulysses all-to-all inside groups of `ulysses_degree` ranks, ring across the groups."""
+    b, _, ll, _ = q.shape
+    u = cp.ulysses_degree
+    k, v, q_sizes, kv_sizes = _ulysses_heads(q, k, v, u)
+    seq = [ll] * u
+    q_g = _a2a(q, 1, 2, q_sizes, seq, cp.ulysses_group_name)
+    k_g = _a2a(k, 1, 2, kv_sizes, seq, cp.ulysses_group_name)
+    v_g = _a2a(v, 1, 2, kv_sizes, seq, cp.ulysses_group_name)
+    # After the all-to-all, ring member i holds, per row, the chunks of CP ranks i*U .. i*U+U-1.
+    n = cp.layout.row_chunks_total
+    ids = [
+        bb * n + c
+        for i in range(cp.ring_size)
+        for bb in range(b)
+        for j in range(u)
+        for c in cp.layout.row_chunks(i * u + j)
+    ]
+    per_rank = b * u * cp.layout.per_rank
+    out_T = _ring_call(
+        pack(q_g),
+        pack(k_g),
+        pack(v_g),
+        ids,
+        per_rank,
+        cp.ring_group_name,
+        cu_seqlens,
+        max_seqlen,
+        is_causal,
+        scale,
+    )
+    return _a2a(unpack(out_T, b), 2, 1, seq, q_sizes, cp.ulysses_group_name)

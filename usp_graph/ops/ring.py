@@ -1,0 +1,251 @@
+"""Ring attention on packed documents: ``usp::ring_attn_fwd`` / ``usp::ring_attn_bwd``.
+
+# T local packed tokens, H query heads, G key/value heads, K head dim, R ring size, C chunks per rank
+
+The global token stream is cut into equal chunks; ring rank r holds the C chunks
+``chunk_ids[r*C:(r+1)*C]`` back to back (contiguous sharding, zigzag load balancing, and the
+Ulysses-gathered chunks of 2-D USP are all just chunk lists). Global `cu_seqlens` stay global: for
+every (query chunk, key chunk) pair the op derives that pair's document view by clamping, so
+boundaries may change every step and documents may cross chunks.
+
+Forward: K/V travel around the ring (rank r receives from r-1); at each step every local query
+chunk attends the visiting key chunks through ``usp::varlen_fwd``, and partial outputs are merged
+by their log-sum-exp in fp32 (fp64 for fp64 inputs).
+Backward: recompute against the global out/lse with ``usp::varlen_bwd``; dK/dV accumulate in a
+buffer that travels with K/V and is carried home after the last step.
+
+Causal pairs: a key chunk entirely before the query chunk is attended in full, the same chunk is
+ordinary causal (equal lengths per document), a key chunk after the query chunk is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import registry
+from .varlen import _lse_dtype
+
+__all__ = ["ring_attn_fwd", "ring_attn_bwd", "pair_view"]
+
+_NEG_INF = float("-inf")
+
+
+def _group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def pair_view(cu: Tensor, q_start: int, k_start: int, chunk: int) -> tuple[Tensor, Tensor]:
+    """Document boundaries of query chunk [q_start, q_start+chunk) against key chunk
+    [k_start, k_start+chunk), both relative to their chunk; each runs 0..chunk."""
+    return (
+        (cu.clamp(q_start, q_start + chunk) - q_start),
+        (cu.clamp(k_start, k_start + chunk) - k_start),
+    )
+
+
+def _pair_mode(qc: int, kc: int, is_causal: bool) -> str | None:
+    """'full', 'causal' or None (skip) for query chunk qc against key chunk kc."""
+    if not is_causal or kc < qc:
+        return "full"
+    if kc == qc:
+        return "causal"
+    return None
+
+
+def _rotate(tensors: list[Tensor], group, rank: int, size: int) -> list[Tensor]:
+    """Send to rank+1, receive from rank-1 (ranks within `group`)."""
+    send_to = dist.get_global_rank(group, (rank + 1) % size)
+    recv_from = dist.get_global_rank(group, (rank - 1) % size)
+    received = [torch.empty_like(t) for t in tensors]
+    ops = []
+    for t, r in zip(tensors, received, strict=True):
+        ops.append(dist.P2POp(dist.isend, t.contiguous(), send_to, group))
+        ops.append(dist.P2POp(dist.irecv, r, recv_from, group))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
+def _layout(q: Tensor, chunk_ids: list[int], chunks_per_rank: int, group_name: str):
+    group = _group(group_name)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if len(chunk_ids) != size * chunks_per_rank:
+        raise ValueError(
+            f"chunk_ids has {len(chunk_ids)} entries; expected ring size {size} x {chunks_per_rank} chunks per rank"
+        )
+    if q.shape[0] % chunks_per_rank:
+        raise ValueError(f"{q.shape[0]} local tokens do not split into {chunks_per_rank} equal chunks")
+    chunk = q.shape[0] // chunks_per_rank
+    ids = [chunk_ids[r * chunks_per_rank : (r + 1) * chunks_per_rank] for r in range(size)]
+    return group, size, rank, chunk, ids
+
+
+@torch.library.custom_op("usp::ring_attn_fwd", mutates_args=())
+def ring_attn_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    is_causal: bool,
+    scale: float,
+    chunk_ids: list[int],
+    chunks_per_rank: int,
+    group_name: str,
+) -> tuple[Tensor, Tensor]:
+    """Ring attention forward over the group: `(out_THK, lse_HT)` for this rank's queries."""
+    group, size, rank, chunk, ids = _layout(q, chunk_ids, chunks_per_rank, group_name)
+    acc = _lse_dtype(q.dtype)
+    t, h, _ = q.shape
+    out = torch.zeros(t, h, v.shape[-1], dtype=acc, device=q.device)
+    lse = torch.full((h, t), _NEG_INF, dtype=acc, device=q.device)
+    kv = [k, v]
+    for step in range(size):
+        src = (rank - step) % size
+        nxt = _rotate(kv, group, rank, size) if step + 1 < size else None
+        k_cur, v_cur = kv
+        for qi, qc in enumerate(ids[rank]):
+            qs = slice(qi * chunk, (qi + 1) * chunk)
+            for ki, kc in enumerate(ids[src]):
+                mode = _pair_mode(qc, kc, is_causal)
+                if mode is None:
+                    continue
+                ks = slice(ki * chunk, (ki + 1) * chunk)
+                cu_q, cu_k = pair_view(cu_seqlens, qc * chunk, kc * chunk, chunk)
+                o_p, lse_p = torch.ops.usp.varlen_fwd(
+                    q[qs], k_cur[ks], v_cur[ks], cu_q, cu_k, max_seqlen, max_seqlen, mode == "causal", scale
+                )
+                _merge(out[qs], lse[:, qs], o_p, lse_p.to(acc))
+        if nxt is not None:
+            kv = nxt
+    return out.to(q.dtype), lse.to(_lse_dtype(q.dtype))
+
+
+def _merge(out: Tensor, lse: Tensor, o_p: Tensor, lse_p: Tensor) -> None:
+    """In place: (out, lse) <- the softmax-weighted union of (out, lse) and (o_p, lse_p)."""
+    new = torch.logaddexp(lse, lse_p)
+    safe = new.masked_fill(new == _NEG_INF, 0.0)  # rows with no key so far stay 0 / -inf
+    w_old = torch.exp(lse - safe).transpose(0, 1).unsqueeze(-1)
+    w_new = torch.exp(lse_p - safe).transpose(0, 1).unsqueeze(-1)
+    out.copy_(out * w_old + o_p.to(out.dtype) * w_new)
+    lse.copy_(new)
+
+
+@ring_attn_fwd.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, is_causal, scale, chunk_ids, chunks_per_rank, group_name):
+    t, h, _ = q.shape
+    return q.new_empty(t, h, v.shape[-1]), q.new_empty(h, t, dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("usp::ring_attn_bwd", mutates_args=())
+def ring_attn_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    is_causal: bool,
+    scale: float,
+    chunk_ids: list[int],
+    chunks_per_rank: int,
+    group_name: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Ring attention backward: `(dq, dk, dv)` for this rank's q and its own k/v."""
+    group, size, rank, chunk, ids = _layout(q, chunk_ids, chunks_per_rank, group_name)
+    acc = _lse_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # travels with the visiting k/v
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    k_cur, v_cur = k, v
+    for step in range(size):
+        src = (rank - step) % size
+        for qi, qc in enumerate(ids[rank]):
+            qs = slice(qi * chunk, (qi + 1) * chunk)
+            for ki, kc in enumerate(ids[src]):
+                mode = _pair_mode(qc, kc, is_causal)
+                if mode is None:
+                    continue
+                ks = slice(ki * chunk, (ki + 1) * chunk)
+                cu_q, cu_k = pair_view(cu_seqlens, qc * chunk, kc * chunk, chunk)
+                g_q, g_k, g_v = torch.ops.usp.varlen_bwd(
+                    grad_out[qs],
+                    q[qs],
+                    k_cur[ks],
+                    v_cur[ks],
+                    out[qs],
+                    lse[:, qs],
+                    cu_q,
+                    cu_k,
+                    max_seqlen,
+                    max_seqlen,
+                    mode == "causal",
+                    scale,
+                )
+                dq[qs] += g_q
+                dk[ks] += g_k
+                dv[ks] += g_v
+        if step + 1 < size:
+            k_cur, v_cur, dk, dv = _rotate([k_cur, v_cur, dk, dv], group, rank, size)
+    # After the last step this rank holds the buffers of rank+1's k/v: one more hop carries them home.
+    if size > 1:
+        dk, dv = _rotate([dk, dv], group, rank, size)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@ring_attn_bwd.register_fake
+def _(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens,
+    max_seqlen,
+    is_causal,
+    scale,
+    chunk_ids,
+    chunks_per_rank,
+    group_name,
+):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu, max_seqlen, is_causal, scale, chunk_ids, chunks_per_rank, group_name = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu)
+    ctx.args = (max_seqlen, is_causal, scale, chunk_ids, chunks_per_rank, group_name)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    if grad_lse is not None:
+        raise NotImplementedError(
+            "usp::ring_attn_fwd: a gradient through lse is not supported; use only its out"
+        )
+    q, k, v, out, lse, cu = ctx.saved_tensors
+    if grad_out is None:
+        return (None,) * 10
+    max_seqlen, is_causal, scale, chunk_ids, chunks_per_rank, group_name = ctx.args
+    dq, dk, dv = torch.ops.usp.ring_attn_bwd(
+        grad_out, q, k, v, out, lse, cu, max_seqlen, is_causal, scale, chunk_ids, chunks_per_rank, group_name
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+registry.register_rule(
+    ring_attn_fwd,
+    kind="attention",
+    setup_context=_setup_context,
+    backward=_backward,
+    backward_ops=(ring_attn_bwd,),
+    doc="reverse ring: recompute each pair against the global out/lse, carry dK/dV home",
+)
