@@ -6,6 +6,10 @@ Public entry points:
 - `sdpa_to_usp`: the single function mapping one SDPA call to pack -> varlen -> unpack.
 - `attention_mode`: route every SDPA call in a block through `sdpa_to_usp`.
 - `registry`: the table of backward rules.
+- `trace_train_step` -> `TrainStepGraph`: trace, rewrite, differentiate and verify a train step;
+  `.replay(params, batch, metadata)` with new document boundaries.
+- `find_sites` / `AttentionSite`: every SDPA form in an FX graph as one record.
+- `default_pipeline` / `Pipeline` / `PassResult` / `VerifyError`: the pass pipeline (`usp_graph.passes`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..distributed import all_reduce_sum_ordered, group_timeout
 from ..metadata import AttentionMetadata
 from . import strategies
 from .layout import ChunkLayout
@@ -18,14 +19,9 @@ STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp")
 LOAD_BALANCE = (None, "zigzag")
 
 
-def _ordered_sum(x: Tensor, group, world: int) -> Tensor:
+def _ordered_sum(x: Tensor, group) -> Tensor:
     """Sum over ranks in rank order 0..P-1: bitwise reproducible, unlike a backend's all-reduce."""
-    gathered = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(gathered, x.contiguous(), group=group)
-    total = gathered[0].clone()
-    for g in gathered[1:]:
-        total += g
-    return total
+    return all_reduce_sum_ordered([x], group)[0]
 
 
 class ContextParallel:
@@ -117,13 +113,16 @@ class ContextParallel:
     def _make_subgroups(self, u: int):
         # new_group is collective: every rank creates every subgroup, in the same order.
         ranks = [dist.get_global_rank(self.group, i) for i in range(self.world)]
+        # Subgroups do not inherit the parent's timeout (they would get 30 min): pass it on, so a
+        # failed peer still surfaces within the configured time.
+        timeout = group_timeout(self.group)
         mine_u = mine_r = None
         for i in range(self.world // u):
-            g = dist.new_group([ranks[i * u + j] for j in range(u)])
+            g = dist.new_group([ranks[i * u + j] for j in range(u)], timeout=timeout)
             if self.rank // u == i:
                 mine_u = g
         for j in range(u):
-            g = dist.new_group([ranks[i * u + j] for i in range(self.world // u)])
+            g = dist.new_group([ranks[i * u + j] for i in range(self.world // u)], timeout=timeout)
             if self.rank % u == j:
                 mine_r = g
         return mine_r, mine_u
@@ -215,27 +214,29 @@ class ContextParallel:
         after `reduce_grads`, equals the single-process gradient.
         """
         n = torch.as_tensor(num_tokens, device=loss_sum.device).detach().to(torch.float64)
-        total = _ordered_sum(n, self.group, self.world)
+        total = _ordered_sum(n, self.group)
         return loss_sum / total.to(loss_sum.dtype)
 
     def global_sum(self, x: Tensor) -> Tensor:
         """Sum of a (detached) tensor over the CP ranks, in rank order."""
-        return _ordered_sum(x.detach(), self.group, self.world)
+        return _ordered_sum(x.detach(), self.group)
 
     def reduce_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Sum every parameter's grad over the CP ranks, in place, in rank order (deterministic).
 
         A parameter with no grad on this rank contributes zeros; it gets a grad when any rank has one.
         """
-        params = [p for p in params if p.requires_grad]
-        if not params:
-            return
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        )
-        total = _ordered_sum(flat, self.group, self.world)
-        offset = 0
+        buckets: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
         for p in params:
-            n = p.numel()
-            p.grad = total[offset : offset + n].view_as(p).clone()
-            offset += n
+            if p.requires_grad:
+                buckets.setdefault((p.dtype, p.device), []).append(p)
+        for bucket in buckets.values():  # one collective per dtype/device, in a fixed order
+            flat = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
+            )
+            total = _ordered_sum(flat, self.group)
+            offset = 0
+            for p in bucket:
+                n = p.numel()
+                p.grad = total[offset : offset + n].view_as(p).clone()
+                offset += n

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from .. import registry
-from . import ring, varlen
+from . import collectives, ring, varlen
 
 registry.check_complete()
 
-__all__ = ["ring", "varlen"]
+__all__ = ["collectives", "ring", "varlen"]

@@ -56,16 +56,22 @@ def _pair_mode(qc: int, kc: int, is_causal: bool) -> str | None:
     return None
 
 
-def _rotate(tensors: list[Tensor], group, rank: int, size: int) -> list[Tensor]:
-    """Send to rank+1, receive from rank-1 (ranks within `group`)."""
+def _start_rotate(tensors: list[Tensor], group, rank: int, size: int) -> tuple[list, list[Tensor]]:
+    """Start sending to rank+1 and receiving from rank-1 (ranks within `group`); compute overlaps
+    the transfer until `_finish`."""
     send_to = dist.get_global_rank(group, (rank + 1) % size)
     recv_from = dist.get_global_rank(group, (rank - 1) % size)
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     ops = []
     for t, r in zip(tensors, received, strict=True):
         ops.append(dist.P2POp(dist.isend, t.contiguous(), send_to, group))
         ops.append(dist.P2POp(dist.irecv, r, recv_from, group))
-    for work in dist.batch_isend_irecv(ops):
+    return dist.batch_isend_irecv(ops), received
+
+
+def _finish(pending: tuple[list, list[Tensor]]) -> list[Tensor]:
+    works, received = pending
+    for work in works:
         work.wait()
     return received
 
@@ -106,7 +112,7 @@ def ring_attn_fwd(
     kv = [k, v]
     for step in range(size):
         src = (rank - step) % size
-        nxt = _rotate(kv, group, rank, size) if step + 1 < size else None
+        pending = _start_rotate(kv, group, rank, size) if step + 1 < size else None
         k_cur, v_cur = kv
         for qi, qc in enumerate(ids[rank]):
             qs = slice(qi * chunk, (qi + 1) * chunk)
@@ -120,8 +126,8 @@ def ring_attn_fwd(
                     q[qs], k_cur[ks], v_cur[ks], cu_q, cu_k, max_seqlen, max_seqlen, mode == "causal", scale
                 )
                 _merge(out[qs], lse[:, qs], o_p, lse_p.to(acc))
-        if nxt is not None:
-            kv = nxt
+        if pending is not None:
+            kv = _finish(pending)
     return out.to(q.dtype), lse.to(_lse_dtype(q.dtype))
 
 
@@ -166,6 +172,8 @@ def ring_attn_bwd(
     k_cur, v_cur = k, v
     for step in range(size):
         src = (rank - step) % size
+        # K/V of the next step travel while this step computes; the dK/dV buffers follow after.
+        pending = _start_rotate([k_cur, v_cur], group, rank, size) if step + 1 < size else None
         for qi, qc in enumerate(ids[rank]):
             qs = slice(qi * chunk, (qi + 1) * chunk)
             for ki, kc in enumerate(ids[src]):
@@ -191,11 +199,12 @@ def ring_attn_bwd(
                 dq[qs] += g_q
                 dk[ks] += g_k
                 dv[ks] += g_v
-        if step + 1 < size:
-            k_cur, v_cur, dk, dv = _rotate([k_cur, v_cur, dk, dv], group, rank, size)
-    # After the last step this rank holds the buffers of rank+1's k/v: one more hop carries them home.
-    if size > 1:
-        dk, dv = _rotate([dk, dv], group, rank, size)
+        if pending is not None:
+            k_cur, v_cur = _finish(pending)
+        # The dK/dV buffers move with their K/V; after the last step this rank holds rank+1's,
+        # so the last hop carries them home.
+        if size > 1:
+            dk, dv = _finish(_start_rotate([dk, dv], group, rank, size))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -1,0 +1,225 @@
+"""Context-parallel attention on packed documents over NCCL: correctness and speed per strategy.
+
+# T global packed tokens, H heads, K head dim, P ranks
+
+Run under torchrun on one host (NVLink multicast off, as the device README asks):
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+    torchrun --nproc-per-node 2 tools/bench_cp_gpu.py --json $OUT/cp.json
+Smoke test of the logic on CPU (gloo, tiny shapes):
+    torchrun --nproc-per-node 2 tools/bench_cp_gpu.py --device cpu --quick
+
+For each strategy x shape: every rank computes the single-device reference on the same global
+inputs (usp's varlen path), then the CP call on its shard; out and dq/dk/dv are compared shard by
+shard (rel err, bf16 tolerance 2e-2), then fwd+bwd is timed (median, CUDA events, barrier per rep).
+Per-GPU efficiency = t_single / (P * t_cp). Bytes sent per rank per attention call are computed
+from the strategy's collectives and shapes (fwd + bwd).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from usp_graph import AttentionMetadata, ContextParallel, sdpa_to_usp  # noqa: E402
+
+STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp")
+
+
+def doc_lengths(total: int, mean: float, sigma: float, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    mu = math.log(mean) - sigma**2 / 2
+    lens: list[int] = []
+    while sum(lens) < total:
+        n = int(torch.empty(1).log_normal_(mu, sigma, generator=gen).clamp(min=1).item())
+        lens.append(min(n, total - sum(lens)))
+    return lens
+
+
+def useful_flops(lens: list[int], h: int, k: int, causal: bool) -> float:
+    fwd = sum(4 * (n * (n + 1) / 2 if causal else n * n) * h * k for n in lens)
+    return 3.5 * fwd
+
+
+def comm_bytes(strategy: str, t: int, h: int, g: int, k: int, p: int, u: int, elt: int) -> int:
+    """Bytes one rank sends per attention call, forward + backward."""
+    tl = t // p
+    if strategy == "allgather_kv":  # fwd: all-gather K, V; bwd: reduce-scatter dK, dV
+        return 2 * 2 * (p - 1) * tl * g * k * elt
+    if strategy == "ulysses":  # fwd: q, k, v, out all-to-all; bwd: the four adjoints
+        return 2 * (p - 1) * tl * (2 * h + 2 * g) * k * elt // p
+    if strategy == "ring":  # fwd: P-1 K/V hops; bwd: P-1 K/V hops + P dK/dV hops (fp32 buffers)
+        return (p - 1) * 2 * tl * g * k * elt * 2 + p * 2 * tl * g * k * 4
+    r = p // u  # usp: ulysses inside u, ring across r with u*tl tokens of g/u heads
+    uly = 2 * (u - 1) * tl * (2 * h + 2 * g) * k * elt // u
+    ring_t = tl * u
+    ring = (r - 1) * 2 * ring_t * (g // u) * k * elt * 2 + (r if r > 1 else 0) * 2 * ring_t * (g // u) * k * 4
+    return uly + ring
+
+
+def fwd_bwd(tensors, causal, meta, cp):
+    """One attention call forward + backward on (q, k, v, grad_out): (out, dq, dk, dv)."""
+    q, k, v = (x.detach().requires_grad_() for x in tensors[:3])
+    out = sdpa_to_usp(q, k, v, is_causal=causal, metadata=meta, cp=cp)
+    out.backward(tensors[3])
+    return out, q.grad, k.grad, v.grad
+
+
+def timed(fn, reps: int, device: torch.device) -> float:
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="65536,131072,262144")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--doc-mean", type=float, default=2048)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.heads, args.head_dim, args.doc_mean, args.reps = "256", 4, 16, 40, 2
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if args.device == "cuda":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=120))
+        dtype = torch.bfloat16
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        dtype = torch.float32
+    h, k = args.heads, args.head_dim
+    rows = []
+    if rank == 0:
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        print(
+            f"# CP attention: torch {torch.__version__}, {world} x {name}, {dtype}, H={h} K={k}", flush=True
+        )
+    for total in [int(x) for x in args.tokens.split(",")]:
+        lens = doc_lengths(total, args.doc_mean, 1.0, seed=total)
+        meta = AttentionMetadata.from_lengths(lens, max_docs=len(lens) + 8, device=device)
+        for causal in (True, False):
+            gen = torch.Generator(device=device).manual_seed(total + causal)
+            q, kk, v, go = (
+                torch.randn(1, h, total, k, generator=gen, device=device, dtype=dtype) for _ in range(4)
+            )
+            flops = useful_flops(lens, h, k, causal)
+
+            single = functools.partial(fwd_bwd, (q, kk, v, go), causal, meta, None)
+
+            torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+            ref = single()
+            t_single = timed(single, args.reps, device)
+            del ref
+            for strategy in args.strategies.split(","):
+                for lb in (None, "zigzag") if causal else (None,):
+                    kw = {"ulysses_degree": 2 if world >= 4 else 1} if strategy == "usp" else {}
+                    cp = ContextParallel(strategy, load_balance=lb, **kw)
+                    shards = [cp.shard(x, 2).contiguous() for x in (q, kk, v, go)]
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+
+                    step = functools.partial(fwd_bwd, shards, causal, meta, cp)
+
+                    try:
+                        got = step()
+                        ref = single()
+                        errs = [rel(a, cp.shard(b, 2)) for a, b in zip(got, ref, strict=True)]
+                        del got, ref
+                        t_cp = timed(step, args.reps, device)
+                        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+                        row = {
+                            "tokens": total,
+                            "docs": len(lens),
+                            "causal": causal,
+                            "strategy": strategy,
+                            "load_balance": lb,
+                            "world": world,
+                            "max_rel_err": max(errs),
+                            "ok": max(errs) < (2e-2 if dtype == torch.bfloat16 else 1e-4),
+                            "ms_single": t_single,
+                            "ms_cp": t_cp,
+                            "tflops_per_gpu_single": flops / t_single / 1e9,
+                            "tflops_per_gpu_cp": flops / world / t_cp / 1e9,
+                            "efficiency": t_single / (world * t_cp),
+                            "peak_gib_rank": peak,
+                            "bytes_sent_rank": comm_bytes(
+                                strategy, total, h, h, k, world, kw.get("ulysses_degree", 1), q.element_size()
+                            ),
+                        }
+                    except Exception as e:  # report and go on with the other strategies
+                        row = {
+                            "tokens": total,
+                            "causal": causal,
+                            "strategy": strategy,
+                            "load_balance": lb,
+                            "ok": False,
+                            "error": f"{type(e).__name__}: {e}"[:300],
+                        }
+                    rows.append(row)
+                    if rank == 0:
+                        print(json.dumps(row), flush=True)
+    if rank == 0:
+        print(
+            "\n| tokens | docs | mode | strategy | lb | check | ms 1 GPU | ms CP | TFLOP/s/GPU 1 | TFLOP/s/GPU CP | eff | peak GiB/rank | MB sent/rank |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            if "error" in r:
+                print(
+                    f"| {r['tokens']} | | {'causal' if r['causal'] else 'bi'} | {r['strategy']} | {r['load_balance']} | ERROR {r['error'][:60]} |"
+                )
+                continue
+            print(
+                f"| {r['tokens']} | {r['docs']} | {'causal' if r['causal'] else 'bi'} | {r['strategy']} | {r['load_balance']} "
+                f"| {'PASS' if r['ok'] else 'FAIL'} {r['max_rel_err']:.1e} | {r['ms_single']:.2f} | {r['ms_cp']:.2f} "
+                f"| {r['tflops_per_gpu_single']:.0f} | {r['tflops_per_gpu_cp']:.0f} | {r['efficiency']:.2f} "
+                f"| {r['peak_gib_rank']:.2f} | {r['bytes_sent_rank'] / 1e6:.0f} |"
+            )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"torch": torch.__version__, "world": world, "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

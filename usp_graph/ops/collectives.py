@@ -1,0 +1,395 @@
+"""Context-parallel collectives: the ``usp::all_to_all``, ``usp::all_gather``, ``usp::reduce_scatter`` ops.
+
+# P ranks in the group, r this rank, B batch, H heads, L sequence, K head dim
+
+Each op takes its process group as a name (`usp_graph.distributed.group_name`), so a graph holding
+it can be serialized and replayed. Every op is linear and its backward rule is its adjoint *op*, so a
+traced joint graph shows the adjoint collective as a node:
+
+    all_to_all(x, sd, gd, ss, gs)   --backward-->  all_to_all(dy, gd, sd, gs, ss)
+    all_gather(x, dim)              --backward-->  reduce_scatter(dy, dim)
+    reduce_scatter(x, dim)          --backward-->  all_gather(dy, dim)
+
+Semantics (rank r of P):
+- all_to_all: split x along scatter_dim into P pieces of ``scatter_sizes`` (piece j goes to rank j),
+  receive one piece from every rank j and concatenate them along gather_dim in rank order. The
+  piece from rank j is ``gather_sizes[j]`` long along gather_dim and, when scatter_dim != gather_dim,
+  ``scatter_sizes[r]`` long along scatter_dim; so with distinct dims every rank passes the same
+  (global) ``scatter_sizes`` and ``gather_sizes[r] == x.shape[gather_dim]``, while with equal dims
+  ``gather_sizes[j]`` is what rank j's ``scatter_sizes[r]`` says. The Ulysses pattern is
+  ``x_BHlK -> x_BhLK`` (scatter heads, gather sequence) and back with the dims and sizes swapped.
+- all_gather: concatenate every rank's x (same shape everywhere) along dim in rank order.
+- reduce_scatter: sum x over ranks and keep this rank's chunk (x.shape[dim] / P) along dim.
+
+Determinism: all_to_all and all_gather only move data. reduce_scatter receives every rank's chunk
+(an all_to_all) and adds them in rank order 0..P-1 on each rank, so its bits do not depend on the
+backend's reduction order (gloo's reduce_scatter/all_reduce pick their own).
+
+Implementation: ``torch.distributed.all_to_all_single`` / ``all_gather_into_tensor`` on flat,
+contiguous buffers (both work on gloo and NCCL, even and uneven); each piece is sent laid out with
+gather_dim first, so the received buffer is already the concatenation along gather_dim. Outputs are
+contiguous (the fake impls promise that layout). A backend failure (a peer raised, exited, or did
+not arrive within the group's timeout) becomes `usp_graph.distributed.CollectiveError`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .. import registry
+from ..distributed import all_gather_into, ordered_sum, resolve_group, run_collective
+from ..distributed import group_name as _group_name
+
+__all__ = [
+    "all_gather",
+    "all_gather_op",
+    "all_to_all",
+    "all_to_all_op",
+    "reduce_scatter",
+    "reduce_scatter_op",
+]
+
+IntLike = int | torch.SymInt
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument checks, shared by the public wrappers and the real kernels (an op called directly is
+# checked too). They run before any communication, so a bad argument never reaches the backend.
+
+
+def _norm_dim(name: str, dim: object, ndim: int) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{name} must be an int, got {type(dim).__name__}")
+    if not -ndim <= dim < ndim:
+        valid = f"{-ndim}..{ndim - 1}" if ndim else "none: x is 0-dimensional"
+        raise ValueError(f"{name}={dim} is out of range for x with {ndim} dims (valid: {valid})")
+    return dim % ndim
+
+
+def _check_sizes(name: str, sizes: object, world: int) -> list[IntLike]:
+    if isinstance(sizes, (Tensor, str)) or not isinstance(sizes, Sequence):
+        raise TypeError(f"{name} must be a list of ints (one per rank), got {type(sizes).__name__}")
+    sizes = list(sizes)
+    if len(sizes) != world:
+        raise ValueError(
+            f"{name} has {len(sizes)} entries but the group has {world} ranks; give one per rank"
+        )
+    for i, s in enumerate(sizes):
+        if isinstance(s, bool) or not isinstance(s, (int, torch.SymInt)):
+            raise TypeError(f"{name}[{i}] must be an int, got {type(s).__name__}")
+        if isinstance(s, int) and s < 0:
+            raise ValueError(f"{name}[{i}] must be >= 0, got {s}")
+    return sizes
+
+
+def _check_eq(lhs: IntLike, rhs: IntLike, message: str) -> None:
+    if isinstance(lhs, int) and isinstance(rhs, int):
+        if lhs != rhs:
+            raise ValueError(message)
+    else:  # symbolic sizes while tracing: a guard/runtime assert instead of a Python bool
+        torch._check(lhs == rhs, lambda: message)
+
+
+def _check_tensor(x: object) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
+
+
+def _check_group_size(group_size: object, pg: dist.ProcessGroup) -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+    if group_size != pg.size():
+        raise ValueError(f"group_size={group_size} but process group {pg.group_name!r} has {pg.size()} ranks")
+
+
+def _check_all_to_all(
+    x: Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    scatter_sizes: Sequence[IntLike],
+    gather_sizes: Sequence[IntLike],
+    world: int,
+    rank: int,
+) -> tuple[int, int, list[IntLike], list[IntLike]]:
+    _check_tensor(x)
+    sd = _norm_dim("scatter_dim", scatter_dim, x.dim())
+    gd = _norm_dim("gather_dim", gather_dim, x.dim())
+    ss = _check_sizes("scatter_sizes", scatter_sizes, world)
+    gs = _check_sizes("gather_sizes", gather_sizes, world)
+    _check_eq(
+        sum(ss),
+        x.shape[sd],
+        f"scatter_sizes {ss} sum to {sum(ss)} but x has {x.shape[sd]} along scatter_dim={sd} "
+        f"(x shape {tuple(x.shape)})",
+    )
+    if sd != gd:
+        _check_eq(
+            gs[rank],
+            x.shape[gd],
+            f"gather_sizes[{rank}] (this rank's own piece) is {gs[rank]} but x has {x.shape[gd]} along "
+            f"gather_dim={gd} (x shape {tuple(x.shape)}); gather_sizes lists every rank's length along gather_dim",
+        )
+    return sd, gd, ss, gs
+
+
+def _all_to_all_shape(
+    shape: Sequence[IntLike], sd: int, gd: int, ss: Sequence[IntLike], gs: Sequence[IntLike], group_name: str
+) -> list[IntLike]:
+    out = list(shape)
+    if sd != gd:
+        if all(statically_known_true(s == ss[0]) for s in ss):
+            out[sd] = ss[0]  # even split: no need to know the rank (fake tracing without a group works)
+        else:
+            out[sd] = ss[resolve_group(group_name).rank()]
+    out[gd] = sum(gs)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The ops.
+
+
+@torch.library.custom_op(
+    "usp::all_to_all",
+    mutates_args=(),
+    schema="(Tensor x, int scatter_dim, int gather_dim, SymInt[] scatter_sizes, SymInt[] gather_sizes, "
+    "str group_name) -> Tensor",
+)
+def all_to_all_op(
+    x: Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    scatter_sizes: Sequence[int],
+    gather_sizes: Sequence[int],
+    group_name: str,
+) -> Tensor:
+    """All-to-all along (scatter_dim, gather_dim) with per-rank sizes. See the module docstring."""
+    pg = resolve_group(group_name)
+    rank = pg.rank()
+    sd, gd, ss, gs = _check_all_to_all(
+        x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, pg.size(), rank
+    )
+    out_shape = _all_to_all_shape(x.shape, sd, gd, ss, gs, group_name)
+    if sd == gd:  # pieces are consecutive rows once the dim is in front
+        send = x.movedim(gd, 0).contiguous().view(-1)
+        row_in = math.prod(x.shape[d] for d in range(x.dim()) if d != gd)
+        send_splits = [s * row_in for s in ss]
+    else:  # each piece laid out gather_dim first, so the receiver's buffer is the concatenation
+        pieces = x.split(ss, dim=sd)
+        send = torch.cat([p.movedim(gd, 0).reshape(-1) for p in pieces])
+        send_splits = [p.numel() for p in pieces]
+    rest = [out_shape[d] for d in range(x.dim()) if d != gd]
+    row = math.prod(rest)
+    recv = x.new_empty(sum(gs) * row)
+    run_collective(
+        "usp::all_to_all",
+        pg,
+        lambda: dist.all_to_all_single(recv, send, [g * row for g in gs], send_splits, group=pg),
+    )
+    return recv.view(sum(gs), *rest).movedim(0, gd).contiguous()
+
+
+@all_to_all_op.register_fake
+def _(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group_name):
+    sd = _norm_dim("scatter_dim", scatter_dim, x.dim())
+    gd = _norm_dim("gather_dim", gather_dim, x.dim())
+    return x.new_empty(_all_to_all_shape(x.shape, sd, gd, scatter_sizes, gather_sizes, group_name))
+
+
+@torch.library.custom_op(
+    "usp::all_gather",
+    mutates_args=(),
+    schema="(Tensor x, int dim, int group_size, str group_name) -> Tensor",
+)
+def all_gather_op(x: Tensor, dim: int, group_size: int, group_name: str) -> Tensor:
+    """Concatenate every rank's x along dim in rank order."""
+    pg = resolve_group(group_name)
+    _check_tensor(x)
+    d = _norm_dim("dim", dim, x.dim())
+    _check_group_size(group_size, pg)
+    x_m = x.movedim(d, 0).contiguous()
+    out = x_m.new_empty((group_size * x_m.shape[0], *x_m.shape[1:]))
+    if x.numel():  # every rank has the same shape, so all skip together
+        run_collective("usp::all_gather", pg, lambda: all_gather_into(out, x_m, pg))
+    return out.movedim(0, d).contiguous()
+
+
+@all_gather_op.register_fake
+def _(x, dim, group_size, group_name):
+    d = _norm_dim("dim", dim, x.dim())
+    shape = list(x.shape)
+    shape[d] = shape[d] * group_size
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op(
+    "usp::reduce_scatter",
+    mutates_args=(),
+    schema="(Tensor x, int dim, int group_size, str group_name) -> Tensor",
+)
+def reduce_scatter_op(x: Tensor, dim: int, group_size: int, group_name: str) -> Tensor:
+    """Sum x over ranks (in rank order) and keep this rank's chunk along dim."""
+    pg = resolve_group(group_name)
+    _check_tensor(x)
+    d = _norm_dim("dim", dim, x.dim())
+    _check_group_size(group_size, pg)
+    if x.shape[d] % group_size:
+        raise ValueError(
+            f"x has {x.shape[d]} along dim={d}, not divisible by the group's {group_size} ranks "
+            f"(x shape {tuple(x.shape)})"
+        )
+    x_m = x.movedim(d, 0).contiguous()  # chunk j (rows j*n:(j+1)*n) goes to rank j
+    recv = torch.empty_like(x_m)
+    if x.numel():
+        run_collective("usp::reduce_scatter", pg, lambda: dist.all_to_all_single(recv, x_m, group=pg))
+    parts = recv.view(group_size, x_m.shape[0] // group_size, *x_m.shape[1:]).unbind(0)
+    return ordered_sum(parts).movedim(0, d).contiguous()
+
+
+@reduce_scatter_op.register_fake
+def _(x, dim, group_size, group_name):
+    d = _norm_dim("dim", dim, x.dim())
+    shape = list(x.shape)
+    shape[d] = shape[d] // group_size
+    return x.new_empty(shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward rules: each is the adjoint op.
+
+
+def _all_to_all_setup(ctx, inputs, output):
+    _, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group_name = inputs
+    ctx.args = (scatter_dim, gather_dim, scatter_sizes, gather_sizes, group_name)
+
+
+def _all_to_all_backward(ctx, grad):
+    scatter_dim, gather_dim, scatter_sizes, gather_sizes, group_name = ctx.args
+    dx = torch.ops.usp.all_to_all(grad, gather_dim, scatter_dim, gather_sizes, scatter_sizes, group_name)
+    return dx, None, None, None, None, None
+
+
+def _dim_group_setup(ctx, inputs, output):
+    _, dim, group_size, group_name = inputs
+    ctx.args = (dim, group_size, group_name)
+
+
+def _all_gather_backward(ctx, grad):
+    return torch.ops.usp.reduce_scatter(grad, *ctx.args), None, None, None
+
+
+def _reduce_scatter_backward(ctx, grad):
+    return torch.ops.usp.all_gather(grad, *ctx.args), None, None, None
+
+
+registry.register_rule(
+    all_to_all_op,
+    kind="collective",
+    setup_context=_all_to_all_setup,
+    backward=_all_to_all_backward,
+    backward_ops=(all_to_all_op,),
+    adjoint=all_to_all_op,
+    doc="all_to_all with scatter/gather dims and sizes swapped",
+)
+registry.register_rule(
+    all_gather_op,
+    kind="collective",
+    setup_context=_dim_group_setup,
+    backward=_all_gather_backward,
+    backward_ops=(reduce_scatter_op,),
+    adjoint=reduce_scatter_op,
+    doc="reduce_scatter (sum over ranks, in rank order) along the gathered dim",
+)
+registry.register_rule(
+    reduce_scatter_op,
+    kind="collective",
+    setup_context=_dim_group_setup,
+    backward=_reduce_scatter_backward,
+    backward_ops=(all_gather_op,),
+    adjoint=all_gather_op,
+    doc="all_gather along the scattered dim",
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public wrappers.
+
+
+@torch.compiler.assume_constant_result
+def _group_info(group: dist.ProcessGroup | str | None) -> tuple[str, int, int]:
+    """(name, size, this rank's index) of `group`. A constant to Dynamo, so the wrappers trace with
+    ``fullgraph=True`` (it cannot trace the group lookup itself)."""
+    name = _group_name(group)
+    pg = resolve_group(name)
+    return name, pg.size(), pg.rank()
+
+
+def all_to_all(
+    x: Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    *,
+    scatter_sizes: Sequence[int] | None = None,
+    gather_sizes: Sequence[int] | None = None,
+    group: dist.ProcessGroup | str | None = None,
+) -> Tensor:
+    """Scatter x along `scatter_dim` to the ranks of `group`, gather their pieces along `gather_dim`.
+
+    Ulysses: ``all_to_all(x_BHlK, 1, 2)`` -> x_BhLK (h = H/P, L = P*l), and
+    ``all_to_all(x_BhLK, 2, 1)`` back. `scatter_sizes` (one per rank) default to an even split;
+    `gather_sizes` default to every rank having x's shape and the same split (with distinct dims:
+    ``[x.shape[gather_dim]] * P``; with equal dims: ``[scatter_sizes[r]] * P``). Pass both for
+    uneven layouts; the module docstring says how they must agree across ranks. `group`: a
+    ProcessGroup, its name, or None for the default group. Differentiable (backward: the same
+    all-to-all with dims and sizes swapped).
+    """
+    _check_tensor(x)
+    name, world, rank = _group_info(group)
+    sd = _norm_dim("scatter_dim", scatter_dim, x.dim())
+    gd = _norm_dim("gather_dim", gather_dim, x.dim())
+    if scatter_sizes is None:
+        n = x.shape[sd]
+        if n % world != 0:
+            raise ValueError(
+                f"x has {n} along scatter_dim={sd}, not divisible by the group's {world} ranks; pass "
+                "scatter_sizes (and gather_sizes) for an uneven split"
+            )
+        scatter_sizes = [n // world] * world
+    ss = _check_sizes("scatter_sizes", scatter_sizes, world)
+    if gather_sizes is None:
+        gather_sizes = [x.shape[gd]] * world if sd != gd else [ss[rank]] * world
+    sd, gd, ss, gs = _check_all_to_all(x, sd, gd, ss, gather_sizes, world, rank)
+    return torch.ops.usp.all_to_all(x, sd, gd, ss, gs, name)
+
+
+def all_gather(x: Tensor, dim: int, *, group: dist.ProcessGroup | str | None = None) -> Tensor:
+    """Concatenate every rank's x (same shape on all ranks) along `dim` in rank order.
+
+    Differentiable (backward: reduce_scatter of the gradient, summed over ranks in rank order).
+    """
+    _check_tensor(x)
+    name, world, _ = _group_info(group)
+    d = _norm_dim("dim", dim, x.dim())
+    return torch.ops.usp.all_gather(x, d, world, name)
+
+
+def reduce_scatter(x: Tensor, dim: int, *, group: dist.ProcessGroup | str | None = None) -> Tensor:
+    """Sum x over the ranks of `group` (in rank order) and return this rank's chunk along `dim`.
+
+    x.shape[dim] must be divisible by the group size. Differentiable (backward: all_gather).
+    """
+    _check_tensor(x)
+    name, world, _ = _group_info(group)
+    d = _norm_dim("dim", dim, x.dim())
+    n = x.shape[d]
+    if isinstance(n, int) and n % world:
+        raise ValueError(
+            f"x has {n} along dim={d}, not divisible by the group's {world} ranks (x shape {tuple(x.shape)})"
+        )
+    return torch.ops.usp.reduce_scatter(x, d, world, name)
