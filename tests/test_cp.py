@@ -324,3 +324,52 @@ def _raise_mid_step(rank: int, world: int) -> None:
 def test_a_rank_that_raises_makes_the_others_fail_not_hang():
     with pytest.raises(Exception, match="rank 1 fails before its collective"):
         run_ranks(_raise_mid_step, 2, timeout=60, pg_timeout=5)
+
+
+# ---- communication volume -------------------------------------------------------------------------
+
+
+def _bytes_cases(rank: int, world: int) -> list[tuple]:
+    from usp_graph import AttentionMetadata, sdpa_to_usp
+    from usp_graph.cp.cost import bytes_sent
+    from usp_graph.distributed import count_bytes_sent
+
+    rows = []
+    for strategy in STRATEGIES:
+        for h, g, dtype in ((4, 2, torch.float32), (6, 2, torch.float64), (4, 4, torch.float32)):
+            if strategy in ("ulysses", "usp") and h % world and world > 2:
+                continue
+            cp = _make_cp(strategy, world, False)
+            length = 8 * world
+            meta = AttentionMetadata.from_lengths([5, length - 5])
+            q = torch.randn(1, h, length // world, 8, dtype=dtype, requires_grad=True)
+            k = torch.randn(1, g, length // world, 8, dtype=dtype, requires_grad=True)
+            with count_bytes_sent() as fwd:
+                out = sdpa_to_usp(q, k, k, is_causal=True, enable_gqa=True, metadata=meta, cp=cp)
+            with count_bytes_sent() as both:
+                out.sum().backward()
+            both = {n: both.get(n, 0) + fwd.get(n, 0) for n in set(both) | set(fwd)}
+            kw = dict(
+                tokens=length, heads=h, kv_heads=g, head_dim=8, world=world, element_size=q.element_size()
+            )
+            u = cp.ulysses_degree if strategy == "usp" else 1
+            rows.append(
+                (
+                    strategy,
+                    h,
+                    g,
+                    sum(fwd.values()),
+                    bytes_sent(strategy, ulysses_degree=u, backward=False, **kw),
+                    sum(both.values()),
+                    bytes_sent(strategy, ulysses_degree=u, **kw),
+                )
+            )
+    return rows
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bytes_sent_per_rank_match_the_cost_model(world):
+    for rows in run_ranks(_bytes_cases, world):
+        for strategy, h, g, fwd, fwd_model, both, both_model in rows:
+            assert fwd > 0 or (strategy == "usp" and world == 2), (strategy, h, g)
+            assert (fwd, both) == (fwd_model, both_model), (strategy, h, g)

@@ -17,8 +17,9 @@ After such an error the group is unusable: tear the job down.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -172,3 +173,27 @@ def all_reduce_sum_ordered(
         for i, piece in zip(idx, total.split([tensors[i].numel() for i in idx]), strict=True):
             out[i] = piece.view(tensors[i].shape)
     return out
+
+
+# ---- communication accounting ---------------------------------------------------------------------
+
+_BYTE_COUNTERS: list[dict[str, int]] = []
+
+
+@contextlib.contextmanager
+def count_bytes_sent() -> Iterator[dict[str, int]]:
+    """Count the bytes this rank sends to other ranks inside the block, per usp op.
+
+    Filled by the ops themselves (all-to-all: the pieces for other ranks; all-gather: the shard to
+    each of the P-1 others; reduce-scatter: the P-1 chunks for others; ring: every hop's tensors)."""
+    counts: dict[str, int] = {}
+    _BYTE_COUNTERS.append(counts)
+    try:
+        yield counts
+    finally:
+        _BYTE_COUNTERS.remove(counts)
+
+
+def record_sent(op_name: str, nbytes: int) -> None:
+    for counts in _BYTE_COUNTERS:
+        counts[op_name] = counts.get(op_name, 0) + int(nbytes)

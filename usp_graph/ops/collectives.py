@@ -43,7 +43,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import registry
-from ..distributed import all_gather_into, ordered_sum, resolve_group, run_collective
+from ..distributed import all_gather_into, ordered_sum, record_sent, resolve_group, run_collective
 from ..distributed import group_name as _group_name
 
 __all__ = [
@@ -187,6 +187,7 @@ def all_to_all_op(
     rest = [out_shape[d] for d in range(x.dim()) if d != gd]
     row = math.prod(rest)
     recv = x.new_empty(sum(gs) * row)
+    record_sent("usp::all_to_all", (sum(send_splits) - send_splits[rank]) * x.element_size())
     run_collective(
         "usp::all_to_all",
         pg,
@@ -216,6 +217,7 @@ def all_gather_op(x: Tensor, dim: int, group_size: int, group_name: str) -> Tens
     x_m = x.movedim(d, 0).contiguous()
     out = x_m.new_empty((group_size * x_m.shape[0], *x_m.shape[1:]))
     if x.numel():  # every rank has the same shape, so all skip together
+        record_sent("usp::all_gather", x.numel() * x.element_size() * (group_size - 1))
         run_collective("usp::all_gather", pg, lambda: all_gather_into(out, x_m, pg))
     return out.movedim(0, d).contiguous()
 
@@ -247,6 +249,7 @@ def reduce_scatter_op(x: Tensor, dim: int, group_size: int, group_name: str) -> 
     x_m = x.movedim(d, 0).contiguous()  # chunk j (rows j*n:(j+1)*n) goes to rank j
     recv = torch.empty_like(x_m)
     if x.numel():
+        record_sent("usp::reduce_scatter", x.numel() * x.element_size() * (group_size - 1) // group_size)
         run_collective("usp::reduce_scatter", pg, lambda: dist.all_to_all_single(recv, x_m, group=pg))
     parts = recv.view(group_size, x_m.shape[0] // group_size, *x_m.shape[1:]).unbind(0)
     return ordered_sum(parts).movedim(0, d).contiguous()

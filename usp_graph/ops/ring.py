@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import registry
+from ..distributed import record_sent
 from .varlen import _lse_dtype
 
 __all__ = ["ring_attn_fwd", "ring_attn_bwd", "pair_view"]
@@ -62,6 +63,7 @@ def _start_rotate(tensors: list[Tensor], group, rank: int, size: int) -> tuple[l
     send_to = dist.get_global_rank(group, (rank + 1) % size)
     recv_from = dist.get_global_rank(group, (rank - 1) % size)
     received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    record_sent("usp::ring_attn", sum(t.numel() * t.element_size() for t in tensors))
     ops = []
     for t, r in zip(tensors, received, strict=True):
         ops.append(dist.P2POp(dist.isend, t.contiguous(), send_to, group))

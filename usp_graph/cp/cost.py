@@ -1,0 +1,91 @@
+"""Bytes each rank sends per attention call, per strategy (what the ops send, and a lower bound).
+
+# T global tokens, H query heads, G key/value heads, K head dim, P CP ranks, U Ulysses degree
+
+`bytes_sent` is what usp's ops send (the test suite checks it against `count_bytes_sent`); the
+inspect CLI and the benchmarks use it. `document_lower_bound` is the K/V traffic an exact
+attention needs at least when only documents that span ranks force communication.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["bytes_sent", "document_lower_bound"]
+
+
+def _kv_heads_after_split(h: int, g: int, degree: int) -> int:
+    # Mirrors strategies._ulysses_heads: KV heads are replicated to H unless the degree divides both.
+    if g == h or (h % degree == 0 and g % degree == 0):
+        return g
+    return h
+
+
+def bytes_sent(
+    strategy: str,
+    *,
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    world: int,
+    element_size: int,
+    ulysses_degree: int = 1,
+    backward: bool = True,
+) -> int:
+    """Bytes one rank sends for one attention call (forward, plus backward when `backward`)."""
+    p, k, e = world, head_dim, element_size
+    tl = tokens // p
+    acc = 8 if e == 8 else 4  # ring dK/dV buffers accumulate in fp32 (fp64 for fp64)
+    passes = 2 if backward else 1
+    if strategy == "allgather_kv":  # all-gather K, V; backward reduce-scatters dK, dV
+        return passes * 2 * (p - 1) * tl * kv_heads * k * e
+    if strategy == "ulysses":
+        g = _kv_heads_after_split(heads, kv_heads, p)
+        return passes * (p - 1) * tl * (2 * heads + 2 * g) * k * e // p
+    if strategy == "ring":
+        return _ring(p, tl, kv_heads, k, e, acc, backward)
+    if strategy == "usp":
+        u = ulysses_degree
+        g = _kv_heads_after_split(heads, kv_heads, u)
+        uly = passes * (u - 1) * tl * (2 * heads + 2 * g) * k * e // u
+        return uly + _ring(p // u, tl * u, g // u, k, e, acc, backward)
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def _ring(r: int, tl: int, g: int, k: int, e: int, acc: int, backward: bool) -> int:
+    if r == 1:
+        return 0
+    fwd = (r - 1) * 2 * tl * g * k * e  # K, V hop R-1 times
+    if not backward:
+        return fwd
+    return 2 * fwd + r * 2 * tl * g * k * acc  # K, V again, and dK, dV R hops (the last one home)
+
+
+def document_lower_bound(
+    cu_seqlens: torch.Tensor,
+    *,
+    world: int,
+    kv_heads: int,
+    head_dim: int,
+    element_size: int,
+    is_causal: bool,
+    backward: bool = True,
+) -> int:
+    """Mean over ranks of the K/V bytes a rank must receive (contiguous shards): keys of its
+    queries' documents held by other ranks (earlier keys only, when causal). Backward returns as
+    many dK/dV bytes. Documents inside one shard need no communication at all."""
+    cu = cu_seqlens.tolist()
+    total = cu[-1]
+    tl = total // world
+    need = 0
+    for r in range(world):
+        qa, qb = r * tl, (r + 1) * tl
+        for s, e in zip(cu[:-1], cu[1:], strict=True):
+            lo, hi = max(s, qa), min(e, qb)
+            if lo >= hi:
+                continue  # no query of this rank in the document
+            key_end = hi if is_causal else e
+            need += (key_end - s) - (min(key_end, qb) - max(s, qa))  # keys outside this shard
+    per_rank = need * 2 * kv_heads * head_dim * element_size / world
+    return int(per_rank * (2 if backward else 1))
