@@ -19,7 +19,10 @@ from .cp import ContextParallel
 from .metadata import AttentionMetadata
 from .mode import attention_mode
 from .ops.varlen import varlen_attn
+from .passes import PassResult, Pipeline, VerifyError, default_pipeline
 from .sdpa import sdpa_to_usp
+from .sites import AttentionSite, find_sites
+from .trace import TrainStepGraph, trace_train_step
 
 __version__ = "0.1.0"
 
@@ -31,4 +34,12 @@ __all__ = [
     "sdpa_to_usp",
     "varlen_attn",
     "__version__",
+    "AttentionSite",
+    "find_sites",
+    "PassResult",
+    "Pipeline",
+    "VerifyError",
+    "default_pipeline",
+    "TrainStepGraph",
+    "trace_train_step",
 ]

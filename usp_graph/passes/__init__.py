@@ -1,0 +1,57 @@
+"""Graph passes: rewrite SDPA into varlen attention, differentiate, verify.
+
+The default pipeline (``print(default_pipeline())``):
+
+1. ``rewrite_sdpa``: each SDPA site -> `sdpa_to_usp` re-traced in place (`rewrite.py`);
+2. ``joint``: the train-step graph, backward from the ops' registered rules (`joint.py`);
+3. ``verify``: no unreported SDPA, every usp op has a rule, every forward op its backward, every
+   trainable parameter a gradient (`verify.py`).
+"""
+
+from __future__ import annotations
+
+from .base import PASS_META, Pass, PassContext, PassResult, Pipeline, PipelineRun, graph_text, tag_nodes
+from .joint import build_joint, joint_pass
+from .rewrite import metadata_inputs, rewrite_pass, rewrite_sdpa
+from .verify import VerifyError, verify, verify_pass
+
+__all__ = [
+    "PASS_META",
+    "Pass",
+    "PassContext",
+    "PassResult",
+    "Pipeline",
+    "PipelineRun",
+    "VerifyError",
+    "build_joint",
+    "default_pipeline",
+    "graph_text",
+    "metadata_inputs",
+    "rewrite_sdpa",
+    "tag_nodes",
+    "verify",
+]
+
+
+def default_pipeline() -> Pipeline:
+    """rewrite_sdpa -> joint -> verify."""
+    return Pipeline(
+        [
+            Pass(
+                "rewrite_sdpa",
+                rewrite_pass,
+                "SDPA -> pack -> usp::varlen_fwd -> unpack (sdpa_to_usp); metadata as graph inputs",
+            ),
+            Pass(
+                "joint",
+                joint_pass,
+                "forward -> forward + backward from the ops' registered autograd rules",
+                required=True,
+            ),
+            Pass(
+                "verify",
+                verify_pass,
+                "no unreported SDPA; usp ops have rules; backward/adjoint present; all grads",
+            ),
+        ]
+    )

@@ -1,0 +1,233 @@
+"""The rewrite: each SDPA site -> `sdpa_to_usp`, re-traced in place.
+
+# B batch, H query heads, G key/value heads, L sequence, K head dim, T packed tokens, N documents
+
+Nothing here decides an op sequence: the ops that replace a site are whatever `sdpa_to_usp` runs
+on the site's fake inputs (make_fx, pre-dispatch, symbolic), inlined. Eager `attention_mode` calls
+the same function, which is why a replayed graph equals eager bit for bit.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..metadata import AttentionMetadata
+from ..sdpa import sdpa_to_usp
+from ..sites import AttentionSite, find_sites, node_value
+from .base import PASS_META, PassContext, PassResult
+
+__all__ = ["rewrite_sdpa", "metadata_inputs", "INPUT_META", "PASS_NAME"]
+
+PASS_NAME = "rewrite_sdpa"
+# Placeholder tag: {"kind": "param" | "buffer" | "batch" | "cu_seqlens" | "max_seqlen", "name": ..., ...}
+INPUT_META = "usp_input"
+
+
+def _tokens(q: torch.Tensor) -> Any:
+    """B * L of a (B, H, L, K) or (B, L, K) query: the packed tokens the metadata describes."""
+    return q.shape[0] * q.shape[-2]
+
+
+def _usp_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_N1: torch.Tensor | None,
+    max_seqlen: Any,
+    *,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    cp: Any,
+) -> torch.Tensor:
+    metadata = None
+    if cu_seqlens_N1 is not None:
+        # Metadata is global: under CP this call holds one of `cp.world` shards of the stream.
+        metadata = AttentionMetadata(cu_seqlens_N1, max_seqlen, _tokens(q) * getattr(cp, "world", 1))
+    kwargs: dict[str, Any] = {
+        "is_causal": is_causal,
+        "scale": scale,
+        "enable_gqa": enable_gqa,
+        "metadata": metadata,
+    }
+    if cp is not None:  # sdpa_to_usp grows `cp`; a single-process rewrite must not depend on it
+        kwargs["cp"] = cp
+    return sdpa_to_usp(q, k, v, **kwargs)
+
+
+def _fake_mode(values: list[Any]):
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+
+
+def metadata_inputs(
+    gm: fx.GraphModule, *, metadata: AttentionMetadata | None = None, like: torch.Tensor | None = None
+) -> tuple[fx.Node | None, fx.Node | None]:
+    """The graph's ``cu_seqlens`` and ``max_seqlen`` placeholders, added if absent.
+
+    Graphs from `trace_train_step` already have them (tagged ``meta["usp_input"]``). For any other
+    graph (a Dynamo graph), `metadata` gives the capacity and a hint: ``cu_seqlens_N1`` becomes a
+    tensor input of that fixed capacity and ``max_seqlen`` a SymInt input of the graph's ShapeEnv,
+    so neither is ever baked in as a constant. Without either, (None, None): one document per row.
+    """
+    cu = ms = None
+    for node in gm.graph.find_nodes(op="placeholder"):
+        kind = node.meta.get(INPUT_META, {}).get("kind")
+        if kind == "cu_seqlens":
+            cu = node
+        elif kind == "max_seqlen":
+            ms = node
+    if cu is not None and ms is not None:
+        return cu, ms
+    if cu is not None or ms is not None:
+        raise ValueError(
+            "the graph has only one of the cu_seqlens / max_seqlen inputs; it needs both or neither"
+        )
+    if metadata is None:
+        return None, None
+    if not isinstance(metadata, AttentionMetadata):
+        raise TypeError(f"metadata must be a usp_graph.AttentionMetadata, got {type(metadata).__name__}")
+    fake_mode = _fake_mode([like])
+    if fake_mode is None or fake_mode.shape_env is None:
+        raise ValueError(
+            "the graph has no symbolic ShapeEnv, so max_seqlen cannot become a SymInt input; trace it "
+            "with make_fx(..., tracing_mode='symbolic') or torch.compile (Dynamo always has one)"
+        )
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    cu_t = metadata.cu_seqlens
+    if like is not None and cu_t.device != like.device:
+        cu_t = cu_t.to(like.device)
+    cu_val = fake_mode.from_tensor(cu_t, static_shapes=True)
+    env = fake_mode.shape_env
+    source = ConstantSource("max_seqlen")
+    sym = env.create_symbol(
+        metadata.max_seqlen, source, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True
+    )
+    ms_val = env.create_symintnode(sym, hint=metadata.max_seqlen, source=source)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    where = (
+        gm.graph.inserting_after(placeholders[-1])
+        if placeholders
+        else gm.graph.inserting_before(next(iter(gm.graph.nodes)))
+    )
+    with where:
+        cu = gm.graph.placeholder("cu_seqlens_N1")
+    with gm.graph.inserting_after(cu):
+        ms = gm.graph.placeholder("max_seqlen")
+    for node, val, kind in ((cu, cu_val, "cu_seqlens"), (ms, ms_val, "max_seqlen")):
+        node._rename(node.target)  # FX lower-cases placeholder names; keep the _N1 suffix
+        node.meta.update({"val": val, "example_value": val, INPUT_META: {"kind": kind, "name": kind}})
+        node.meta[PASS_META] = PASS_NAME
+    return cu, ms
+
+
+def _key(site: AttentionSite, cu: fx.Node | None, cp: Any) -> tuple:
+    vals = [node_value(n) for n in (site.query, site.key, site.value)]
+    shape = tuple((str(v.shape), str(v.stride()), v.dtype, str(v.device)) for v in vals)
+    return (shape, site.is_causal, site.scale, site.enable_gqa, cu is not None, id(cp))
+
+
+def _trace_site(site: AttentionSite, cu: fx.Node | None, ms: fx.Node | None, cp: Any) -> fx.GraphModule:
+    kwargs = {
+        "is_causal": bool(site.is_causal),
+        "scale": site.scale,
+        "enable_gqa": bool(site.enable_gqa),
+        "cp": cp,
+    }
+    vals = [node_value(n) for n in (site.query, site.key, site.value)]
+    if cu is None:
+        fn = lambda q, k, v: _usp_call(q, k, v, None, None, **kwargs)
+    else:
+        fn = lambda q, k, v, cu_seqlens_N1, max_seqlen: _usp_call(
+            q, k, v, cu_seqlens_N1, max_seqlen, **kwargs
+        )
+        vals += [node_value(cu), node_value(ms)]
+    return make_fx(fn, tracing_mode="symbolic", pre_dispatch=True)(*vals)
+
+
+def _inline(graph: fx.Graph, sub: fx.GraphModule, inputs: list[fx.Node], site: AttentionSite) -> fx.Node:
+    """Copy `sub`'s nodes in front of the site, its placeholders bound to `inputs`; its output node."""
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = list(sub.graph.find_nodes(op="placeholder"))
+    assert len(placeholders) == len(inputs), (len(placeholders), len(inputs))
+    env.update(zip(placeholders, inputs, strict=True))
+    out = None
+    with graph.inserting_before(site.node):
+        for node in sub.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                out = env[node.args[0]]
+                break
+            new = graph.node_copy(node, lambda n: env[n])
+            new.meta = dict(node.meta)
+            new.meta[PASS_META] = PASS_NAME
+            new.meta["usp_site"] = site.name
+            if "stack_trace" in site.node.meta:
+                new.meta["stack_trace"] = site.node.meta["stack_trace"]
+            if "val" in new.meta and "example_value" in site.node.meta:
+                new.meta["example_value"] = new.meta["val"]  # a Dynamo graph reads this key
+            env[node] = new
+    assert isinstance(out, fx.Node)
+    return out
+
+
+def _replace_site(graph: fx.Graph, site: AttentionSite, out: fx.Node) -> None:
+    node = site.node
+    if site.output_is_tuple:
+        for user in list(node.users):
+            if user.target is operator.getitem and user.args[1] == 0:
+                user.replace_all_uses_with(out)
+            graph.erase_node(user)  # unused extra outputs (a site with used ones is not rewritable)
+    else:
+        node.replace_all_uses_with(out)
+    graph.erase_node(node)
+
+
+def rewrite_sdpa(
+    gm: fx.GraphModule, *, metadata: AttentionMetadata | None = None, cp: Any = None
+) -> PassResult:
+    """SDPA(q_BHLK, k_BGLK, v_BGLK, is_causal, scale, enable_gqa)
+    -> unpack(usp::varlen_fwd(pack(q), pack(k), pack(v), cu_seqlens_N1, cu_seqlens_N1, max_seqlen, max_seqlen))
+
+    Each rewritable site (see `find_sites`) is replaced by the ops `sdpa_to_usp` runs on its fake
+    inputs, with the graph's ``cu_seqlens_N1`` / ``max_seqlen`` inputs as its metadata (added by
+    `metadata_inputs` when the graph lacks them), and `cp` forwarded when given. A site that cannot be
+    rewritten stays SDPA and is returned in ``skipped`` with its reason.
+
+    Why: varlen skips cross-document and padding work, its metadata is a graph input (boundaries
+    change without retracing), and the ops it emits carry registered backward rules.
+
+    matches: the number of sites rewritten.
+    """
+    sites = find_sites(gm)
+    todo = [s for s in sites if s.rewritable]
+    skipped = tuple(s for s in sites if not s.rewritable)
+    cu = ms = None
+    if todo:
+        cu, ms = metadata_inputs(gm, metadata=metadata, like=node_value(todo[0].query))
+    cache: dict[tuple, fx.GraphModule] = {}
+    for site in todo:
+        key = _key(site, cu, cp)
+        if key not in cache:
+            cache[key] = _trace_site(site, cu, ms, cp)
+        inputs = [site.query, site.key, site.value] + ([] if cu is None else [cu, ms])
+        out = _inline(gm.graph, cache[key], inputs, site)
+        _replace_site(gm.graph, site, out)
+    gm.graph.lint()
+    gm.recompile()
+    gm.meta["usp_sites"] = [(s.name, s.source) for s in todo]
+    gm.meta["usp_skipped"] = [(s.name, s.reason, s.source) for s in skipped]
+    return PassResult(PASS_NAME, gm, len(todo), sites=tuple(todo), skipped=skipped)
+
+
+def rewrite_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    return rewrite_sdpa(gm, metadata=ctx.metadata, cp=ctx.cp)

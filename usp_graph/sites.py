@@ -1,0 +1,254 @@
+"""Attention sites: every form of SDPA in an FX graph, normalized to one `AttentionSite` record.
+
+# B batch, H query heads, G key/value heads, L sequence, K head dim
+
+The rewrite, the verify pass, the compile backend and the CLI all look for attention through
+`find_sites`, so they agree on what an attention call is and on why one cannot be rewritten.
+Forms recognized (``AttentionSite.form``):
+
+- ``"torch"``: ``torch._C._nn.scaled_dot_product_attention`` / ``F.scaled_dot_product_attention``
+  call_function nodes, as Dynamo hands them to a backend (fake values in ``meta["example_value"]``);
+- ``"aten"``: ``aten.scaled_dot_product_attention.default`` (pre-dispatch make_fx, torch.export);
+- ``"flash_cpu"``, ``"flash"``, ``"efficient"``, ``"cudnn"``, ``"overrideable"``: the post-dispatch
+  kernels of plain make_fx / AOTAutograd graphs. They return tuples; only their output 0 may be
+  used for the site to be rewritable (an inference graph). In a joint graph their logsumexp feeds
+  the backward kernel: such a site is reported, never rewritten (rewrite before differentiating).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+__all__ = ["AttentionSite", "find_sites", "source_location", "node_value", "SDPA_FORMS"]
+
+_aten = torch.ops.aten
+
+# target -> form. Torch-level functions take SDPA's Python signature; aten ops are bound by schema.
+SDPA_FORMS: dict[Any, str] = {
+    torch._C._nn.scaled_dot_product_attention: "torch",
+    F.scaled_dot_product_attention: "torch",
+    _aten.scaled_dot_product_attention.default: "aten",
+    _aten._scaled_dot_product_flash_attention_for_cpu.default: "flash_cpu",
+    _aten._scaled_dot_product_flash_attention.default: "flash",
+    _aten._scaled_dot_product_efficient_attention.default: "efficient",
+    _aten._scaled_dot_product_cudnn_attention.default: "cudnn",
+    _aten._scaled_dot_product_fused_attention_overrideable.default: "overrideable",
+}
+
+# Torch-level SDPA has the aten op's argument names; bind both through its schema.
+_SDPA_SCHEMA = _aten.scaled_dot_product_attention.default._schema
+
+
+def node_value(node: Any) -> Any:
+    """The fake value a node carries: make_fx's ``meta["val"]`` or Dynamo's ``meta["example_value"]``."""
+    if not isinstance(node, fx.Node):
+        return node
+    if "val" in node.meta:
+        return node.meta["val"]
+    return node.meta.get("example_value")
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
+
+
+def source_location(node: fx.Node) -> str | None:
+    """``file:line in function`` of the innermost frame of ``node.meta["stack_trace"]``, if recorded."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    frames = _FRAME.findall(trace)
+    if not frames:
+        return None
+    # The innermost frame outside torch itself: the model line, not nn/modules/linear.py.
+    user = [f for f in frames if not f[0].startswith(_TORCH_DIR)]
+    file, line, fn = (user or frames)[-1]
+    return f"{file}:{line} in {fn}"
+
+
+@dataclass(eq=False)
+class AttentionSite:
+    """One SDPA call, whatever form the graph spells it in.
+
+    node: the attention node. query/key/value/attn_mask: its input nodes (or None for no mask).
+    form: see the module docstring. q_shape/k_shape/v_shape: sizes, possibly symbolic (None when
+    the graph carries no fake values). rewritable/reason: whether `sdpa_to_usp` can replace it, and
+    why not. source: ``file:line in function`` from the node's stack trace.
+    """
+
+    node: fx.Node
+    form: str
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    attn_mask: Any
+    dropout_p: Any
+    is_causal: Any
+    scale: Any
+    enable_gqa: bool
+    q_shape: tuple[Any, ...] | None
+    k_shape: tuple[Any, ...] | None
+    v_shape: tuple[Any, ...] | None
+    dtype: torch.dtype | None
+    rewritable: bool = True
+    reason: str | None = None
+    source: str | None = None
+    extra_outputs: tuple[fx.Node, ...] = field(default=(), repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    @property
+    def output_is_tuple(self) -> bool:
+        """Post-dispatch kernels return tuples; the attention output is their item 0."""
+        return self.form not in ("torch", "aten")
+
+    def describe(self) -> str:
+        """One line: name, form, shapes, flags, where it comes from and, if kept, why."""
+        shapes = "x".join(str(tuple(s)) for s in (self.q_shape, self.k_shape, self.v_shape) if s is not None)
+        flags = f"causal={self.is_causal} gqa={self.enable_gqa} scale={self.scale}"
+        where = f" at {self.source}" if self.source else ""
+        why = "" if self.rewritable else f" [not rewritten: {self.reason}]"
+        return f"{self.name} ({self.form}) {shapes} {flags}{where}{why}"
+
+
+def _bind(node: fx.Node, schema: torch._C.FunctionSchema) -> dict[str, Any]:
+    """Arguments of `node` by schema name, defaults filled in."""
+    bound: dict[str, Any] = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            bound[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            bound[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+        else:
+            bound[arg.name] = None
+    return bound
+
+
+def _shape(node: Any) -> tuple[Any, ...] | None:
+    val = node_value(node)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _known_equal(a: Any, b: Any) -> bool:
+    """a == b provably (without adding a guard to a shape environment)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+def _site(node: fx.Node, form: str) -> AttentionSite:
+    schema = _SDPA_SCHEMA if form == "torch" else node.target._schema
+    a = _bind(node, schema)
+    mask = a.get("attn_mask", a.get("attn_bias"))
+    q, k, v = a["query"], a["key"], a["value"]
+    qs, ks, vs = _shape(q), _shape(k), _shape(v)
+    enable_gqa = bool(a.get("enable_gqa", False))
+    if form != "torch" and form != "aten" and qs is not None and ks is not None:
+        # Post-dispatch kernels have no flag: differing head counts are GQA (the CPU kernel's native form).
+        enable_gqa = len(qs) == 4 and len(ks) == 4 and not _known_equal(qs[1], ks[1])
+    qval = node_value(q)
+    site = AttentionSite(
+        node=node,
+        form=form,
+        query=q,
+        key=k,
+        value=v,
+        attn_mask=mask,
+        dropout_p=a.get("dropout_p", 0.0),
+        is_causal=a.get("is_causal", False),
+        scale=a.get("scale"),
+        enable_gqa=enable_gqa,
+        q_shape=qs,
+        k_shape=ks,
+        v_shape=vs,
+        dtype=qval.dtype if isinstance(qval, torch.Tensor) else None,
+        source=source_location(node),
+    )
+    if site.output_is_tuple:
+        # An unused getitem of another output is harmless (make_fx emits one per output).
+        site.extra_outputs = tuple(
+            u for u in node.users if not (u.target is operator.getitem and (u.args[1] == 0 or not u.users))
+        )
+    site.reason = _why_not(site, a)
+    site.rewritable = site.reason is None
+    return site
+
+
+def _why_not(site: AttentionSite, bound: dict[str, Any]) -> str | None:
+    """Why `sdpa_to_usp` cannot stand in for this site (None: it can)."""
+    for name in ("dropout_p", "is_causal", "scale"):
+        if isinstance(getattr(site, name), fx.Node):
+            return f"{name} is computed in the graph; usp_graph needs it to be a constant"
+    if site.dropout_p:
+        return f"dropout_p={site.dropout_p}: dropout inside attention is not supported"
+    if bound.get("return_debug_mask"):
+        return "return_debug_mask=True: the debug mask has no varlen equivalent"
+    if site.attn_mask is not None:
+        return (
+            "attn_mask cannot be proven document-diagonal while tracing; pass document boundaries "
+            "as usp_graph.AttentionMetadata and drop the mask"
+        )
+    if site.extra_outputs:
+        used = ", ".join(u.name for u in site.extra_outputs)
+        return (
+            f"outputs other than the attention output are used (by {used}): a joint graph; rewrite "
+            "the forward graph before differentiating it"
+        )
+    if site.q_shape is None or site.k_shape is None or site.v_shape is None:
+        return "the graph carries no fake values (meta['val'] / meta['example_value']) for q, k, v"
+    for name, s in (("query", site.q_shape), ("key", site.k_shape), ("value", site.v_shape)):
+        if len(s) not in (3, 4):
+            return f"{name} has shape {s}; usp_graph rewrites (B, H, L, K) or (B, L, K) attention"
+    if not (len(site.q_shape) == len(site.k_shape) == len(site.v_shape)):
+        return f"query, key, value ranks differ: {site.q_shape}, {site.k_shape}, {site.v_shape}"
+    if site.dtype is not None and not site.dtype.is_floating_point:
+        return f"query dtype {site.dtype} is not floating point"
+    if not _known_equal(site.q_shape[-2], site.k_shape[-2]):
+        return (
+            f"query length {site.q_shape[-2]} is not provably the key length {site.k_shape[-2]} "
+            "(cross-attention); document metadata describes one packed stream"
+        )
+    if len(site.q_shape) == 4:
+        h, g = site.q_shape[1], site.k_shape[1]
+        if not _known_equal(h, g):
+            if not site.enable_gqa:
+                return f"query has {h} heads and key {g} without enable_gqa"
+            if isinstance(h, int) and isinstance(g, int) and (g == 0 or h % g):
+                return f"enable_gqa needs query heads ({h}) divisible by key/value heads ({g})"
+    return None
+
+
+def find_sites(gm: fx.GraphModule | fx.Graph) -> list[AttentionSite]:
+    """Every SDPA call of the graph, in graph order, as `AttentionSite` records."""
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    sites = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        try:
+            form = SDPA_FORMS.get(node.target)
+        except TypeError:  # an unhashable target
+            form = None
+        if form is not None:
+            sites.append(_site(node, form))
+    return sites
+
+
+def describe_sites(sites: Sequence[AttentionSite]) -> str:
+    """One line per site (see `AttentionSite.describe`)."""
+    return "\n".join(s.describe() for s in sites)

@@ -1,0 +1,608 @@
+"""The minimal train-step tracer and in-process replay.
+
+# T packed tokens, N document capacity (max_docs), P parameters
+
+`trace_train_step(model, step_fn, batch, metadata)` traces ``step_fn(model, batch) -> loss`` with
+make_fx (pre-dispatch, so each SDPA call stays one node) on fake tensors, then runs the pass
+pipeline (rewrite_sdpa -> joint -> verify) and returns a `TrainStepGraph` whose `replay` takes
+real parameters, a batch and NEW metadata.
+
+Graph inputs, in order: every parameter (``model.named_parameters()`` order), every buffer, the
+batch's tensors (pytree order), ``cu_seqlens_N1``, ``max_seqlen``.
+
+What is dynamic, and how:
+- Token count(s): each batch dim listed in `dynamic` (default: every dim whose size is
+  ``metadata.total_tokens``, named ``"T"``) is a backed SymInt of a ``ShapeEnv(duck_shape=False)``;
+  one symbol per dim *name*, shared by every dim given that name. Every other dim is static, and
+  no dim is merged with another because their sizes happen to be equal (no duck sizing).
+  Anything derived (packed q/k/v, logits, the varlen op's T) is an expression of these symbols.
+- ``max_seqlen``: a SymInt graph input with a symbol of its own (never specialized, even at 0 or
+  1). Chosen over a tensor encoding because the varlen ops take SymInt max lengths and a tensor
+  would force a device-to-host read per call on GPU; an int input costs nothing and changing it
+  never retraces.
+- ``cu_seqlens_N1``: an int32 tensor input of fixed capacity ``max_docs + 1``; values change
+  freely, the capacity is part of the graph.
+Guards the trace recorded on the symbols (and their value ranges) are kept and checked at replay.
+
+Bitwise equality with eager `attention_mode` holds by construction: the rewrite inlines exactly the
+ops `sdpa_to_usp` runs, the joint graph records the kernels eager autograd dispatches (forward op
+by forward op, backward from the same registered rules, in the autograd engine's own order), and
+replay runs those kernels on the real inputs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from .metadata import AttentionMetadata
+from .passes import Pipeline, PipelineRun, default_pipeline
+from .passes.base import PASS_META, PassContext
+from .passes.rewrite import INPUT_META
+from .sites import AttentionSite
+
+__all__ = ["trace_train_step", "TrainStepGraph", "TensorSpec", "GraphSignature"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor input: its name, shape (an int per static dim, the dim's name per dynamic dim),
+    dtype and device."""
+
+    name: str
+    shape: tuple[int | str, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def describe(self) -> str:
+        return f"{self.name}: {tuple(self.shape)} {self.dtype} on {self.device}"
+
+
+@dataclass(frozen=True)
+class GraphSignature:
+    """Everything replay checks before running the graph; plain data (sympy expressions over the
+    dim symbols, no ShapeEnv), so a serializer can write it out.
+
+    symbols: dim name -> sympy symbol (``"max_seqlen"`` included). ranges: dim name -> (lo, hi),
+    hi None for unbounded. guards: (expression that must hold, where it was recorded).
+    token_checks: (site, source, expression of the tokens it attends over), equal to
+    ``metadata.total_tokens`` at replay.
+    """
+
+    params: tuple[TensorSpec, ...]
+    trainable: tuple[str, ...]
+    buffers: tuple[TensorSpec, ...]
+    batch: tuple[TensorSpec, ...]
+    batch_spec: pytree.TreeSpec
+    max_docs: int
+    metadata_device: torch.device
+    symbols: dict[str, sympy.Symbol]
+    ranges: dict[str, tuple[int, int | None]]
+    guards: tuple[tuple[sympy.Basic, str], ...]
+    token_checks: tuple[tuple[str, str | None, sympy.Expr], ...]
+
+
+class _Step(nn.Module):
+    """`step_fn(model, batch)` as a module, so `functional_call` can swap in fake parameters."""
+
+    def __init__(self, model: nn.Module, step_fn: Callable[[nn.Module, Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.step_fn = step_fn
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.step_fn(self.model, batch)
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+def _ident(name: str) -> str:
+    return re.sub(r"\W", "_", name)
+
+
+def _flatten_batch(batch: Any) -> tuple[list[str], list[Any], pytree.TreeSpec]:
+    leaves_with_path, spec = pytree.tree_flatten_with_path(batch)
+    names = [_path_name(p) for p, _ in leaves_with_path]
+    return names, [v for _, v in leaves_with_path], spec
+
+
+def _dynamic_dims(
+    names: list[str], leaves: list[torch.Tensor], metadata: AttentionMetadata, dynamic: Any, world: int
+) -> list[dict[int, str]]:
+    """Per batch tensor: {dim: dim name} of its dynamic dims."""
+    dims: list[dict[int, str]] = [{} for _ in leaves]
+    if dynamic is None:
+        total = metadata.total_tokens // world
+        for i, t in enumerate(leaves):
+            dims[i] = {d: "T" for d, s in enumerate(t.shape) if s == total}
+        if not any(dims):
+            shapes = ", ".join(f"{n}{tuple(t.shape)}" for n, t in zip(names, leaves, strict=True))
+            raise ValueError(
+                f"no batch tensor has a dim of metadata.total_tokens={metadata.total_tokens}"
+                f"{f' / {world} CP ranks' if world > 1 else ''} to make dynamic ({shapes}); "
+                "name the token dims, e.g. dynamic={'tokens': {1: 'T'}}"
+            )
+        return dims
+    if not isinstance(dynamic, Mapping):
+        raise TypeError(
+            f"dynamic must map batch keys to {{dim: name}} (or a dim index), got {type(dynamic).__name__}"
+        )
+    index = {n: i for i, n in enumerate(names)}
+    for key, spec in dynamic.items():
+        if key not in index:
+            raise ValueError(
+                f"dynamic names batch key {key!r}, which the batch does not have (keys: {names})"
+            )
+        t = leaves[index[key]]
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            spec = {spec: "T"}
+        if not isinstance(spec, Mapping):
+            raise TypeError(f"dynamic[{key!r}] must be a dim index or a {{dim: name}} mapping, got {spec!r}")
+        for d, name in spec.items():
+            if isinstance(d, bool) or not isinstance(d, int) or not -t.dim() <= d < t.dim():
+                raise ValueError(f"dynamic[{key!r}] names dim {d!r}, but {key} has shape {tuple(t.shape)}")
+            if not isinstance(name, str) or not name.isidentifier() or name == "max_seqlen":
+                raise ValueError(
+                    f"dynamic[{key!r}][{d}]: dim names must be identifiers other than 'max_seqlen', got {name!r}"
+                )
+            dims[index[key]][d % t.dim()] = name
+    return dims
+
+
+def _check_sizes(names: list[str], leaves: list[torch.Tensor], dims: list[dict[int, str]]) -> dict[str, int]:
+    sizes: dict[str, tuple[int, str]] = {}
+    for name, t, ds in zip(names, leaves, dims, strict=True):
+        for d, dim_name in ds.items():
+            size = t.shape[d]
+            where = f"batch[{name!r}] dim {d}"
+            if size < 2:
+                raise ValueError(
+                    f"{where} is dynamic ({dim_name!r}) but has size {size} in the example batch; sizes 0 and 1 "
+                    "are specialized by the tracer, so trace with an example of at least 2"
+                )
+            if dim_name in sizes and sizes[dim_name][0] != size:
+                raise ValueError(
+                    f"{where} has size {size} but dim {dim_name!r} is {sizes[dim_name][0]} in {sizes[dim_name][1]}; "
+                    "dims sharing a name must be equal"
+                )
+            sizes.setdefault(dim_name, (size, where))
+    return {k: v[0] for k, v in sizes.items()}
+
+
+def _expr(x: Any) -> sympy.Expr:
+    return x.node.expr if isinstance(x, torch.SymInt) else sympy.Integer(int(x))
+
+
+def _check_no_input_mutation(gm: fx.GraphModule) -> None:
+    inputs = set(gm.graph.find_nodes(op="placeholder"))
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        for i, arg in enumerate(target._schema.arguments):
+            info = arg.alias_info
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if info is not None and info.is_write and isinstance(value, fx.Node) and value in inputs:
+                raise ValueError(
+                    f"the step mutates its input {value.name} in place ({target}); train-step graphs take "
+                    "inputs read-only (buffer updates such as BatchNorm running stats are not supported)"
+                )
+
+
+@dataclass(eq=False)
+class TrainStepGraph:
+    """A traced, rewritten, differentiated and verified train step.
+
+    graph_module: the joint graph, ``(params..., buffers..., batch..., cu_seqlens_N1, max_seqlen)
+    -> (loss, *grads of trainable params)``. forward_graph: the rewritten forward graph.
+    sites / skipped: attention sites rewritten / kept as SDPA (with reasons). run: each pass's
+    result and any dumps.
+    """
+
+    graph_module: fx.GraphModule
+    forward_graph: fx.GraphModule
+    signature: GraphSignature
+    sites: tuple[AttentionSite, ...]
+    skipped: tuple[AttentionSite, ...]
+    run: PipelineRun
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __repr__(self) -> str:
+        s = self.signature
+        dims = ", ".join(f"{k}={v}" for k, v in s.symbols.items())
+        return (
+            f"TrainStepGraph({len(s.params)} params ({len(s.trainable)} trainable), batch "
+            f"[{', '.join(t.describe() for t in s.batch)}], max_docs={s.max_docs}, symbols {dims}, "
+            f"{len(self.sites)} attention sites rewritten, {len(self.skipped)} kept, "
+            f"{len(self.graph_module.graph.nodes)} nodes)"
+        )
+
+    def replay(
+        self,
+        params: Mapping[str, torch.Tensor],
+        batch: Any,
+        metadata: AttentionMetadata,
+        *,
+        buffers: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Run the train step: ``(loss, {param name: grad})`` for the trainable parameters.
+
+        `params` keyed by ``model.named_parameters()`` names (frozen ones included), `batch` with
+        the traced keys, `metadata` of the traced capacity (boundaries, token count and max_seqlen
+        may differ). `buffers` default to the traced model's buffers. Inputs are validated first;
+        a mismatch raises ValueError/TypeError saying what to change.
+        """
+        flat = self.flat_inputs(params, batch, metadata, buffers=buffers)
+        with torch.no_grad():
+            out = self.graph_module(*flat)
+        loss, grads = out[0], out[1:]
+        return loss, dict(zip(self.signature.trainable, grads, strict=True))
+
+    # ---- input validation ------------------------------------------------------------------------
+
+    def flat_inputs(
+        self,
+        params: Mapping[str, torch.Tensor],
+        batch: Any,
+        metadata: AttentionMetadata,
+        *,
+        buffers: Mapping[str, torch.Tensor] | None = None,
+    ) -> list[Any]:
+        """The graph's positional inputs, after checking every one against the signature."""
+        s = self.signature
+        flat: list[Any] = []
+        flat += _check_named("params", params, s.params, hint="pass dict(model.named_parameters())")
+        flat += _check_named(
+            "buffers",
+            self.buffers if buffers is None else buffers,
+            s.buffers,
+            hint="pass dict(model.named_buffers())",
+        )
+        if not isinstance(metadata, AttentionMetadata):
+            raise TypeError(f"metadata must be a usp_graph.AttentionMetadata, got {type(metadata).__name__}")
+        names, leaves, spec = _flatten_batch(batch)
+        if spec != s.batch_spec:
+            traced = [t.name for t in s.batch]
+            missing = [n for n in traced if n not in names]
+            extra = [n for n in names if n not in traced]
+            raise ValueError(
+                f"batch does not have the traced structure: missing {missing}, unexpected {extra} "
+                f"(traced keys: {traced})"
+            )
+        bindings: dict[str, tuple[int, str]] = {}
+        for t, spec_t in zip(leaves, s.batch, strict=True):
+            where = f"batch[{spec_t.name!r}]"
+            _check_tensor(where, t, spec_t)
+            for d, (size, want) in enumerate(zip(t.shape, spec_t.shape, strict=True)):
+                if isinstance(want, str):
+                    if want in bindings and bindings[want][0] != size:
+                        raise ValueError(
+                            f"{where} dim {d} is {size} but dynamic dim {want!r} is {bindings[want][0]} from "
+                            f"{bindings[want][1]}; dims sharing a name must be equal"
+                        )
+                    bindings.setdefault(want, (size, f"{where} dim {d}"))
+        flat += leaves
+        if metadata.max_docs != s.max_docs:
+            raise ValueError(
+                f"metadata has capacity max_docs={metadata.max_docs} but the graph was traced with "
+                f"max_docs={s.max_docs}; capacity is part of the graph: build the metadata with "
+                f"max_docs={s.max_docs} (unused slots repeat the total) or retrace"
+            )
+        if metadata.cu_seqlens.device != s.metadata_device:
+            raise ValueError(
+                f"metadata.cu_seqlens is on {metadata.cu_seqlens.device} but the graph expects "
+                f"{s.metadata_device}; use metadata.to({str(s.metadata_device)!r})"
+            )
+        if not isinstance(metadata.max_seqlen, int):
+            raise TypeError(
+                f"metadata.max_seqlen must be an int at replay, got {type(metadata.max_seqlen).__name__}"
+            )
+        bindings["max_seqlen"] = (metadata.max_seqlen, "metadata.max_seqlen")
+        _check_symbols(s, bindings, metadata)
+        flat += [metadata.cu_seqlens, metadata.max_seqlen]
+        return flat
+
+
+def _check_tensor(where: str, t: Any, spec: TensorSpec) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != len(spec.shape):
+        raise ValueError(
+            f"{where} has shape {tuple(t.shape)}, expected {len(spec.shape)} dims like {spec.shape}"
+        )
+    for d, (size, want) in enumerate(zip(t.shape, spec.shape, strict=True)):
+        if isinstance(want, int) and size != want:
+            raise ValueError(
+                f"{where} has shape {tuple(t.shape)}, traced {spec.shape}: dim {d} is static ({want}); only "
+                "dims named in `dynamic` may change between steps"
+            )
+    if t.dtype != spec.dtype:
+        raise ValueError(f"{where} has dtype {t.dtype}, the graph was traced with {spec.dtype}")
+    if t.device != spec.device:
+        raise ValueError(f"{where} is on {t.device}, the graph was traced on {spec.device}")
+
+
+def _check_named(what: str, given: Any, specs: tuple[TensorSpec, ...], *, hint: str) -> list[torch.Tensor]:
+    if not isinstance(given, Mapping):
+        raise TypeError(f"{what} must be a mapping of name -> tensor ({hint}), got {type(given).__name__}")
+    want = [s.name for s in specs]
+    missing = [n for n in want if n not in given]
+    extra = [n for n in given if n not in set(want)]
+    if missing or extra:
+
+        def few(xs: list[str]) -> str:
+            return ", ".join(repr(x) for x in xs[:3]) + (f" and {len(xs) - 3} more" if len(xs) > 3 else "")
+
+        parts = ([f"missing {few(missing)}"] if missing else []) + (
+            [f"unexpected {few(extra)}"] if extra else []
+        )
+        raise ValueError(f"{what} do not match the traced model: {'; '.join(parts)}; {hint}")
+    out = []
+    for spec in specs:
+        t = given[spec.name]
+        _check_tensor(f"{what}[{spec.name!r}]", t, spec)
+        out.append(t)
+    return out
+
+
+def _check_symbols(
+    s: GraphSignature, bindings: dict[str, tuple[int, str]], metadata: AttentionMetadata
+) -> None:
+    subs = {}
+    for name, sym in s.symbols.items():
+        if name not in bindings:
+            continue
+        value, where = bindings[name]
+        lo, hi = s.ranges.get(name, (0, None))
+        if value < lo or (hi is not None and value > hi):
+            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ValueError(f"{where} = {value}, but the graph was traced for {name} {bound}")
+        subs[sym] = sympy.Integer(value)
+    names = {sym: name for name, sym in s.symbols.items()}
+
+    def show(expr: sympy.Basic) -> str:
+        return str(expr.xreplace({sym: sympy.Symbol(n) for sym, n in names.items()}))
+
+    for expr, where in s.guards:
+        result = expr.xreplace(subs)
+        if result.free_symbols:
+            continue
+        if not bool(result):
+            values = ", ".join(f"{n}={bindings[n][0]}" for n in s.symbols if n in bindings)
+            raise ValueError(
+                f"these inputs ({values}) break an assumption made while tracing: {show(expr)} "
+                f"(recorded {where}); retrace with an example that satisfies the new inputs' shapes"
+            )
+    for site, source, expr in s.token_checks:
+        tokens = expr.xreplace(subs)
+        if tokens.free_symbols:
+            continue
+        if int(tokens) != metadata.total_tokens:
+            at = f" at {source}" if source else ""
+            raise ValueError(
+                f"metadata describes {metadata.total_tokens} tokens but attention site {site}{at} attends over "
+                f"{int(tokens)} tokens (batch * length) with this batch; build the metadata from this batch"
+            )
+
+
+def trace_train_step(
+    model: nn.Module,
+    step_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batch: Any,
+    metadata: AttentionMetadata,
+    *,
+    dynamic: Mapping[str, int | Mapping[int, str]] | None = None,
+    cp: Any = None,
+    passes: Pipeline | None = None,
+) -> TrainStepGraph:
+    """Trace ``step_fn(model, batch) -> loss`` into a rewritten, differentiated, verified train step.
+
+    batch: a pytree (dict) of tensors. metadata: the `AttentionMetadata` of the example batch; its
+    capacity (max_docs) is fixed by the trace, its boundaries, token count and max_seqlen are not.
+    dynamic: ``{batch key: {dim: dim name}}`` (or ``{key: dim}`` for a dim named ``"T"``); dims
+    sharing a name share a symbol. Default: every dim of size ``metadata.total_tokens``, as "T".
+    cp: a `usp_graph.ContextParallel`, forwarded to `sdpa_to_usp` (None: single process).
+    passes: the `Pipeline` to run (default `default_pipeline()`; e.g. ``.disable("verify")``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable as step_fn(model, batch) -> loss, got {step_fn!r}")
+    if not isinstance(metadata, AttentionMetadata):
+        raise TypeError(f"metadata must be a usp_graph.AttentionMetadata, got {type(metadata).__name__}")
+    if not isinstance(metadata.max_seqlen, int) or not isinstance(metadata.total_tokens, int):
+        raise TypeError("metadata must hold concrete ints (max_seqlen, total_tokens), not symbolic sizes")
+    passes = default_pipeline() if passes is None else passes
+    if not isinstance(passes, Pipeline):
+        raise TypeError(f"passes must be a usp_graph.passes.Pipeline, got {type(passes).__name__}")
+    names, leaves, batch_spec = _flatten_batch(batch)
+    for name, leaf in zip(names, leaves, strict=True):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"batch[{name!r}] must be a tensor, got {type(leaf).__name__}; keep constants in step_fn"
+            )
+    if not leaves:
+        raise ValueError("batch has no tensors")
+    world = int(getattr(cp, "world", 1))  # under CP the batch holds this rank's 1/world of the tokens
+    dims = _dynamic_dims(names, leaves, metadata, dynamic, world)
+    sizes = _check_sizes(names, leaves, dims)
+
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv(duck_shape=False)
+    fake_mode = FakeTensorMode(shape_env=env)
+    syms: dict[str, Any] = {}
+    for dim_name, size in sizes.items():
+        src = ConstantSource(f"dim_{dim_name}")
+        syms[dim_name] = env.create_symintnode(
+            env.create_symbol(size, src, dynamic_dim=DimDynamic.DYNAMIC), hint=size, source=src
+        )
+    ms_src = ConstantSource("max_seqlen")
+    ms_sym = env.create_symbol(
+        metadata.max_seqlen, ms_src, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True
+    )
+    max_seqlen = env.create_symintnode(ms_sym, hint=metadata.max_seqlen, source=ms_src)
+
+    param_items = list(model.named_parameters())
+    buffer_items = list(model.named_buffers())
+    fake_params = [fake_mode.from_tensor(p, static_shapes=True) for _, p in param_items]
+    fake_buffers = [fake_mode.from_tensor(b, static_shapes=True) for _, b in buffer_items]
+    with fake_mode:
+        fake_batch = [
+            torch.empty(
+                [syms[ds[d]] if d in ds else s for d, s in enumerate(t.shape)], dtype=t.dtype, device=t.device
+            )
+            for t, ds in zip(leaves, dims, strict=True)
+        ]
+    fake_cu = fake_mode.from_tensor(metadata.cu_seqlens, static_shapes=True)
+
+    step = _Step(model, step_fn)
+    state_names = ["model." + n for n, _ in param_items] + ["model." + n for n, _ in buffer_items]
+    n_state, n_batch = len(state_names), len(leaves)
+
+    def forward(*flat: Any) -> torch.Tensor:
+        state = dict(zip(state_names, flat[:n_state], strict=True))
+        b = pytree.tree_unflatten(list(flat[n_state : n_state + n_batch]), batch_spec)
+        return torch.func.functional_call(step, state, (b,), strict=False)
+
+    with torch.enable_grad():
+        gm = make_fx(forward, tracing_mode="symbolic", pre_dispatch=True, record_stack_traces=True)(
+            *fake_params, *fake_buffers, *fake_batch, fake_cu, max_seqlen
+        )
+
+    _tag_inputs(gm, param_items, buffer_items, names)
+    gm.recompile()
+    _check_no_input_mutation(gm)
+    _check_not_specialized(env, syms, names, dims)
+
+    run = passes.run(gm, PassContext(cp=cp))
+    _check_not_specialized(env, syms, names, dims)
+    rewrite = next((r for r in run.results if r.name == "rewrite_sdpa"), None)
+    sites = rewrite.sites if rewrite is not None else ()
+    skipped = rewrite.skipped if rewrite is not None else ()
+
+    symbols = {n: s.node.expr for n, s in syms.items()}
+    symbols["max_seqlen"] = ms_sym
+    signature = GraphSignature(
+        params=tuple(_spec(n, p) for n, p in param_items),
+        trainable=tuple(n for n, p in param_items if p.requires_grad),
+        buffers=tuple(_spec(n, b) for n, b in buffer_items),
+        batch=tuple(
+            TensorSpec(n, tuple(ds.get(d, s) for d, s in enumerate(t.shape)), t.dtype, t.device)
+            for n, t, ds in zip(names, leaves, dims, strict=True)
+        ),
+        batch_spec=batch_spec,
+        max_docs=metadata.max_docs,
+        metadata_device=metadata.cu_seqlens.device,
+        symbols=symbols,
+        ranges={n: _range(env, sym) for n, sym in symbols.items()},
+        guards=_guards(env, symbols),
+        token_checks=tuple(
+            (s.name, s.source, env.replace(_expr(s.q_shape[0]) * _expr(s.q_shape[-2]) * world)) for s in sites
+        ),
+    )
+    return TrainStepGraph(
+        graph_module=run.gm,
+        forward_graph=gm,
+        signature=signature,
+        sites=tuple(sites),
+        skipped=tuple(skipped),
+        run=run,
+        buffers=dict(buffer_items),
+    )
+
+
+_PREFIX = {"param": "p_", "buffer": "buf_", "batch": "in_"}
+
+
+def _tag_inputs(
+    gm: fx.GraphModule,
+    param_items: list[tuple[str, torch.Tensor]],
+    buffer_items: list[tuple[str, torch.Tensor]],
+    batch_names: list[str],
+) -> None:
+    """Tag each placeholder with what it is (``meta["usp_input"]``) and give it a readable name."""
+    tags = (
+        [{"kind": "param", "name": n, "trainable": p.requires_grad} for n, p in param_items]
+        + [{"kind": "buffer", "name": n} for n, _ in buffer_items]
+        + [{"kind": "batch", "name": n} for n in batch_names]
+        + [{"kind": "cu_seqlens", "name": "cu_seqlens"}, {"kind": "max_seqlen", "name": "max_seqlen"}]
+    )
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    assert len(placeholders) == len(tags), (len(placeholders), len(tags))
+    for node, tag in zip(placeholders, tags, strict=True):
+        node.meta[INPUT_META] = tag
+        node.meta[PASS_META] = "trace"
+        kind = tag["kind"]
+        if kind == "cu_seqlens":
+            name = "cu_seqlens_N1"
+        elif kind == "max_seqlen":
+            name = "max_seqlen"
+        else:
+            name = _PREFIX[kind] + _ident(tag["name"])
+        node._rename(name)
+        node.target = node.name
+
+
+def _spec(name: str, t: torch.Tensor) -> TensorSpec:
+    return TensorSpec(name, tuple(t.shape), t.dtype, t.device)
+
+
+def _check_not_specialized(
+    env: Any, syms: dict[str, Any], names: list[str], dims: list[dict[int, str]]
+) -> None:
+    for dim_name, sym in syms.items():
+        value = env.replace(sym.node.expr)
+        if value.is_number:
+            where = [
+                f"batch[{n!r}] dim {d}"
+                for n, ds in zip(names, dims, strict=True)
+                for d, x in ds.items()
+                if x == dim_name
+            ]
+            raise ValueError(
+                f"dynamic dim {dim_name!r} ({', '.join(where)}) was specialized to {value} while tracing: the step "
+                "branches on it (a Python `if`, int() or .item() of a size); make that code size-agnostic or "
+                "leave the dim static"
+            )
+
+
+def _range(env: Any, sym: sympy.Symbol) -> tuple[int, int | None]:
+    vr = env.var_to_range.get(sym)
+    if vr is None:
+        return (0, None)
+    from torch.utils._sympy.numbers import int_oo
+
+    lo = 0 if vr.lower in (-int_oo, -sympy.oo) else int(vr.lower)
+    hi = None if vr.upper in (int_oo, sympy.oo) else int(vr.upper)
+    return (lo, hi)
+
+
+def _guards(env: Any, symbols: dict[str, sympy.Symbol]) -> tuple[tuple[sympy.Basic, str], ...]:
+    out = [(g.expr, str(getattr(g, "sloc", "") or "")) for g in env.guards]
+    for sym in symbols.values():
+        replaced = env.replace(sym)
+        if replaced != sym:  # the trace proved this dim equal to an expression of others
+            out.append((sympy.Eq(sym, replaced), "as a replacement"))
+    return tuple(out)
