@@ -16,7 +16,6 @@ from usp_graph import (
     TrainStepGraph,
     attention_mode,
     find_sites,
-    registry,
     trace_train_step,
 )
 from usp_graph.models import (
@@ -442,53 +441,85 @@ def test_trace_rejects_bad_arguments():
 # ---- context parallelism plugs in through `cp` --------------------------------------------------
 
 
-def _cp_trace_and_replay(rank: int, world: int, strategies: list[str]) -> list[dict]:
+def _cp_counts(gm) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "usp":
+            key = f"{n.target._schema.name.split('::')[1]}:{n.meta.get('usp_phase')}"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _cp_trace_and_replay(rank: int, world: int, configs: list[tuple[str, str | None]]) -> list[dict]:
+    """Per strategy: trace a CP train step (global token-mean loss), then 10 AdamW steps driven by
+    replay with boundaries and token counts changed every step vs 10 eager steps."""
     from usp_graph import ContextParallel
 
     out = []
-    for strategy in strategies:
-        cp = ContextParallel(strategy)
+    for strategy, lb in configs:
+        kw = {"ulysses_degree": 2} if strategy == "usp" else {}
+        cp = ContextParallel(strategy, load_balance=lb, **kw)
         model = llama_model(seed=9)
 
-        def step(m, b):  # a per-rank loss: no eager c10d call in the traced step
+        def step(m, b, cp=cp):
             logits = m(b["input_ids"], b["position_ids"])
-            return F.cross_entropy(
-                logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100, reduction="sum"
-            )
+            labels = b["labels"].flatten()
+            loss_sum = F.cross_entropy(logits.flatten(0, 1), labels, ignore_index=-100, reduction="sum")
+            return cp.token_mean(loss_sum, (labels != -100).sum())
 
-        def shard(lengths, seed, cp):
-            batch, meta = llama_inputs(lengths, seed=seed)
+        def shard(lengths, seed, cp=cp):
+            batch, meta = llama_inputs(lengths, seed=seed, max_seqlen=40)
             return {k: cp.shard(v, 1) for k, v in batch.items()}, meta
 
-        graph = trace_train_step(model, step, *shard([9, 7, 11, 5], 50, cp), cp=cp)
-        # Changed boundaries and token count (32 -> 36 global tokens) against eager with the same cp.
-        local, meta = shard([3, 20, 1, 4, 6, 2], 51, cp)
-        loss, grads = graph.replay(dict(model.named_parameters()), local, meta)
-        model.zero_grad(set_to_none=True)
-        with attention_mode(meta, cp=cp):
-            ref = step(model, local)
-        ref.backward()
-        out.append(
-            {
-                "strategy": strategy,
-                "loss": torch.equal(loss, ref),
-                "grads": [n for n, p in model.named_parameters() if not torch.equal(grads[n], p.grad)],
-                "collectives": sum(
-                    1
-                    for n in graph.graph_module.graph.nodes
-                    if n.meta.get("usp_phase") == "forward"
-                    and getattr(registry.rules().get(n.target), "kind", None) == "collective"
-                ),
-            }
+        graph = trace_train_step(model, step, *shard([9, 7, 11, 5], 50), cp=cp)
+        doc_lists = [[3, 20, 1, 4, 6, 2], [36], [10, 0, 10, 8, 12], [1, 1, 30], [16, 16],
+                     [5, 5, 5, 5, 4], [2, 38], [24, 8], [7, 9, 0, 11, 1], [12, 12, 12, 4]]  # fmt: skip
+        inputs = [shard(lengths, 60 + i) for i, lengths in enumerate(doc_lists)]
+        histories = []
+        for replay in (None, graph.replay):
+            m = copy.deepcopy(model)
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+            history = []
+            for local, meta in inputs:
+                if replay is None:
+                    m.zero_grad(set_to_none=True)
+                    with attention_mode(meta, cp=cp):
+                        loss = step(m, local)
+                    loss.backward()
+                    loss = loss.detach()
+                else:
+                    loss, grads = replay(dict(m.named_parameters()), local, meta)
+                    for name, p in m.named_parameters():
+                        p.grad = grads[name]
+                cp.reduce_grads(m.parameters())
+                opt.step()
+                history.append([loss] + [p.detach().clone() for p in m.parameters()])
+            histories.append(history)
+        equal = all(
+            torch.equal(a, b) for he, hr in zip(*histories, strict=True) for a, b in zip(he, hr, strict=True)
         )
+        out.append({"strategy": strategy, "lb": lb, "equal": equal, "counts": _cp_counts(graph.graph_module)})
     return out
 
 
 @pytest.mark.timeout(300)
-def test_cp_graph_replays_with_new_boundaries_bitwise_equal_to_eager_cp_on_2_ranks():
+def test_cp_train_steps_replayed_equal_eager_cp_bitwise_on_2_ranks():
     from tests.dist import run_ranks
 
-    for results in run_ranks(_cp_trace_and_replay, 2, ["allgather_kv", "ulysses", "ring"]):
+    configs = [("allgather_kv", None), ("ulysses", None), ("ring", None), ("usp", None), ("ring", "zigzag")]
+    k = LLAMA.n_layers
+    expected = {
+        # every attention call: forward collectives, and their adjoints in the backward
+        "allgather_kv": {"all_gather:forward": 2 * k, "reduce_scatter:backward": 2 * k},
+        "ulysses": {"all_to_all:forward": 4 * k, "all_to_all:backward": 4 * k},
+        "ring": {"ring_attn_fwd:forward": k, "ring_attn_bwd:backward": k},
+        "usp": {"all_to_all:forward": 4 * k, "all_to_all:backward": 4 * k,
+                "ring_attn_fwd:forward": k, "ring_attn_bwd:backward": k},
+    }  # fmt: skip
+    for results in run_ranks(_cp_trace_and_replay, 2, configs, timeout=240):
         for r in results:
-            assert r["loss"] and r["grads"] == [], r
-            assert r["collectives"] > 0 or r["strategy"] == "ring", r  # verify paired each with its adjoint
+            assert r["equal"], r
+            for key, n in expected[r["strategy"]].items():
+                assert r["counts"].get(key) == n, (r["strategy"], key, r["counts"])
+            if r["strategy"] != "ring":
+                assert "varlen_fwd:forward" in r["counts"] or r["strategy"] == "usp", r

@@ -213,8 +213,12 @@ class ContextParallel:
         Summed over the CP ranks (`global_sum`) it equals the single-process mean; its gradient,
         after `reduce_grads`, equals the single-process gradient.
         """
+        from torch.distributed import _functional_collectives as funcol
+
         n = torch.as_tensor(num_tokens, device=loss_sum.device).detach().to(torch.float64)
-        total = _ordered_sum(n, self.group)
+        # A functional all-reduce, so a traced train step records it as a graph node. Token counts
+        # are integers: their float64 sum is exact in any reduction order.
+        total = funcol.wait_tensor(funcol.all_reduce(n, "sum", self.group))
         return loss_sum / total.to(loss_sum.dtype)
 
     def global_sum(self, x: Tensor) -> Tensor:
