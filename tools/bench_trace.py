@@ -13,13 +13,17 @@ For the reference Llama-style model at several depths, times (one run each, same
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from usp_graph import AttentionMetadata, trace_train_step
-from usp_graph.models import Llama, LlamaConfig, llama_loss, make_llama_batch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from usp_graph import AttentionMetadata, trace_train_step  # noqa: E402
+from usp_graph.models import Llama, LlamaConfig, llama_loss, make_llama_batch  # noqa: E402
 
 
 def plain_make_fx(model: Llama, batch: dict[str, torch.Tensor]) -> tuple[float, int]:
