@@ -1,0 +1,389 @@
+"""What a graph does: attention sites, collectives and their pairing, bytes, metadata paths.
+
+Reads an `fx.GraphModule` (a traced train step, a loaded graph file, or a compile dump) and the
+node metadata the passes leave (``usp_pass``, ``usp_phase``, ``usp_fwd_node``, ``usp_site``,
+``val``). The graph is analysed as a networkx DiGraph: pairing forward collectives with their
+adjoints, paths from metadata inputs to attention ops, and communication on the critical path.
+Everything returned is plain JSON-able data; `usp_graph.cli` renders it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx
+
+from . import registry
+
+__all__ = ["summarize", "to_networkx", "to_dot", "diff"]
+
+_SDPA_NAMES = ("scaled_dot_product_attention", "_scaled_dot_product")
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t.namespace}.{t._schema.name.split('::')[1]}.{t._overloadname}"
+    if isinstance(t, str):
+        return t
+    return f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', getattr(t, '__name__', repr(t)))}".lstrip(
+        "."
+    )
+
+
+def _usp_name(node: fx.Node) -> str | None:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload) and t.namespace == "usp":
+        return t._schema.name.split("::")[1]
+    return None
+
+
+def _vals(node: fx.Node) -> list[Any]:
+    v = node.meta.get("val")
+    if v is None:
+        return []
+    return list(v) if isinstance(v, (tuple, list)) else [v]
+
+
+def _shape(x: Any) -> list[Any] | None:
+    if isinstance(x, torch.Tensor):
+        return [_dim(d) for d in x.shape]
+    if isinstance(x, fx.Node):
+        vals = _vals(x)
+        return _shape(vals[0]) if vals else None
+    return None
+
+
+def _dim(d: Any) -> int | str:
+    return int(d) if isinstance(d, int) else str(d)
+
+
+def _nbytes(x: Any) -> Any:
+    """Bytes of a tensor node's value: an int, or a SymInt expression when sizes are symbolic."""
+    vals = _vals(x) if isinstance(x, fx.Node) else [x]
+    if not vals or not isinstance(vals[0], torch.Tensor):
+        return None
+    t = vals[0]
+    n = t.element_size()
+    for d in t.shape:
+        n = n * d
+    return n
+
+
+def _fmt(n: Any, names: dict[str, str]) -> int | str | None:
+    if n is None:
+        return None
+    if isinstance(n, int):
+        return n
+    s = str(n)
+    for sym, name in names.items():
+        s = s.replace(sym, name)
+    return s
+
+
+def _scale(n: Any, num: int, den: int = 1) -> Any:
+    if n is None:
+        return None
+    return n * num // den if den != 1 else n * num
+
+
+def _collective_bytes(node: fx.Node) -> tuple[Any, int | None, str | None]:
+    """(bytes this rank sends, group size, group name) for a usp communication node."""
+    name = _usp_name(node)
+    a = node.args
+    if name == "all_to_all":
+        x, scatter = a[0], list(a[3])
+        p = len(scatter)
+        return _scale(_nbytes(x), p - 1, p), p, a[5]
+    if name in ("all_gather", "reduce_scatter"):
+        p = int(a[2])
+        b = _nbytes(a[0])
+        return (_scale(b, p - 1) if name == "all_gather" else _scale(b, p - 1, p)), p, a[3]
+    if name in ("ring_attn_fwd", "ring_attn_bwd"):
+        off = 0 if name == "ring_attn_fwd" else 1
+        k, v = a[1 + off], a[2 + off]
+        chunk_ids, per_rank, group = a[7 + off], a[8 + off], a[9 + off]
+        r = len(chunk_ids) // int(per_rank)
+        kv = None if _nbytes(k) is None else _nbytes(k) + _nbytes(v)
+        if kv is None:
+            return None, r, group
+        if name == "ring_attn_fwd":
+            return kv * (r - 1), r, group
+        acc = 8 if _vals(k)[0].dtype == torch.float64 else 4
+        grads = kv * acc // _vals(k)[0].element_size()
+        return kv * (r - 1) + (grads * r if r > 1 else 0), r, group
+    return None, None, None
+
+
+def to_networkx(gm: fx.GraphModule) -> nx.DiGraph:
+    """Data-flow graph: one vertex per fx node (attributes: op, target, phase), edges producer -> user."""
+    g = nx.DiGraph()
+    for node in gm.graph.nodes:
+        g.add_node(
+            node.name,
+            op=node.op,
+            target=_target_name(node),
+            phase=node.meta.get("usp_phase", ""),
+            usp=_usp_name(node) or "",
+        )
+        for inp in node.all_input_nodes:
+            g.add_edge(inp.name, node.name)
+    return g
+
+
+def _strategy(g: nx.DiGraph, attn: str) -> str:
+    """The CP strategy of an attention op, from the collectives that feed it (those after the
+    previous attention op only)."""
+    ups = nx.ancestors(g, attn)
+    if g.nodes[attn]["usp"] == "ring_attn_fwd":
+        return "usp" if any(g.nodes[u]["usp"] == "all_to_all" for u in ups) else "ring"
+    near = set()
+    for u in ups:
+        if g.nodes[u]["usp"] in ("all_to_all", "all_gather"):
+            between = nx.descendants(g, u) & ups
+            if not any(g.nodes[b]["usp"] in ("varlen_fwd", "ring_attn_fwd") for b in between):
+                near.add(g.nodes[u]["usp"])
+    if "all_to_all" in near:
+        return "ulysses"
+    if "all_gather" in near:
+        return "allgather_kv"
+    return "single"
+
+
+def summarize(
+    gm: fx.GraphModule, *, sites: Any = None, symbols: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Everything inspect shows, as JSON-able data.
+
+    sites: the tracer's `AttentionSite`s (for source locations and not-rewritten reasons).
+    symbols: {readable name: SymInt} to print symbolic sizes as e.g. ``T`` instead of ``s27``.
+    """
+    names = {str(v): k for k, v in (symbols or {}).items()}
+    g = to_networkx(gm)
+
+    inputs = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        info = n.meta.get("usp_input") or {}
+        vals = _vals(n)
+        v = vals[0] if vals else None
+        inputs.append(
+            {
+                "name": info.get("name", n.name),
+                "node": n.name,
+                "role": info.get("kind", "input"),
+                "shape": [_fmt(d, names) for d in _shape(v)] if isinstance(v, torch.Tensor) else None,
+                "dtype": str(v.dtype).removeprefix("torch.") if isinstance(v, torch.Tensor) else "SymInt",
+            }
+        )
+    meta_inputs = [i for i in inputs if i["role"] in ("cu_seqlens", "max_seqlen")]
+    capacity = next(
+        (i["shape"][0] - 1 for i in meta_inputs if i["role"] == "cu_seqlens" and i["shape"]), None
+    )
+
+    attention = []
+    for n in gm.graph.nodes:
+        u = _usp_name(n)
+        if u not in ("varlen_fwd", "ring_attn_fwd") or n.meta.get("usp_phase") == "backward":
+            continue
+        q, k = n.args[0], n.args[1]
+        qs, ks = _shape(q), _shape(k)
+        causal = n.args[7] if u == "varlen_fwd" else n.args[5]
+        reach = any(nx.has_path(g, m["node"], n.name) for m in meta_inputs)
+        attention.append(
+            {
+                "node": n.name,
+                "op": f"usp.{u}",
+                "site": n.meta.get("usp_site", ""),
+                "source": _source(n, sites),
+                "q_shape": [_fmt(d, names) for d in qs] if qs else None,
+                "k_shape": [_fmt(d, names) for d in ks] if ks else None,
+                "causal": bool(causal),
+                "gqa": bool(qs and ks and qs[1] != ks[1]),
+                "strategy": _strategy(g, n.name),
+                "metadata_reaches": reach,
+                "rewritten": True,
+            }
+        )
+    for s in sites or ():
+        if not getattr(s, "rewritable", True):
+            attention.append(
+                {
+                    "node": getattr(s.node, "name", str(s.node)),
+                    "op": "sdpa",
+                    "source": s.source,
+                    "q_shape": [_fmt(d, names) for d in s.q_shape],
+                    "causal": s.is_causal,
+                    "rewritten": False,
+                    "reason": s.reason,
+                }
+            )
+    for n in gm.graph.nodes:  # SDPA left in a graph that came without site records
+        if n.op == "call_function" and any(x in _target_name(n) for x in _SDPA_NAMES):
+            if not any(a["node"] == n.name for a in attention):
+                attention.append(
+                    {"node": n.name, "op": _target_name(n), "source": _source(n, None), "rewritten": False,
+                     "reason": "SDPA left in the graph"}
+                )  # fmt: skip
+
+    collectives = []
+    for n in gm.graph.nodes:
+        u = _usp_name(n)
+        if u not in ("all_to_all", "all_gather", "reduce_scatter", "ring_attn_fwd", "ring_attn_bwd"):
+            continue
+        nbytes, size, group = _collective_bytes(n)
+        collectives.append(
+            {
+                "node": n.name,
+                "op": f"usp.{u}",
+                "phase": n.meta.get("usp_phase", ""),
+                "group": group,
+                "group_size": size,
+                "bytes_per_rank": _fmt(nbytes, names),
+                "forward_node": n.meta.get("usp_fwd_node"),
+            }
+        )
+    pairing, unpaired = _pairing(gm)
+    counts = Counter(_target_name(n) for n in gm.graph.nodes if n.op == "call_function")
+    passes = Counter(n.meta.get("usp_pass", "?") for n in gm.graph.nodes)
+    return {
+        "inputs": inputs,
+        "metadata": {"inputs": meta_inputs, "capacity": capacity},
+        "attention": attention,
+        "collectives": collectives,
+        "pairing": pairing,
+        "unpaired": unpaired,
+        "critical_path_comm": _critical_comm(g, gm, names),
+        "op_counts": dict(sorted(counts.items())),
+        "created_by_pass": dict(sorted(passes.items())),
+        "nodes": len(gm.graph.nodes),
+    }
+
+
+def _source(node: fx.Node, sites: Any) -> str:
+    site = node.meta.get("usp_site")
+    for s in sites or ():
+        if getattr(s.node, "name", None) == site:
+            return s.source
+    src = node.meta.get("usp_source") or node.meta.get("source")
+    if src:
+        return str(src)
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
+    return lines[-1] if lines else ""
+
+
+def _pairing(gm: fx.GraphModule) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Forward usp ops with a rule whose backward op (or adjoint collective) is in the backward."""
+    backward_by_fwd: dict[str, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.meta.get("usp_phase") == "backward" and n.meta.get("usp_fwd_node"):
+            backward_by_fwd.setdefault(n.meta["usp_fwd_node"], []).append(n)
+    has_backward = any(n.meta.get("usp_phase") == "backward" for n in gm.graph.nodes)
+    pairs, unpaired = [], []
+    for n in gm.graph.nodes:
+        if n.meta.get("usp_phase") != "forward" or _usp_name(n) is None:
+            continue
+        try:
+            rule = registry.rule_for(n.target)
+        except NotImplementedError:
+            unpaired.append(
+                {"node": n.name, "op": _target_name(n), "missing": "no backward rule in the registry"}
+            )
+            continue
+        if not n.meta.get("usp_requires_grad", True) or not has_backward:
+            continue
+        want = {rule.adjoint} if rule.kind == "collective" else set(rule.backward_ops)
+        got = [b for b in backward_by_fwd.get(n.name, []) if b.target in want]
+        if got:
+            pairs.append({"forward": n.name, "backward": [b.name for b in got], "op": _target_name(n)})
+        else:
+            what = ", ".join(sorted(str(w) for w in want))
+            unpaired.append({"node": n.name, "op": _target_name(n), "missing": f"no {what} in the backward"})
+    return pairs, unpaired
+
+
+def _critical_comm(g: nx.DiGraph, gm: fx.GraphModule, names: dict[str, str]) -> list[str]:
+    """Collectives on the longest dependency chain (by node count) through the graph."""
+    if g.number_of_nodes() == 0:
+        return []
+    path = nx.dag_longest_path(g)
+    return [
+        v
+        for v in path
+        if g.nodes[v]["usp"]
+        in ("all_to_all", "all_gather", "reduce_scatter", "ring_attn_fwd", "ring_attn_bwd")
+    ]
+
+
+def to_dot(gm: fx.GraphModule, summary: dict[str, Any] | None = None) -> str:
+    """Graphviz DOT of the data flow; attention ops and collectives highlighted."""
+    g = to_networkx(gm)
+    colors = {"varlen_fwd": "gold", "varlen_bwd": "orange", "ring_attn_fwd": "gold", "ring_attn_bwd": "orange",
+              "all_to_all": "lightblue", "all_gather": "lightblue", "reduce_scatter": "lightblue"}  # fmt: skip
+    out = ["digraph usp_graph {", "  node [shape=box, fontsize=10];"]
+    for v, d in g.nodes(data=True):
+        label = f"{v}\\n{d['target']}".replace('"', "'")
+        style = f', style=filled, fillcolor="{colors[d["usp"]]}"' if d["usp"] in colors else ""
+        out.append(f'  "{v}" [label="{label}"{style}];')
+    for a, b in g.edges():
+        out.append(f'  "{a}" -> "{b}";')
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """What changed between two summaries: op counts, attention sites, collectives, inputs."""
+
+    def keyed(items, key):
+        return {key(i): i for i in items}
+
+    ops = {
+        op: (a["op_counts"].get(op, 0), b["op_counts"].get(op, 0))
+        for op in sorted(set(a["op_counts"]) | set(b["op_counts"]))
+        if a["op_counts"].get(op, 0) != b["op_counts"].get(op, 0)
+    }
+    ia, ib = keyed(a["inputs"], lambda i: i["name"]), keyed(b["inputs"], lambda i: i["name"])
+    inputs = {
+        "added": sorted(set(ib) - set(ia)),
+        "removed": sorted(set(ia) - set(ib)),
+        "changed": sorted(n for n in set(ia) & set(ib) if ia[n] != ib[n]),
+    }
+
+    def sig(x):
+        return (x.get("op"), x.get("causal"), x.get("strategy"), str(x.get("q_shape")), x.get("rewritten"))
+
+    sites = {"a": Counter(map(sig, a["attention"])), "b": Counter(map(sig, b["attention"]))}
+    coll = {
+        "a": Counter((c["op"], c["phase"]) for c in a["collectives"]),
+        "b": Counter((c["op"], c["phase"]) for c in b["collectives"]),
+    }
+    return {
+        "op_counts": {k: {"a": v[0], "b": v[1]} for k, v in ops.items()},
+        "inputs": inputs,
+        "attention": {
+            "only_a": [list(k) for k in (sites["a"] - sites["b"]).elements()],
+            "only_b": [list(k) for k in (sites["b"] - sites["a"]).elements()],
+        },
+        "collectives": {
+            "a": {f"{k[0]} ({k[1]})": v for k, v in coll["a"].items()},
+            "b": {f"{k[0]} ({k[1]})": v for k, v in coll["b"].items()},
+        },
+        "same": not ops and not any(inputs.values()) and sites["a"] == sites["b"] and coll["a"] == coll["b"],
+    }
+
+
+def human_bytes(n: int | str | None) -> str:
+    if n is None:
+        return "?"
+    if isinstance(n, str):
+        return f"{n} B"
+    if n == 0:
+        return "0 B"
+    exp = min(int(math.log(n, 1024)), 4)
+    return f"{n / 1024**exp:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][exp]}"

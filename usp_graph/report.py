@@ -1,0 +1,144 @@
+"""Render an `analysis.summarize` result as text tables or one self-contained HTML page."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from .analysis import human_bytes
+
+__all__ = ["text", "to_html", "diff_text"]
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _shape(s: Any) -> str:
+    return "(" + ", ".join(str(d) for d in s) + ")" if s else "-"
+
+
+def _sections(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
+    inputs = summary["inputs"]
+    by_role: dict[str, list[dict[str, Any]]] = {}
+    for i in inputs:
+        by_role.setdefault(i["role"], []).append(i)
+    input_rows = []
+    for role, items in by_role.items():
+        shown = (
+            items
+            if len(items) <= 6
+            else items[:3] + [{"name": f"... {len(items) - 5} more", "shape": None, "dtype": ""}] + items[-2:]
+        )
+        for i in shown:
+            input_rows.append([role, i["name"], _shape(i["shape"]), i["dtype"]])
+    attn = [
+        [
+            a["node"],
+            a.get("source", ""),
+            _shape(a.get("q_shape")),
+            _shape(a.get("k_shape")),
+            a.get("causal"),
+            a.get("gqa", ""),
+            a.get("strategy", "") if a["rewritten"] else f"NOT REWRITTEN: {a.get('reason')}",
+        ]
+        for a in summary["attention"]
+    ]
+    coll = [
+        [
+            c["node"],
+            c["op"],
+            c["phase"],
+            c["group"],
+            c["group_size"],
+            human_bytes(c["bytes_per_rank"]),
+            c.get("forward_node") or "",
+        ]
+        for c in summary["collectives"]
+    ]
+    pairs = [[p["forward"], p["op"], ", ".join(p["backward"]), "ok"] for p in summary["pairing"]]
+    pairs += [[u["node"], u["op"], "-", "MISSING: " + u["missing"]] for u in summary["unpaired"]]
+    counts = sorted(summary["op_counts"].items(), key=lambda kv: (-kv[1], kv[0]))
+    meta = summary["metadata"]
+    meta_rows = [[m["name"], _shape(m["shape"]), m["dtype"]] for m in meta["inputs"]]
+    return [
+        ("Inputs by role", ["role", "name", "shape", "dtype"], input_rows),
+        (f"Metadata inputs (capacity {meta['capacity']} documents)", ["name", "shape", "dtype"], meta_rows),
+        ("Attention sites", ["node", "source", "q", "k", "causal", "gqa", "strategy"], attn),
+        (
+            "Collectives (bytes sent per rank per step)",
+            ["node", "op", "phase", "group", "ranks", "bytes", "forward node"],
+            coll,
+        ),
+        ("Forward/backward pairing", ["forward", "op", "backward", "status"], pairs),
+        ("Op counts", ["op", "count"], [[k, v] for k, v in counts]),
+        (
+            "Nodes by creating pass",
+            ["pass", "nodes"],
+            [[k, v] for k, v in summary["created_by_pass"].items()],
+        ),
+    ]
+
+
+def text(summary: dict[str, Any], *, title: str = "") -> str:
+    out = [title] if title else []
+    for name, headers, rows in _sections(summary):
+        out.append(f"\n{name}")
+        out.append(_table(headers, rows) if rows else "  (none)")
+    crit = summary.get("critical_path_comm") or []
+    out.append(f"\nCollectives on the critical path: {', '.join(crit) if crit else 'none'}")
+    out.append(f"{summary['nodes']} nodes")
+    return "\n".join(out) + "\n"
+
+
+def to_html(summary: dict[str, Any], *, title: str = "usp_graph") -> str:
+    """One self-contained page (no scripts, no external files)."""
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title>",
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:1.5em}"
+        "td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;text-align:left}"
+        "th{background:#eee}.bad{color:#b00;font-weight:bold}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    for name, headers, rows in _sections(summary):
+        parts.append(f"<h2>{html.escape(name)}</h2>")
+        if not rows:
+            parts.append("<p>(none)</p>")
+            continue
+        parts.append("<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>")
+        for r in rows:
+            cells = []
+            for c in r:
+                s = "" if c is None else str(c)
+                cls = " class='bad'" if s.startswith(("MISSING", "NOT REWRITTEN")) else ""
+                cells.append(f"<td{cls}>{html.escape(s)}</td>")
+            parts.append("<tr>" + "".join(cells) + "</tr>")
+        parts.append("</table>")
+    crit = summary.get("critical_path_comm") or []
+    parts.append(f"<p>Collectives on the critical path: {html.escape(', '.join(crit) or 'none')}</p>")
+    parts.append(f"<p>{summary['nodes']} nodes</p></body></html>\n")
+    return "\n".join(parts)
+
+
+def diff_text(d: dict[str, Any]) -> str:
+    if d["same"]:
+        return "no differences in ops, attention sites, collectives or inputs\n"
+    out = []
+    if d["op_counts"]:
+        out.append("Op counts (a -> b)")
+        out.append(_table(["op", "a", "b"], [[k, v["a"], v["b"]] for k, v in d["op_counts"].items()]))
+    for key in ("added", "removed", "changed"):
+        if d["inputs"][key]:
+            out.append(f"Inputs {key}: {', '.join(d['inputs'][key])}")
+    for side in ("only_a", "only_b"):
+        for s in d["attention"][side]:
+            out.append(f"Attention site {side.replace('_', ' in ')}: {s}")
+    if d["collectives"]["a"] != d["collectives"]["b"]:
+        out.append(f"Collectives a: {d['collectives']['a']}")
+        out.append(f"Collectives b: {d['collectives']['b']}")
+    return "\n".join(out) + "\n"
