@@ -74,11 +74,19 @@ def _nbytes(x: Any) -> Any:
     return n
 
 
-def _fmt(n: Any, names: dict[str, str]) -> int | str | None:
+def _fmt(n: Any, names: dict[str, str], values: dict[str, int] | None = None) -> int | str | None:
+    """An int, or a symbolic size with readable symbol names; evaluated when `values` gives
+    every symbol it uses (keyed by readable name, e.g. {"T": 4096})."""
     if n is None:
         return None
     if isinstance(n, int):
         return n
+    if values and isinstance(n, torch.SymInt):
+        expr = n.node.expr
+        subs = {sym: values[names.get(str(sym), str(sym))] for sym in expr.free_symbols
+                if names.get(str(sym), str(sym)) in values}  # fmt: skip
+        if len(subs) == len(expr.free_symbols):
+            return int(expr.subs(subs))
     s = str(n)
     for sym, name in names.items():
         s = s.replace(sym, name)
@@ -104,9 +112,10 @@ def _collective_bytes(node: fx.Node) -> tuple[Any, int | None, str | None]:
         b = _nbytes(a[0])
         return (_scale(b, p - 1) if name == "all_gather" else _scale(b, p - 1, p)), p, a[3]
     if name in ("ring_attn_fwd", "ring_attn_bwd"):
-        off = 0 if name == "ring_attn_fwd" else 1
-        k, v = a[1 + off], a[2 + off]
-        chunk_ids, per_rank, group = a[7 + off], a[8 + off], a[9 + off]
+        # fwd(q, k, v, cu, max, causal, scale, chunk_ids, per_rank, group);
+        # bwd(dout, q, k, v, out, lse, cu, max, causal, scale, chunk_ids, per_rank, group)
+        k, v = (a[1], a[2]) if name == "ring_attn_fwd" else (a[2], a[3])
+        chunk_ids, per_rank, group = a[-3], a[-2], a[-1]
         r = len(chunk_ids) // int(per_rank)
         kv = None if _nbytes(k) is None else _nbytes(k) + _nbytes(v)
         if kv is None:
@@ -155,12 +164,17 @@ def _strategy(g: nx.DiGraph, attn: str) -> str:
 
 
 def summarize(
-    gm: fx.GraphModule, *, sites: Any = None, symbols: dict[str, Any] | None = None
+    gm: fx.GraphModule,
+    *,
+    sites: Any = None,
+    symbols: dict[str, Any] | None = None,
+    values: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Everything inspect shows, as JSON-able data.
 
     sites: the tracer's `AttentionSite`s (for source locations and not-rewritten reasons).
     symbols: {readable name: SymInt} to print symbolic sizes as e.g. ``T`` instead of ``s27``.
+    values: {readable name: int} to evaluate symbolic byte counts (e.g. ``{"T": 4096}``).
     """
     names = {str(v): k for k, v in (symbols or {}).items()}
     g = to_networkx(gm)
@@ -244,7 +258,7 @@ def summarize(
                 "phase": n.meta.get("usp_phase", ""),
                 "group": group,
                 "group_size": size,
-                "bytes_per_rank": _fmt(nbytes, names),
+                "bytes_per_rank": _fmt(nbytes, names, values),
                 "forward_node": n.meta.get("usp_fwd_node"),
             }
         )

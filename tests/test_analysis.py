@@ -1,0 +1,127 @@
+"""Graph analysis: sites, strategies, pairing, bytes per rank against the cost model, DOT."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dist import run_ranks
+from usp_graph import AttentionMetadata, trace_train_step
+from usp_graph.analysis import diff, summarize, to_dot
+from usp_graph.models import Llama, LlamaConfig, llama_loss, make_llama_batch
+
+CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+
+
+def _traced(lengths=(5, 7, 3)):
+    torch.manual_seed(0)
+    model = Llama(CONFIG)
+    batch = make_llama_batch(CONFIG, list(lengths), generator=torch.Generator().manual_seed(1))
+    meta = AttentionMetadata.from_position_ids(batch["position_ids"], max_docs=8)
+    return trace_train_step(model, llama_loss, batch, meta)
+
+
+def test_single_process_summary_lists_every_site_paired_and_fed_by_metadata():
+    graph = _traced()
+    s = summarize(graph.graph_module, sites=graph.sites, symbols=graph.signature.symbols)
+    assert len(s["attention"]) == CONFIG.n_layers
+    for a in s["attention"]:
+        assert a["rewritten"] and a["strategy"] == "single" and a["causal"] and a["gqa"]
+        assert a["metadata_reaches"] and "llama.py" in a["source"]
+        assert a["q_shape"] == ["T", 4, 8]
+    assert len(s["pairing"]) == CONFIG.n_layers and s["unpaired"] == []
+    assert s["metadata"]["capacity"] == 8
+    assert {i["role"] for i in s["inputs"]} == {"param", "batch", "cu_seqlens", "max_seqlen"}
+    assert s["collectives"] == []
+
+
+def test_a_removed_backward_op_shows_as_unpaired():
+    graph = _traced()
+    gm = graph.graph_module
+    victim = next(
+        n for n in gm.graph.nodes if n.meta.get("usp_phase") == "backward" and "varlen_bwd" in n.name
+    )
+    victim.target = torch.ops.aten.clone.default  # the backward attention op is gone
+    victim.args = (victim.args[0],)
+    s = summarize(gm)
+    assert [u["node"] for u in s["unpaired"]] == [victim.meta["usp_fwd_node"]]
+    assert "usp.varlen_bwd" in s["unpaired"][0]["missing"]
+
+
+def test_dot_is_parsed_by_networkx_and_keeps_every_node():
+    pydot = pytest.importorskip("pydot")
+    graph = _traced()
+    dot = to_dot(graph.graph_module)
+    (parsed,) = pydot.graph_from_dot_data(dot)
+    g = nx.nx_pydot.from_pydot(parsed)
+    assert g.number_of_nodes() == len(graph.graph_module.graph.nodes)
+
+
+def test_diff_of_a_graph_with_itself_is_empty_and_sees_a_changed_model():
+    a = summarize(_traced().graph_module)
+    assert diff(a, a)["same"]
+    other = LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64)
+    torch.manual_seed(0)
+    batch = make_llama_batch(other, [5, 7, 3], generator=torch.Generator().manual_seed(1))
+    g3 = trace_train_step(
+        Llama(other), llama_loss, batch, AttentionMetadata.from_position_ids(batch["position_ids"])
+    )
+    d = diff(a, summarize(g3.graph_module))
+    assert not d["same"]
+    assert d["op_counts"]["usp.varlen_fwd.default"] == {"a": 2, "b": 3}
+
+
+def _cp_summaries(rank: int, world: int) -> list[dict]:
+    from usp_graph import ContextParallel
+    from usp_graph.cp.cost import bytes_sent
+
+    out = []
+    for strategy in ("allgather_kv", "ulysses", "ring", "usp"):
+        cp = ContextParallel(strategy, **({"ulysses_degree": 2} if strategy == "usp" else {}))
+        torch.manual_seed(0)
+        model = Llama(CONFIG)
+        batch = make_llama_batch(CONFIG, [9, 7, 11, 5], generator=torch.Generator().manual_seed(1))
+        meta = AttentionMetadata.from_position_ids(batch["position_ids"], max_docs=8)
+        local = {k: cp.shard(v, 1) for k, v in batch.items()}
+
+        def step(m, b):
+            logits = m(b["input_ids"], b["position_ids"])
+            return F.cross_entropy(
+                logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100, reduction="sum"
+            )
+
+        graph = trace_train_step(model, step, local, meta, cp=cp)
+        t_local = local["input_ids"].shape[1]
+        s = summarize(graph.graph_module, symbols=graph.signature.symbols, values={"T": t_local})
+        model_bytes = bytes_sent(
+            strategy,
+            tokens=t_local * world,
+            heads=CONFIG.n_heads,
+            kv_heads=CONFIG.n_kv_heads,
+            head_dim=CONFIG.dim // CONFIG.n_heads,
+            world=world,
+            element_size=4,
+            ulysses_degree=cp.ulysses_degree if strategy == "usp" else 1,
+        )
+        out.append(
+            {
+                "strategy": strategy,
+                "site_strategies": [a["strategy"] for a in s["attention"]],
+                "bytes": sum(c["bytes_per_rank"] for c in s["collectives"]),
+                "model_bytes": model_bytes * CONFIG.n_layers,
+                "unpaired": s["unpaired"],
+                "pairs": len(s["pairing"]),
+            }
+        )
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_cp_graphs_name_their_strategy_and_bytes_match_the_cost_model():
+    for results in run_ranks(_cp_summaries, 2, timeout=200):
+        for r in results:
+            assert r["site_strategies"] == [r["strategy"]] * CONFIG.n_layers, r
+            assert r["bytes"] == r["model_bytes"], r
+            assert r["unpaired"] == [] and r["pairs"] > 0, r
