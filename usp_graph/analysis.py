@@ -225,14 +225,15 @@ def summarize(
             }
         )
     for s in sites or ():
-        if not getattr(s, "rewritable", True):
+        if not getattr(s, "rewritable", True) or getattr(s, "reason", None):
+            q_shape = getattr(s, "q_shape", None)
             attention.append(
                 {
-                    "node": getattr(s.node, "name", str(s.node)),
+                    "node": _site_name(s),
                     "op": "sdpa",
-                    "source": s.source,
-                    "q_shape": [_fmt(d, names) for d in s.q_shape],
-                    "causal": s.is_causal,
+                    "source": s.source or "",
+                    "q_shape": [_fmt(d, names) for d in q_shape] if q_shape else None,
+                    "causal": getattr(s, "is_causal", None),
                     "rewritten": False,
                     "reason": s.reason,
                 }
@@ -279,11 +280,17 @@ def summarize(
     }
 
 
+def _site_name(site: Any) -> str | None:
+    """A site record's node name: `AttentionSite.node.name` (traced) or `.name` (loaded)."""
+    node = getattr(site, "node", None)
+    return getattr(node, "name", None) if node is not None else getattr(site, "name", None)
+
+
 def _source(node: fx.Node, sites: Any) -> str:
     site = node.meta.get("usp_site")
     for s in sites or ():
-        if getattr(s.node, "name", None) == site:
-            return s.source
+        if _site_name(s) == site:
+            return s.source or ""
     src = node.meta.get("usp_source") or node.meta.get("source")
     if src:
         return str(src)

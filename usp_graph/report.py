@@ -63,6 +63,8 @@ def _sections(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[A
     pairs = [[p["forward"], p["op"], ", ".join(p["backward"]), "ok"] for p in summary["pairing"]]
     pairs += [[u["node"], u["op"], "-", "MISSING: " + u["missing"]] for u in summary["unpaired"]]
     counts = sorted(summary["op_counts"].items(), key=lambda kv: (-kv[1], kv[0]))
+    if len(counts) > 20:  # the JSON output has all of them
+        counts = counts[:20] + [(f"... {len(counts) - 20} more ops", sum(v for _, v in counts[20:]))]
     meta = summary["metadata"]
     meta_rows = [[m["name"], _shape(m["shape"]), m["dtype"]] for m in meta["inputs"]]
     return [
