@@ -10,12 +10,28 @@ Public entry points:
   `.replay(params, batch, metadata)` with new document boundaries.
 - `find_sites` / `AttentionSite`: every SDPA form in an FX graph as one record.
 - `default_pipeline` / `Pipeline` / `PassResult` / `VerifyError`: the pass pipeline (`usp_graph.passes`).
+- `save` / `load` -> `LoadedTrainStep` (``.replay`` in any process), `save_graph_module` /
+  `load_graph_module` -> `GraphFile` (any FX graph), `GraphFileError`: graph files (`usp_graph.graphfile`).
+- `usp_backend` (``torch.compile(backend="usp")``), `UspOptions`, `documents`, `CompileReport`: the
+  compile backend (`usp_graph.backend`).
 """
 
 from __future__ import annotations
 
 from . import registry
+from .backend import CompileReport, UspOptions, documents, usp_backend
+from .backend import register as _register_backend
 from .cp import ContextParallel
+from .graphfile import (
+    GraphFile,
+    GraphFileError,
+    InputSpec,
+    LoadedTrainStep,
+    load,
+    load_graph_module,
+    save,
+    save_graph_module,
+)
 from .metadata import AttentionMetadata
 from .mode import attention_mode
 from .ops.varlen import varlen_attn
@@ -42,4 +58,19 @@ __all__ = [
     "default_pipeline",
     "TrainStepGraph",
     "trace_train_step",
+    "GraphFile",
+    "GraphFileError",
+    "InputSpec",
+    "LoadedTrainStep",
+    "load",
+    "load_graph_module",
+    "save",
+    "save_graph_module",
+    "CompileReport",
+    "UspOptions",
+    "documents",
+    "usp_backend",
 ]
+
+# torch.compile(backend="usp") also works without the installed entry point once usp_graph is imported.
+_register_backend()

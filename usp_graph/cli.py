@@ -1,117 +1,206 @@
-"""The ``usp-graph`` command line (also ``python -m usp_graph``)."""
+"""The ``usp-graph`` command line (also ``python -m usp_graph``).
+
+Exit codes: 0 success; 1 a check failed (verify found a problem, demo saw a mismatch);
+2 bad usage or an unreadable file.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
-import time
+import tempfile
 from collections.abc import Sequence
+from typing import Any
 
 EXAMPLES = """examples:
-  usp-graph demo                      run the main job on the embedded default model
-  usp-graph demo --docs 12 --seed 3   more documents, another draw of boundaries
+  usp-graph demo                              the main job: trace, CP over 2 gloo ranks, save,
+                                              load fresh, replay with new documents, compare
+  usp-graph inspect rank0.uspg                tables: inputs, attention sites, collectives, ops
+  usp-graph inspect rank0.uspg --json         the same as JSON
+  usp-graph inspect rank0.uspg --html out.html    one self-contained page
+  usp-graph inspect rank0.uspg --dot out.dot      data-flow graph for graphviz
+  usp-graph inspect rank0.uspg --values T=65536   evaluate symbolic byte counts
+  usp-graph inspect dumps/                    every graph file a torch.compile dump_dir holds
+  usp-graph verify rank0.uspg                 exit 0 if every collective and parameter is paired
+  usp-graph diff a.uspg b.uspg                what changed between two graphs
 """
 
 
-def _loss_and_grads(model, loss_fn, batch):
-    model.zero_grad(set_to_none=True)
-    loss = loss_fn(model, batch)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+class _Unreadable(Exception):
+    """A path that is not a readable graph file or dump directory (exit code 2)."""
+
+
+def _graph_files(path: str) -> list[str]:
+    if os.path.isdir(path):
+        files = sorted(
+            os.path.join(path, f)
+            for f in os.listdir(path)
+            if f.endswith((".uspg", ".json")) and not f.endswith(".summary.json")
+        )
+        if not files:
+            raise _Unreadable(f"{path}: directory holds no graph files (*.uspg)")
+        return files
+    if not os.path.exists(path):
+        raise _Unreadable(f"{path}: no such file")
+    return [path]
+
+
+def _load(path: str) -> Any:
+    """Any graph file (train step or compile dump) as a `GraphFile`; nothing in it is executed."""
+    from .graphfile import load_graph_module
+
+    try:
+        return load_graph_module(path)
+    except (OSError, ValueError) as e:
+        raise _Unreadable(f"{path}: {e}") from e
+
+
+def _summary(path: str, values: dict[str, int] | None = None, graph: Any = None) -> dict[str, Any]:
+    from .analysis import summarize
+
+    g = graph if graph is not None else _load(path)
+    return summarize(g.graph_module, symbols=g.symbols, values=values)
+
+
+def inspect_text(path: str, values: dict[str, int] | None = None) -> str:
+    from . import report
+
+    return report.text(_summary(path, values), title=path)
+
+
+def _parse_values(items: Sequence[str] | None) -> dict[str, int]:
+    out = {}
+    for item in items or ():
+        name, _, value = item.partition("=")
+        if not name or not value.isdigit():
+            raise _Unreadable(f"--values expects NAME=INT (e.g. T=65536), got {item!r}")
+        out[name] = int(value)
+    return out
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from . import analysis, report
+
+    values = _parse_values(args.values)
+    files = _graph_files(args.path)
+    summaries = {f: _summary(f, values) for f in files}
+    if args.json:
+        print(json.dumps(summaries if len(files) > 1 else summaries[files[0]], indent=1, default=str))
+    else:
+        for f, s in summaries.items():
+            print(report.text(s, title=f))
+    if args.html:
+        page = "\n".join(report.to_html(s, title=f) for f, s in summaries.items())
+        with open(args.html, "w") as fh:
+            fh.write(page)
+        print(f"wrote {args.html}", file=sys.stderr)
+    if args.dot:
+        with open(args.dot, "w") as fh:
+            fh.write(analysis.to_dot(_load(files[0]).graph_module))
+        print(f"wrote {args.dot}", file=sys.stderr)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .passes.verify import VerifyError, verify
+
+    status = 0
+    for f in _graph_files(args.path):
+        g = _load(f)
+        s = _summary(f, graph=g)
+        problems = [f"{u['node']} ({u['op']}): {u['missing']}" for u in s["unpaired"]]
+        if g.kind == "train_step":
+            try:  # the package's own verify pass: SDPA left, rules, adjoints, a grad per parameter
+                verify(g.graph_module)
+            except VerifyError as e:
+                problems.append(str(e))
+        if problems:
+            status = 1
+            print(f"{f}: FAILED")
+            for p in dict.fromkeys(problems):
+                print(f"  {p}")
+        else:
+            print(
+                f"{f}: ok ({len(s['pairing'])} forward ops paired with their backward, "
+                f"{len(s['collectives'])} collectives)"
+            )
+    return status
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from . import analysis, report
+
+    a, b = (_summary(_graph_files(p)[0]) for p in (args.a, args.b))
+    d = analysis.diff(a, b)
+    print(
+        json.dumps(d, indent=1, default=str) if args.json else report.diff_text(d),
+        end="" if not args.json else "\n",
+    )
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import torch
+    from .demo import run_demo
 
-    from . import AttentionMetadata, attention_mode
-    from .models import Llama, LlamaConfig, llama_loss, make_llama_batch
-
-    def say(msg: str) -> None:
-        print(msg, flush=True)
-
-    t0 = time.perf_counter()
-    gen = torch.Generator().manual_seed(args.seed)
-    config = LlamaConfig(vocab_size=256, dim=64, n_layers=args.layers, n_heads=4, n_kv_heads=2, ffn_dim=128)
-    # Log-normal document lengths with empty and length-1 documents mixed in, as real packs have.
-    lengths = (
-        (torch.randn(args.docs, generator=gen, dtype=torch.float64) * 0.8 + 3.0)
-        .exp()
-        .round()
-        .long()
-        .clamp(1, 200)
-    )
-    lengths[1 % args.docs] = 0
-    lengths[2 % args.docs] = 1
-    lengths = lengths.tolist()
-    say(
-        f"[1/3] Llama-style model ({config.n_layers} layers, {config.n_heads} heads, {config.n_kv_heads} kv heads)"
-    )
-    say(f"      packed row of {sum(lengths)} tokens in {len(lengths)} documents: {lengths}")
-
-    status = 0
-    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
-        torch.manual_seed(args.seed)
-        model = Llama(config).to(dtype)
-        batch = make_llama_batch(
-            config, lengths, generator=torch.Generator().manual_seed(args.seed), with_attn_mask=True
-        )
-        meta = AttentionMetadata.from_position_ids(batch["position_ids"], max_docs=len(lengths) + 4)
-
-        ref_loss, ref_grads = _loss_and_grads(model, llama_loss, batch)
-        plain = {k: v for k, v in batch.items() if k != "attn_mask"}
-        with attention_mode(meta) as mode:
-            loss, grads = _loss_and_grads(model, llama_loss, plain)
-        worst = max(((g - ref_grads[n]).norm() / ref_grads[n].norm()).item() for n, g in grads.items())
-        loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-        ok = loss_err <= tol and worst <= tol
-        status |= not ok
-        say(
-            f"[2/3] {str(dtype).removeprefix('torch.'):8s} {mode.calls} SDPA calls -> usp::varlen_fwd/bwd; "
-            f"vs SDPA + block-diagonal mask: loss rel err {loss_err:.1e}, worst grad rel err {worst:.1e} "
-            f"(<= {tol:.0e}) {'OK' if ok else 'FAIL'}"
-        )
-
-    torch.manual_seed(args.seed)
-    model = Llama(config)
-    with attention_mode(meta):
-        a = model(plain["input_ids"], plain["position_ids"])
-        b = model(plain["input_ids"], plain["position_ids"])
-    same = torch.equal(a, b)
-    status |= not same
-    say(f"[3/3] two eager runs bitwise equal: {'OK' if same else 'FAIL'}")
-    say(
-        f"done in {time.perf_counter() - t0:.1f} s: {'all checks passed' if status == 0 else 'CHECKS FAILED'}"
-    )
-    return status
+    out_dir = args.out or tempfile.mkdtemp(prefix="usp_demo_")
+    return run_demo(out_dir=out_dir, strategy=args.strategy, seed=args.seed, layers=args.layers)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="usp-graph",
-        description="usp_graph: SDPA -> varlen attention + context-parallel collectives, with registered backward rules.",
+        description="usp_graph: SDPA -> varlen attention + context-parallel collectives, with registered "
+        "backward rules. Inspect, verify and diff graph files; run the main job.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo",
-        help="run the main job on the embedded default model",
-        description="Route a small Llama-style model's SDPA calls through varlen attention on packed "
-        "documents and check loss and every grad against SDPA with a block-diagonal mask.",
+
+    p = sub.add_parser("inspect", help="summarize a graph file or a compile dump_dir")
+    p.add_argument("path", help="a graph file (.uspg) or a directory of them")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--html", metavar="OUT", help="also write one self-contained HTML page")
+    p.add_argument("--dot", metavar="OUT", help="also write the data-flow graph as graphviz DOT")
+    p.add_argument("--values", nargs="*", metavar="NAME=INT", help="evaluate symbolic sizes, e.g. T=65536")
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser(
+        "verify", help="exit 0 if every forward collective has its adjoint and every parameter a grad"
     )
-    demo.add_argument("--docs", type=int, default=8, help="documents in the packed row (default 8)")
-    demo.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    demo.set_defaults(func=_demo)
+    p.add_argument("path")
+    p.set_defaults(func=_verify)
+
+    p = sub.add_parser("diff", help="what changed between two graphs")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_diff)
+
+    p = sub.add_parser(
+        "demo",
+        help="the main job on the embedded default model",
+        description="Trace a small Llama-style model on packed documents with context parallelism over 2 "
+        "gloo ranks on CPU, save per-rank graph files, load them in fresh processes, replay with new "
+        "document boundaries, check bitwise against eager, print the inspect summary.",
+    )
+    p.add_argument("--strategy", default="ulysses", choices=["allgather_kv", "ulysses", "ring", "usp"])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="directory for the graph files (default: a new temp dir)")
+    p.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "docs", 1) < 3:
-        print("usp-graph demo: --docs must be at least 3", file=sys.stderr)
+    try:
+        return args.func(args)
+    except _Unreadable as e:
+        print(f"usp-graph: {e}", file=sys.stderr)
         return 2
-    return args.func(args)
 
 
 if __name__ == "__main__":

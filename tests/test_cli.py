@@ -1,0 +1,135 @@
+"""The usp-graph CLI, run as a subprocess on real graph files (the demo's per-rank CP files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import networkx as nx
+import pytest
+
+from usp_graph.graphfile.document import fingerprint
+
+pytestmark = pytest.mark.timeout(240)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [sys.executable, "-m", "usp_graph", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    r = _cli("demo", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "replay == eager, bitwise" in r.stdout
+    assert r.stdout.count("loss and every grad bitwise equal") == 2
+    return out
+
+
+def test_demo_prints_progress_and_the_inspect_summary(demo_dir):
+    assert os.path.exists(demo_dir / "rank0.uspg") and os.path.exists(demo_dir / "rank1.uspg")
+
+
+def test_inspect_json_lists_sites_collectives_and_pairing(demo_dir):
+    r = _cli("inspect", str(demo_dir / "rank0.uspg"), "--json", "--values", "T=160")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert [a["strategy"] for a in s["attention"]] == ["ulysses", "ulysses"]
+    assert all(a["rewritten"] and a["metadata_reaches"] for a in s["attention"])
+    phases = [c["phase"] for c in s["collectives"]]
+    assert phases.count("forward") == 8 and phases.count("backward") == 8  # 4 all-to-alls per site each way
+    assert all(isinstance(c["bytes_per_rank"], int) and c["bytes_per_rank"] > 0 for c in s["collectives"])
+    assert s["unpaired"] == [] and len(s["pairing"]) == 10  # 8 collectives + 2 attention ops
+    assert {m["role"] for m in s["metadata"]["inputs"]} == {"cu_seqlens", "max_seqlen"}
+
+
+def test_inspect_text_dot_and_html(demo_dir, tmp_path):
+    pydot = pytest.importorskip("pydot")
+    dot, page = tmp_path / "g.dot", tmp_path / "g.html"
+    r = _cli("inspect", str(demo_dir / "rank0.uspg"), "--dot", str(dot), "--html", str(page))
+    assert r.returncode == 0, r.stderr
+    assert "Attention sites" in r.stdout and "ulysses" in r.stdout
+    (parsed,) = pydot.graph_from_dot_data(dot.read_text())
+    g = nx.nx_pydot.from_pydot(parsed)
+    assert any("varlen_fwd" in n for n in g.nodes)
+    html = page.read_text()
+    assert html.startswith("<!doctype html>") and "<script" not in html
+    for site in ("varlen_fwd", "varlen_fwd_1"):
+        assert f"<td>{site}</td>" in html
+
+
+def test_inspect_a_dump_directory_covers_every_file(demo_dir):
+    r = _cli("inspect", str(demo_dir), "--json")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)) == 2
+
+
+def test_verify_passes_a_good_file(demo_dir):
+    r = _cli("verify", str(demo_dir / "rank0.uspg"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ": ok" in r.stdout
+
+
+def test_verify_fails_naming_a_removed_backward_collective(demo_dir, tmp_path):
+    doc = json.loads((demo_dir / "rank0.uspg").read_text())
+    nodes = doc["graph"]["nodes"]
+    victim = next(
+        n
+        for n in nodes
+        if n.get("target") == "usp.all_to_all.default" and n["meta"].get("usp_phase") == "backward"
+    )
+    victim["target"] = "aten.clone.default"  # the adjoint collective is gone; the data still flows
+    victim["args"] = victim["args"][:1]
+    doc["fingerprint"] = fingerprint(doc)
+    bad = tmp_path / "no_adjoint.uspg"
+    bad.write_text(json.dumps(doc))
+    r = _cli("verify", str(bad))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert victim["meta"]["usp_fwd_node"] in r.stdout + r.stderr
+    assert "all_to_all" in r.stdout + r.stderr
+
+
+def test_verify_and_inspect_exit_2_on_a_corrupt_file(demo_dir, tmp_path):
+    data = (demo_dir / "rank0.uspg").read_bytes()
+    bad = tmp_path / "truncated.uspg"
+    bad.write_bytes(data[: len(data) // 2])
+    for cmd in ("verify", "inspect"):
+        r = _cli(cmd, str(bad))
+        assert r.returncode == 2, (cmd, r.stdout, r.stderr)
+        assert "usp-graph:" in r.stderr
+    assert _cli("inspect", str(tmp_path / "missing.uspg")).returncode == 2
+
+
+def test_diff_reports_no_change_between_ranks_and_a_change_against_another_graph(demo_dir, tmp_path):
+    r = _cli("diff", str(demo_dir / "rank0.uspg"), str(demo_dir / "rank1.uspg"))
+    assert r.returncode == 0 and "no differences" in r.stdout, r.stdout + r.stderr
+    # another graph: the same model traced in one process (no collectives)
+    import torch
+
+    from usp_graph import AttentionMetadata, save, trace_train_step
+    from usp_graph.demo import _config
+    from usp_graph.models import Llama, llama_loss, make_llama_batch
+
+    config = _config(2)
+    batch = make_llama_batch(config, [9, 1, 0, 22], generator=torch.Generator().manual_seed(0))
+    meta = AttentionMetadata.from_position_ids(batch["position_ids"], max_docs=14)
+    single = tmp_path / "single.uspg"
+    save(trace_train_step(Llama(config), llama_loss, batch, meta), single)
+    r = _cli("diff", str(demo_dir / "rank0.uspg"), str(single), "--json")
+    d = json.loads(r.stdout)
+    assert not d["same"]
+    assert d["op_counts"]["usp.all_to_all.default"] == {"a": 16, "b": 0}
+    assert "usp.varlen_fwd.default" not in d["op_counts"]  # two attention sites in both
+
+
+def test_help_has_examples():
+    r = _cli("--help")
+    assert r.returncode == 0 and "examples:" in r.stdout and "usp-graph verify" in r.stdout

@@ -1,0 +1,380 @@
+"""The ``usp`` Dynamo backend: rewrite every SDPA, then AOTAutograd, then an inner compiler.
+
+    torch.compile(model, backend="usp", options={"inner": "aot_eager", "cp": cp})
+
+For each graph Dynamo hands over (one per frame, so one per side of a graph break):
+
+1. copy it (Dynamo keeps using its own graph after the backend returns);
+2. append the document metadata inputs (`inputs.add_metadata_inputs`) when every attention site
+   shares one (batch, length), and run the shared rewrite pass (`rewrite_sdpa`, which calls
+   `sdpa_to_usp`: the op sequence eager `attention_mode` runs), with `cp` forwarded;
+3. verify the rewritten graph (no SDPA left unless reported, every usp op has a rule);
+4. AOTAutograd: the backward is whatever the ops' registered rules emit (``usp::varlen_bwd``,
+   adjoint collectives); the joint graph is tagged and verified before it is partitioned;
+5. the inner compiler (``aot_eager`` or ``inductor``) compiles forward and backward;
+6. return a function that appends the metadata of the current `documents(...)` block (or the
+   per-row metadata) to Dynamo's arguments at every call.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..passes.base import tag_nodes
+from ..passes.rewrite import rewrite_sdpa
+from ..passes.verify import verify
+from ..sites import find_sites, node_value
+from .dump import AOT_GRAPHS, GraphDump, site_record, usp_op_counts
+from .inputs import MetadataFeed, add_metadata_inputs, check_not_guarded, metadata_hints, shared_rows
+from .joint import input_requires_grad, tag_joint, verify_joint
+from .options import UspOptions
+
+__all__ = ["usp_backend", "CompileReport", "BACKEND_NAME"]
+
+BACKEND_NAME = "usp"
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What the backend did with one Dynamo graph (passed to ``options["on_compile"]``).
+
+    graph: Dynamo's compile id (``"frame/compile"``). rewritten / kept: attention sites turned into
+    usp ops / left as SDPA, as ``AttentionSite.describe()`` lines (kept ones say why).
+    metadata: ``"inputs"`` (cu_seqlens/max_seqlen are graph inputs fed per call), ``"per_row"``
+    (sites differ in batch/length: per-row metadata inside the graph, `documents` refused) or
+    ``"none"`` (no attention rewritten). inner: the inner compiler. seconds: rewrite + AOTAutograd
+    + inner compile (a backward compiled lazily is not included). dump: the dump directory or None.
+    graphs: the graphs AOTAutograd made (``joint``, ``forward``, ``backward``, ``inference``) by the
+    time the compile returned. usp_ops: per phase of the joint graph (``"forward"``/``"backward"``;
+    ``"inference"`` without grad), usp op name -> count: the ops and adjoint collectives autograd
+    emitted from the registered rules.
+    """
+
+    graph: str
+    rewritten: tuple[str, ...]
+    kept: tuple[str, ...]
+    metadata: str
+    inner: str
+    cp: str | None
+    seconds: float
+    dump: str | None = None
+    graphs: tuple[str, ...] = field(default=())
+    usp_ops: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def usp_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: Mapping[str, Any] | UspOptions | None = None,
+    **kwargs: Any,
+) -> Callable[..., Any]:
+    """The ``"usp"`` backend: ``torch.compile(model, backend="usp", options={...})``.
+
+    Options (`UspOptions`): ``cp``, ``inner``, ``dump_dir``, ``verify``, ``on_compile``.
+    Per-call document boundaries come from `usp_graph.documents`.
+    """
+    if kwargs:
+        raise TypeError(
+            f"backend 'usp' takes its settings as options={{...}} (valid keys: {UspOptions.keys()}), not "
+            f"{sorted(kwargs)}; torch.compile's mode= is not supported"
+        )
+    opts = UspOptions.parse(options)
+    return _Compile(gm, list(example_inputs), opts).run()
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copy of `gm`'s graph, keeping what AOTAutograd reads from Dynamo's."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    for old, new in env.items():
+        if old.op == "placeholder":
+            new._dynamo_source = getattr(old, "_dynamo_source", None)
+    copy = fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copy._param_name_to_source = gm._param_name_to_source
+    return copy
+
+
+def _fake_mode_and_env(values: Sequence[Any]):
+    from torch._guards import TracingContext, detect_fake_mode
+
+    fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    if fake_mode is None:
+        ctx = TracingContext.try_get()
+        fake_mode = ctx.fake_mode if ctx is not None else None
+    if fake_mode is None or fake_mode.shape_env is None:
+        raise ValueError(
+            "the usp backend needs Dynamo's fake tensors and ShapeEnv; call it through torch.compile(backend='usp')"
+        )
+    return fake_mode, fake_mode.shape_env
+
+
+class _Compile:
+    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], opts: UspOptions) -> None:
+        self.dynamo_gm = gm
+        self.example_inputs = example_inputs
+        self.opts = opts
+        compile_id = gm.meta.get("dynamo_compile_id")
+        self.name = str(compile_id) if compile_id is not None else "?"
+        self.dump: GraphDump | None = None
+        self.graphs: list[str] = []
+        self.trained = False
+        self.input_info: list[dict[str, Any]] = []
+        self.requires_grad: list[bool] = []
+        self.usp_ops: dict[str, dict[str, int]] = {}
+
+    # -- hooks the inner compilers call ----------------------------------------------------------
+
+    def on_joint(self, joint: fx.GraphModule) -> None:
+        self.trained = True
+        if self.opts.verify:
+            verify_joint(joint, self.requires_grad)
+        else:
+            tag_joint(joint, self.requires_grad)
+        self.usp_ops = usp_op_counts(joint)
+        self._record("joint", joint)
+
+    def on_graph(self, kind: str, gm: fx.GraphModule) -> None:
+        if kind == "forward" and not self.trained:
+            kind = "inference"
+            self.usp_ops = usp_op_counts(gm, phase="inference")
+        self._record(kind, gm)
+
+    def _record(self, name: str, gm: fx.GraphModule) -> None:
+        self.graphs.append(name)
+        if self.dump is not None:
+            self.dump.graph(name, gm, _aot_inputs(gm, self.input_info) if name in AOT_GRAPHS else None)
+
+    # -- the compile -----------------------------------------------------------------------------
+
+    def run(self) -> Callable[..., Any]:
+        start = time.perf_counter()
+        opts = self.opts
+        gm = _copy(self.dynamo_gm)
+        tag_nodes(gm, "trace")
+        values = [node_value(p) for p in gm.graph.find_nodes(op="placeholder")]
+        fake_mode, env = _fake_mode_and_env(values)
+        sites = find_sites(gm)
+        todo = [s for s in sites if s.rewritable]
+        kept = [s for s in sites if not s.rewritable]
+        world = opts.cp.world if opts.cp is not None else 1
+        if opts.cp is not None and kept:
+            raise ValueError(
+                "under context parallelism every SDPA must be rewritten (a plain SDPA would attend within this "
+                "rank's shard only), but these cannot be: " + "; ".join(s.describe() for s in kept)
+            )
+        if kept:
+            # Reported, not silent: these keep SDPA's one-document-per-row semantics.
+            warnings.warn(
+                f"usp backend: graph {self.name} keeps {len(kept)} SDPA call(s) as SDPA, and calling it inside "
+                "usp_graph.documents(...) will raise: " + "; ".join(s.describe() for s in kept),
+                stacklevel=2,
+            )
+        if opts.dump_dir is not None:
+            self.dump = GraphDump(
+                opts.dump_dir,
+                self.dynamo_gm.meta.get("dynamo_compile_id"),
+                {
+                    "graph": self.name,
+                    "inner": opts.inner,
+                    "verify": opts.verify,
+                    "cp": _cp_record(opts.cp),
+                    "sites": [site_record(s, s.rewritable) for s in sites],
+                },
+            )
+            self.dump.graph("dynamo", gm)
+
+        rows = shared_rows(todo) if todo else None
+        mode = "none" if not todo else ("inputs" if rows is not None else "per_row")
+        extra: list[Any] = []
+        symbols: frozenset = frozenset()
+        device = node_value(todo[0].query).device if todo else None
+        if mode == "inputs":
+            capacity, max_seqlen = metadata_hints(rows, world)
+            meta_in = add_metadata_inputs(
+                gm,
+                shape_env=env,
+                fake_mode=fake_mode,
+                device=device,
+                capacity=capacity,
+                max_seqlen=max_seqlen,
+            )
+            extra = [meta_in.cu_value, meta_in.max_value]
+            symbols = meta_in.symbols
+        result = rewrite_sdpa(gm, cp=opts.cp)
+        assert result.matches == len(todo), (result.matches, len(todo))
+        if self.dump is not None:
+            self.dump.update(
+                metadata={"mode": mode, "inputs": ["cu_seqlens_N1", "max_seqlen"] if extra else []}
+            )
+            self.dump.graph("rewritten", gm)
+        if opts.verify:
+            verify(gm)
+
+        inputs = self.example_inputs + extra
+        self.input_info = (
+            _input_info(self.dynamo_gm, self.example_inputs)
+            + [
+                {"name": "cu_seqlens", "role": "metadata"},
+                {"name": "max_seqlen", "role": "metadata"},
+            ][: len(extra)]
+        )
+        # Primal i of the joint graph is input i (no parameters are lifted: Dynamo makes them inputs).
+        self.requires_grad = input_requires_grad(inputs)
+        compiled = _INNER[opts.inner](gm, inputs, self)
+        if symbols:
+            check_not_guarded(env, symbols, self.name)
+        feed = MetadataFeed(
+            graph=self.name,
+            mode=mode,
+            rows=rows,
+            values=values,
+            shape_env=env,
+            world=world,
+            device=device,
+            kept=kept,
+        )
+        seconds = time.perf_counter() - start
+        report = CompileReport(
+            graph=self.name,
+            rewritten=tuple(s.describe() for s in todo),
+            kept=tuple(s.describe() for s in kept),
+            metadata=mode,
+            inner=opts.inner,
+            cp=repr(opts.cp) if opts.cp is not None else None,
+            seconds=seconds,
+            dump=str(self.dump.dir) if self.dump is not None else None,
+            graphs=tuple(self.graphs),
+            usp_ops=self.usp_ops,
+        )
+        if self.dump is not None:
+            self.dump.update(compile_seconds=seconds)
+        if opts.on_compile is not None:
+            opts.on_compile(report)
+        return _with_metadata(compiled, feed)
+
+
+_PATH = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
+_LOCAL = re.compile(r"^L\['([^']+)'\]$")
+
+
+def _input_info(dynamo_gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[dict[str, Any]]:
+    """What each of Dynamo's graph inputs is: a parameter (by its module path), a buffer, or batch."""
+    out = []
+    for p, x in zip(dynamo_gm.graph.find_nodes(op="placeholder"), example_inputs, strict=False):
+        source = getattr(p, "_dynamo_source", None)
+        text = getattr(source, "name", None)
+        text = text() if callable(text) else (text or p.name)
+        path = _PATH.findall(text)
+        local = _LOCAL.match(text)
+        info: dict[str, Any] = {"name": ".".join(path) if path else (local.group(1) if local else text)}
+        if isinstance(x, torch.nn.Parameter) or "._parameters[" in text:
+            info.update(role="parameter", trainable=bool(getattr(x, "requires_grad", False)))
+        elif "._buffers[" in text:
+            info["role"] = "buffer"
+        else:
+            info["role"] = "batch"
+        out.append(info)
+    return out
+
+
+def _aot_inputs(gm: fx.GraphModule, info: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Name and role of each placeholder of an AOTAutograd graph: ``primals_N`` / ``argN_1`` are the
+    backend's inputs, ``tangents_N`` the output gradients, anything else a saved activation."""
+    out = []
+    for p in gm.graph.find_nodes(op="placeholder"):
+        m = re.fullmatch(r"primals_(\d+)|arg(\d+)_1", p.name)
+        i = (int(m.group(1)) - 1 if m.group(1) else int(m.group(2))) if m else None
+        if i is not None and 0 <= i < len(info):
+            out.append(dict(info[i]))
+        elif p.name.startswith("tangents_"):
+            out.append({"name": p.name, "role": "tangent"})
+        else:
+            out.append({"name": p.name, "role": "input"})
+    return out
+
+
+def _cp_record(cp: Any) -> dict[str, Any] | None:
+    if cp is None:
+        return None
+    return {
+        "strategy": cp.strategy,
+        "world": cp.world,
+        "rank": cp.rank,
+        "load_balance": cp.load_balance,
+        "ulysses_degree": cp.ulysses_degree,
+        "group": cp.group_name,
+    }
+
+
+def _with_metadata(compiled: Callable[..., Any], feed: MetadataFeed) -> Callable[..., Any]:
+    """Dynamo's arguments -> the compiled graph's: its own plus the metadata of this call."""
+    # Dynamo calls a backend's result with positional arguments, as is aot_module_simplified's
+    # result called (whatever its copied `_boxed_call` attribute says).
+
+    def usp_compiled(*args: Any) -> Any:
+        return compiled(*args, *feed(args))
+
+    usp_compiled.feed = feed  # type: ignore[attr-defined]
+    return usp_compiled
+
+
+# -- inner compilers -------------------------------------------------------------------------------
+
+
+def _aot_eager(gm: fx.GraphModule, inputs: list[Any], hooks: _Compile) -> Callable[..., Any]:
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    # Exactly torch's aot_eager (same partitioner, no decompositions), with the joint verified.
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        hooks.on_joint(joint)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def forward(g: fx.GraphModule, ex: Any) -> Any:
+        hooks.on_graph("forward", g)
+        return boxed_nop(g, ex)
+
+    def backward(g: fx.GraphModule, ex: Any) -> Any:
+        hooks.on_graph("backward", g)
+        return boxed_nop(g, ex)
+
+    return aot_autograd(
+        fw_compiler=forward, bw_compiler=backward, partition_fn=partition, keep_inference_input_mutations=True
+    )(gm, inputs)
+
+
+def _inductor(gm: fx.GraphModule, inputs: list[Any], hooks: _Compile) -> Callable[..., Any]:
+    import torch._inductor.config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(g: fx.GraphModule, ex: Any, **kwargs: Any) -> Any:
+        hooks.on_graph("backward" if kwargs.get("is_backward") else "forward", g)
+        return compile_fx_inner(g, ex, **kwargs)
+
+    def joint_pass(graph: fx.Graph | fx.GraphModule) -> None:
+        # Inductor runs this on the joint graph, before its own joint passes and its partitioner.
+        # Not a CustomGraphPass, so inductor's caches are bypassed: verify runs on every compile.
+        hooks.on_joint(graph if isinstance(graph, fx.GraphModule) else graph.owning_module)
+
+    with inductor_config.patch(joint_custom_pre_pass=joint_pass):
+        return compile_fx(gm, inputs, inner_compile=inner_compile)
+
+
+_INNER: dict[str, Callable[[fx.GraphModule, list[Any], _Compile], Callable[..., Any]]] = {
+    "aot_eager": _aot_eager,
+    "inductor": _inductor,
+}

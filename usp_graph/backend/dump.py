@@ -1,0 +1,215 @@
+"""``dump_dir``: what the ``usp`` backend writes for each graph it compiles.
+
+One directory per compiled graph, ``<dump_dir>/<NNN>_frame<F>_<C>/`` (NNN counts the backend's
+compiles in this process; F/C is Dynamo's compile id), holding:
+
+- ``dynamo.txt``: the graph Dynamo handed over; ``rewritten.txt``: after the rewrite pass, each
+  node annotated with the pass that made it;
+- ``joint.txt`` (training), ``forward.txt``, ``backward.txt`` or ``inference.txt``: AOTAutograd's
+  graphs (the joint carries ``usp_phase`` / ``usp_fwd_node`` tags); ``backward.txt`` appears when
+  AOTAutograd compiles the backward, which may be at the first backward call;
+- ``<name>.graph``: the same graphs as graph files, when usp_graph can write graph files
+  (``save_graph_module``); otherwise ``summary.json`` says why not;
+- ``summary.json`` (``"format": "usp_graph.compile_dump"``, ``"version": 1``): attention sites
+  (rewritten or kept, with the reason), metadata inputs, CP plan, op and collective counts per
+  graph and phase, the files above. It is rewritten whenever a graph arrives.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import re
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import registry
+from ..passes.base import graph_text
+from ..passes.joint import PHASE_META
+from ..sites import AttentionSite, node_value
+
+__all__ = ["GraphDump", "FORMAT", "VERSION"]
+
+FORMAT = "usp_graph.compile_dump"
+VERSION = 1
+_COUNTER = itertools.count()
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._schema.name.split('::')[1]}.{target._overloadname}"
+    return getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+
+
+def _phase(node: fx.Node, by_phase: bool) -> str:
+    return node.meta.get(PHASE_META, "all") if by_phase else "all"
+
+
+def _op_counts(gm: fx.GraphModule, by_phase: bool) -> dict[str, dict[str, int]]:
+    """Per phase (``"all"`` unless `by_phase`): op name -> count."""
+    out: dict[str, Counter] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            phase = _phase(node, by_phase)
+            out.setdefault(phase, Counter())[_op_name(node.target)] += 1
+    return {phase: dict(sorted(c.items())) for phase, c in out.items()}
+
+
+def _collectives(gm: fx.GraphModule, by_phase: bool) -> dict[str, dict[str, int]]:
+    rules = registry.rules()
+    coll = {op for op, r in rules.items() if r.kind == "collective"}
+    out: dict[str, Counter] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in coll:
+            out.setdefault(_phase(node, by_phase), Counter())[_op_name(node.target)] += 1
+    return {phase: dict(sorted(c.items())) for phase, c in out.items()}
+
+
+def usp_op_counts(gm: fx.GraphModule, *, phase: str | None = None) -> dict[str, dict[str, int]]:
+    """Per phase (the node's ``usp_phase`` tag, or `phase` for all): usp op name -> count."""
+    out: dict[str, Counter] = {}
+    for node in gm.graph.nodes:
+        t = node.target
+        if (
+            node.op == "call_function"
+            and isinstance(t, torch._ops.OpOverload)
+            and t.namespace == registry.NAMESPACE
+        ):
+            out.setdefault(phase or node.meta.get(PHASE_META, "all"), Counter())[_op_name(t)] += 1
+    return {p: dict(sorted(c.items())) for p, c in out.items()}
+
+
+def _shape(s: Any) -> list[str] | None:
+    return None if s is None else [str(d) for d in s]
+
+
+def site_record(site: AttentionSite, rewritten: bool) -> dict[str, Any]:
+    return {
+        "name": site.name,
+        "form": site.form,
+        "q_shape": _shape(site.q_shape),
+        "k_shape": _shape(site.k_shape),
+        "v_shape": _shape(site.v_shape),
+        "dtype": str(site.dtype) if site.dtype is not None else None,
+        "is_causal": site.is_causal if isinstance(site.is_causal, bool) else str(site.is_causal),
+        "scale": site.scale if isinstance(site.scale, (int, float, type(None))) else str(site.scale),
+        "enable_gqa": site.enable_gqa,
+        "source": site.source,
+        "rewritten": rewritten,
+        "reason": site.reason,
+    }
+
+
+def _graph_file_api() -> tuple[Any, Any] | None:
+    """(save_graph_module, InputSpec) of usp_graph's graph-file module, when it has them."""
+    for name in ("usp_graph.graphfile", "usp_graph.graphfile.graph", "usp_graph.serialize", "usp_graph"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        save = getattr(module, "save_graph_module", None)
+        if callable(save):
+            spec = getattr(importlib.import_module(save.__module__), "InputSpec", None)
+            return save, spec
+    return None
+
+
+# AOTAutograd graphs are the ones a graph file can hold (aten and usp ops only); Dynamo's graph
+# calls torch functions and modules.
+AOT_GRAPHS = ("joint", "forward", "backward", "inference")
+
+
+def _label(compile_id: Any) -> str:
+    text = re.sub(r"[^0-9A-Za-z]+", "_", str(compile_id)).strip("_") if compile_id is not None else "x"
+    return f"{next(_COUNTER):03d}_frame{text}"
+
+
+class GraphDump:
+    """The dump directory of one compiled graph."""
+
+    def __init__(self, root: Path, compile_id: Any, summary: dict[str, Any]) -> None:
+        self.dir = Path(root) / _label(compile_id)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.summary: dict[str, Any] = {"format": FORMAT, "version": VERSION, **summary}
+        self.summary.setdefault("graphs", {})
+        self.summary.setdefault("graph_files", {})
+
+    def graph(self, name: str, gm: fx.GraphModule, inputs: list[dict[str, Any]] | None = None) -> None:
+        """Write `gm` as ``<name>.txt`` (and, for AOTAutograd graphs, a graph file) and refresh summary.json.
+
+        inputs: one ``{"name", "role"[, "trainable"]}`` per placeholder (roles as graph files name
+        them: parameter, buffer, batch, metadata, tangent, input), for AOTAutograd graphs.
+        """
+        (self.dir / f"{name}.txt").write_text(graph_text(gm))
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        described = [
+            {"node": p.name, **(inputs[i] if inputs else {}), "value": _describe(node_value(p))}
+            for i, p in enumerate(placeholders)
+        ]
+        entry: dict[str, Any] = {
+            "text": f"{name}.txt",
+            "nodes": len(gm.graph.nodes),
+            # Only the joint graph is split by phase; forward/backward graphs keep the joint's tags.
+            "ops": _op_counts(gm, name == "joint"),
+            "collectives": _collectives(gm, name == "joint"),
+            "inputs": described,
+        }
+        self.summary["graphs"][name] = entry
+        if name in AOT_GRAPHS:
+            self.summary["graph_files"][name] = self._graph_file(name, gm, inputs)
+        self.write()
+
+    def _graph_file(
+        self, name: str, gm: fx.GraphModule, inputs: list[dict[str, Any]] | None
+    ) -> dict[str, Any]:
+        api = _graph_file_api()
+        if api is None:
+            return {"file": None, "error": "this usp_graph cannot write graph files yet; see the .txt dump"}
+        save, input_spec = api
+        path = self.dir / f"{name}.graph"
+        try:
+            specs = None
+            if inputs is not None and input_spec is not None:
+                specs = [
+                    _spec(input_spec, p, i)
+                    for p, i in zip(gm.graph.find_nodes(op="placeholder"), inputs, strict=True)
+                ]
+            save(gm, path, inputs=specs, meta={"compile_dump": self.summary.get("graph"), "graph": name})
+        except Exception as e:  # a dump must never fail the compile; it says why the file is missing
+            warnings.warn(
+                f"usp backend: could not write graph file {path}: {type(e).__name__}: {e}", stacklevel=2
+            )
+            return {"file": None, "error": f"{type(e).__name__}: {e}"}
+        return {"file": path.name, "error": None}
+
+    def update(self, **fields: Any) -> None:
+        self.summary.update(fields)
+        self.write()
+
+    def write(self) -> None:
+        (self.dir / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str) + "\n")
+
+
+def _spec(input_spec: Any, node: fx.Node, info: dict[str, Any]) -> Any:
+    v = node_value(node)
+    trainable = info.get("trainable") if info["role"] == "parameter" else None
+    if isinstance(v, torch.Tensor):
+        return input_spec(
+            info["name"], info["role"], "tensor", v.dtype, tuple(v.shape), v.device, trainable=trainable
+        )
+    if isinstance(v, torch.SymInt):
+        return input_spec(info["name"], info["role"], "symint", value=v)
+    kind = {bool: "bool", int: "int", float: "float", type(None): "none"}.get(type(v), "any")
+    return input_spec(info["name"], info["role"], kind)
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{str(v.dtype).removeprefix('torch.')}{[str(d) for d in v.shape]}"
+    return str(v)

@@ -1,0 +1,272 @@
+"""Document metadata as inputs of a Dynamo graph, and the values each call feeds them.
+
+# B batch rows, L sequence length of an attention call, P CP ranks, N1 cu_seqlens entries (max_docs + 1)
+
+Dynamo never sees the metadata. The backend appends two placeholders to its copy of the graph:
+``cu_seqlens_N1`` (int32, its length a fresh symbol N1) and ``max_seqlen`` (a fresh SymInt), both
+of the graph's ShapeEnv and both created DYNAMIC, so no value or capacity is baked in and no
+Dynamo guard can mention them (they have no Dynamo source; `check_not_guarded` makes sure). The
+rewrite pass wires every attention site to them. At run time `MetadataFeed` supplies them from
+the innermost `usp_graph.documents(...)` block, or, outside any block, the per-row metadata
+``cu = [0, L*P, 2*L*P, ..., B*L*P]``, ``max_seqlen = L*P``: exactly what `sdpa_to_usp` computes
+for ``metadata=None``, so both modes share one compiled graph and match eager bit for bit.
+
+That needs every rewritten site of the graph to have the same (B, L); a graph whose sites differ
+is rewritten with per-row metadata computed inside the graph, and refuses `documents(...)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_true
+
+from ..metadata import AttentionMetadata
+from ..passes.base import PASS_META
+from ..passes.rewrite import INPUT_META
+from ..sites import AttentionSite
+from .documents import current_documents
+
+__all__ = ["MetadataInputs", "MetadataFeed", "add_metadata_inputs", "shared_rows", "check_not_guarded"]
+
+PASS_NAME = "usp_backend"
+
+
+def _rows(site: AttentionSite) -> tuple[Any, Any]:
+    """(B, L) of a site: (B, H, L, K) or (B, L, K) query."""
+    q = site.q_shape
+    assert q is not None and len(q) in (3, 4), q
+    return q[0], q[-2]
+
+
+def shared_rows(sites: Sequence[AttentionSite]) -> tuple[Any, Any] | None:
+    """The (B, L) every site has (ints or SymInts), or None when they provably may differ."""
+    b0, l0 = _rows(sites[0])
+    for site in sites[1:]:
+        b, length = _rows(site)
+        if not (statically_known_true(b == b0) and statically_known_true(length == l0)):
+            return None
+    return b0, l0
+
+
+def _hint(x: Any) -> int:
+    if isinstance(x, torch.SymInt):
+        return int(x.node.hint)
+    return int(x)
+
+
+@dataclass
+class MetadataInputs:
+    """The two placeholders `add_metadata_inputs` made, their fake values and their symbols."""
+
+    cu_seqlens: fx.Node
+    max_seqlen: fx.Node
+    cu_value: torch.Tensor
+    max_value: torch.SymInt
+    symbols: frozenset[sympy.Symbol]
+
+
+def add_metadata_inputs(
+    gm: fx.GraphModule,
+    *,
+    shape_env: ShapeEnv,
+    fake_mode: Any,
+    device: torch.device,
+    capacity: int,
+    max_seqlen: int,
+) -> MetadataInputs:
+    """Append ``cu_seqlens_N1`` / ``max_seqlen`` placeholders, tagged as the rewrite pass expects.
+
+    `capacity` (cu_seqlens entries) and `max_seqlen` are only hints for the fresh symbols.
+    """
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    # capacity >= 2 always (AttentionMetadata checks it), so the default [2, inf) range is exact and
+    # `numel() < 2` needs no guard. max_seqlen may be 0 or 1: not specialized on those.
+    n1_src = ConstantSource("usp_cu_seqlens_capacity")
+    n1 = shape_env.create_symbol(capacity, n1_src, dynamic_dim=DimDynamic.DYNAMIC)
+    n1_int = shape_env.create_symintnode(n1, hint=capacity, source=n1_src)
+    ms_src = ConstantSource("usp_max_seqlen")
+    ms = shape_env.create_symbol(
+        max_seqlen, ms_src, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True
+    )
+    ms_int = shape_env.create_symintnode(ms, hint=max_seqlen, source=ms_src)
+    with fake_mode:
+        cu_val = torch.empty(n1_int, dtype=torch.int32, device=device)
+    last = list(gm.graph.find_nodes(op="placeholder"))[-1]
+    with gm.graph.inserting_after(last):
+        cu = gm.graph.placeholder("cu_seqlens_N1")
+    with gm.graph.inserting_after(cu):
+        msn = gm.graph.placeholder("max_seqlen")
+    for node, val, kind in ((cu, cu_val, "cu_seqlens"), (msn, ms_int, "max_seqlen")):
+        node._rename(node.target)  # FX lower-cases placeholder names; keep the _N1 suffix
+        node.meta.update({"val": val, "example_value": val, INPUT_META: {"kind": kind, "name": kind}})
+        node.meta[PASS_META] = PASS_NAME
+        # AOTAutograd asks every placeholder of a Dynamo graph for its source; these have none
+        # (like the intermediate inputs of DDPOptimizer's split graphs).
+        node._dynamo_source = None
+    return MetadataInputs(cu, msn, cu_val, ms_int, frozenset({n1, ms}))
+
+
+def check_not_guarded(shape_env: ShapeEnv, symbols: frozenset[sympy.Symbol], graph: str) -> None:
+    """Fail the compile if anything guarded on (or specialized) a metadata symbol.
+
+    Dynamo cannot check such a guard (the metadata is not one of its inputs), so the compiled
+    code would silently assume, e.g., a fixed capacity.
+    """
+    for guard in shape_env.guards:
+        hit = guard.expr.free_symbols & symbols
+        if hit:
+            raise AssertionError(
+                f"graph {graph}: compiling added the guard {guard.expr} on document metadata input(s) "
+                f"{sorted(map(str, hit))}; metadata must stay dynamic (report this as a usp_graph bug)"
+            )
+    for sym in symbols:
+        if sym in shape_env.replacements:
+            raise AssertionError(
+                f"graph {graph}: metadata input {sym} was specialized to {shape_env.replacements[sym]} "
+                "(report this as a usp_graph bug)"
+            )
+
+
+class _SizeEval:
+    """Evaluates a size expression of the graph's symbols from the actual arguments of a call."""
+
+    def __init__(self, values: Sequence[Any], shape_env: ShapeEnv | None) -> None:
+        self.env = shape_env
+        self.where: dict[sympy.Symbol, tuple[int, int | None]] = {}
+        for i, v in enumerate(values):
+            if isinstance(v, torch.SymInt):
+                self._note(v, i, None)
+            elif isinstance(v, torch.Tensor):
+                for d, s in enumerate(v.shape):
+                    if isinstance(s, torch.SymInt):
+                        self._note(s, i, d)
+
+    def _expr(self, s: torch.SymInt) -> sympy.Expr:
+        expr = s.node.expr
+        return self.env.replace(expr) if self.env is not None else expr
+
+    def _note(self, s: torch.SymInt, i: int, d: int | None) -> None:
+        expr = self._expr(s)
+        if isinstance(expr, sympy.Symbol):
+            self.where.setdefault(expr, (i, d))
+
+    def compile(self, x: Any, what: str) -> Callable[[Sequence[Any]], int]:
+        if not isinstance(x, torch.SymInt):
+            value = int(x)
+            return lambda args: value
+        expr = self._expr(x)
+        if expr.is_Integer:
+            value = int(expr)
+            return lambda args: value
+        missing = expr.free_symbols - self.where.keys()
+        if missing:
+            raise NotImplementedError(
+                f"the {what} of the attention calls is {expr}, and {sorted(map(str, missing))} is not the size of "
+                "any graph input, so it cannot be read at run time; mark those dims static (torch._dynamo.mark_static)"
+            )
+        where = [(sym, self.where[sym]) for sym in expr.free_symbols]
+        if isinstance(expr, sympy.Symbol):
+            ((_, (i, d)),) = where
+            return (lambda args: int(args[i])) if d is None else (lambda args: int(args[i].shape[d]))
+
+        def value_of(args: Sequence[Any]) -> int:
+            subs = {
+                sym: sympy.Integer(int(args[i]) if d is None else int(args[i].shape[d]))
+                for sym, (i, d) in where
+            }
+            return int(expr.xreplace(subs))
+
+        return value_of
+
+
+class MetadataFeed:
+    """The metadata arguments of one call of a compiled graph (read from `documents`).
+
+    mode: ``"inputs"`` (the graph takes cu_seqlens/max_seqlen), ``"per_row"`` (sites differ in
+    (B, L): per-row metadata is computed inside the graph; `documents` is refused) or ``"none"``
+    (no rewritten attention: `documents` does not matter).
+    """
+
+    def __init__(
+        self,
+        *,
+        graph: str,
+        mode: str,
+        rows: tuple[Any, Any] | None,
+        values: Sequence[Any],
+        shape_env: ShapeEnv | None,
+        world: int,
+        device: torch.device | None,
+        kept: Sequence[AttentionSite],
+    ) -> None:
+        self.graph = graph
+        self.mode = mode
+        self.world = world
+        self.device = device
+        self.kept = [f"{s.name} ({s.reason})" for s in kept]
+        self._per_row: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
+        self.batch = self.length = None
+        if mode == "inputs":
+            assert rows is not None
+            sizes = _SizeEval(values, shape_env)
+            self.batch = sizes.compile(rows[0], "batch size")
+            self.length = sizes.compile(rows[1], "sequence length")
+
+    def __call__(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        meta = current_documents()
+        if meta is not None:
+            if self.kept:
+                raise ValueError(
+                    f"documents(...) is active, but compiled graph {self.graph} kept SDPA call(s) it could not rewrite "
+                    f"({'; '.join(self.kept)}); they would attend across documents. Remove what blocks the rewrite "
+                    "or call this function outside documents(...)"
+                )
+            if self.mode == "per_row":
+                raise ValueError(
+                    f"documents(...) is active, but the attention calls of compiled graph {self.graph} differ in batch "
+                    "size or sequence length, so one packed token stream cannot describe them; call it outside "
+                    "documents(...) (one document per batch row)"
+                )
+        if self.mode != "inputs":
+            return ()
+        b, length = self.batch(args), self.length(args)
+        if meta is None:
+            key = (b, length)
+            fed = self._per_row.get(key)
+            if fed is None:
+                if len(self._per_row) >= 64:  # dynamic shapes: keep the cache small
+                    self._per_row.clear()
+                span = length * self.world
+                cu = torch.arange(b + 1, dtype=torch.int32, device=self.device) * span
+                fed = self._per_row[key] = (cu, span)
+            return fed
+        tokens = b * length * self.world
+        if isinstance(meta.total_tokens, int) and meta.total_tokens != tokens:
+            across = f" x {self.world} CP ranks" if self.world > 1 else ""
+            raise ValueError(
+                f"documents(...) metadata describes {meta.total_tokens} tokens, but the attention calls of compiled "
+                f"graph {self.graph} see {tokens} (batch {b} x length {length}{across}); give metadata for this "
+                "call's packed tokens"
+            )
+        cu = meta.cu_seqlens
+        if self.device is not None and cu.device != self.device:
+            cu = cu.to(self.device, non_blocking=True)
+        return cu, meta.max_seqlen
+
+
+def metadata_hints(rows: tuple[Any, Any], world: int) -> tuple[int, int]:
+    """(capacity, max_seqlen) hints for the metadata symbols: the documents block active while
+    compiling, else the per-row metadata of the example call."""
+    meta: AttentionMetadata | None = current_documents()
+    if meta is not None and isinstance(meta.max_seqlen, int):
+        return meta.cu_seqlens.numel(), meta.max_seqlen
+    b, length = _hint(rows[0]), _hint(rows[1])
+    return b + 1, length * world

@@ -1,0 +1,144 @@
+"""`UspOptions`: the ``options={...}`` of ``torch.compile(..., backend="usp")``, parsed and checked.
+
+torch hands a string backend its options as one ``options=`` keyword argument (a plain dict), at
+the first call of the compiled function. `UspOptions.parse` turns that dict into a frozen
+dataclass: an unknown key is a `ValueError` listing the valid keys, a value of the wrong type is a
+`TypeError` naming the key, and a `cp` that does not belong to the live process group is a
+`ValueError` saying how to build one that does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["UspOptions", "INNER_COMPILERS", "DEFAULT_INNER"]
+
+# aot_eager: AOTAutograd with no code generation; every op runs the kernel eager runs, so forward
+# and gradients are bitwise equal to eager `attention_mode` (the exactness ladder of DESIGN.md).
+# inductor: fused generated kernels; faster, equal to eager within rounding (fp32 ~1e-6), and on
+# CPU it needs a C++ compiler and takes several times longer to compile.
+INNER_COMPILERS = ("aot_eager", "inductor")
+# The default is the one that keeps the backend's contract exact and needs no toolchain: a model
+# moved under backend="usp" trains bit for bit as it did in eager. Ask for inductor for speed.
+DEFAULT_INNER = "aot_eager"
+
+
+@dataclass(frozen=True)
+class UspOptions:
+    """What the ``usp`` backend does with each graph Dynamo hands it.
+
+    cp: a `usp_graph.ContextParallel` (attention inputs are this rank's sequence shards, document
+        metadata stays global) or None for a single process. It must belong to the initialized
+        process group of this process.
+    inner: the compiler after AOTAutograd: ``"aot_eager"`` (default: bitwise equal to eager
+        `attention_mode`) or ``"inductor"`` (speed; equal within rounding).
+    dump_dir: a directory; each compiled graph is written below it (readable graphs, a JSON
+        summary, and graph files when `usp_graph` can write them). None: no dump.
+    verify: run the verify pass on the rewritten graph and on the joint forward+backward graph
+        (default True): no SDPA left unless reported, every usp op has its registered rule, every
+        forward collective its adjoint in the backward.
+    on_compile: called with a `usp_graph.backend.CompileReport` after each graph is compiled
+        (sites rewritten and kept, metadata inputs, timings); None: nothing is called.
+    """
+
+    cp: Any = None
+    inner: str = DEFAULT_INNER
+    dump_dir: Path | None = None
+    verify: bool = True
+    on_compile: Callable[[Any], None] | None = None
+
+    def __post_init__(self) -> None:
+        from ..cp import ContextParallel
+
+        if self.cp is not None and not isinstance(self.cp, ContextParallel):
+            raise TypeError(
+                f"option 'cp' must be a usp_graph.ContextParallel or None, got {type(self.cp).__name__}"
+            )
+        if not isinstance(self.inner, str):
+            raise TypeError(
+                f"option 'inner' must be a str, one of {list(INNER_COMPILERS)}, got {type(self.inner).__name__}"
+            )
+        if self.inner not in INNER_COMPILERS:
+            raise ValueError(f"option 'inner' must be one of {list(INNER_COMPILERS)}, got {self.inner!r}")
+        if self.dump_dir is not None:
+            if not isinstance(self.dump_dir, (str, os.PathLike)):
+                raise TypeError(
+                    f"option 'dump_dir' must be a str or os.PathLike or None, got {type(self.dump_dir).__name__}"
+                )
+            object.__setattr__(self, "dump_dir", Path(self.dump_dir))
+        if not isinstance(self.verify, bool):
+            raise TypeError(f"option 'verify' must be a bool, got {type(self.verify).__name__}")
+        if self.on_compile is not None and not callable(self.on_compile):
+            raise TypeError(
+                f"option 'on_compile' must be callable or None, got {type(self.on_compile).__name__}"
+            )
+        if self.cp is not None:
+            check_cp_matches_process_group(self.cp)
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """The valid option names, sorted."""
+        return sorted(f.name for f in fields(cls))
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any] | UspOptions | None) -> UspOptions:
+        """``options={...}`` as given to ``torch.compile`` -> `UspOptions` (None: the defaults)."""
+        if options is None:
+            return cls()
+        if isinstance(options, UspOptions):
+            return options
+        if not isinstance(options, Mapping):
+            raise TypeError(
+                f"options for backend 'usp' must be a dict with keys from {cls.keys()}, got {type(options).__name__}"
+            )
+        for key in options:
+            if not isinstance(key, str):
+                raise TypeError(f"option names must be str, got {key!r}")
+        unknown = sorted(set(options) - set(cls.keys()))
+        if unknown:
+            raise ValueError(
+                f"unknown option(s) {unknown} for backend 'usp'; the valid options are {cls.keys()}"
+            )
+        return cls(**options)
+
+
+def check_cp_matches_process_group(cp: Any) -> None:
+    """`ValueError` unless `cp`'s process groups are live groups of this process with `cp`'s sizes.
+
+    A ContextParallel keeps its groups by name (ops find them by name); one built before
+    ``destroy_process_group`` / a re-init, or in another process, names a group that is gone or is
+    now a different one, and its collectives would fail or talk to the wrong ranks mid-step.
+    """
+    import torch.distributed as dist
+
+    from ..distributed import resolve_group
+
+    fix = "build the ContextParallel after torch.distributed.init_process_group, in this process"
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"option 'cp' needs torch.distributed initialized, and it is not; {fix}")
+    try:
+        pg = resolve_group(cp.group_name)
+    except ValueError as e:
+        raise ValueError(
+            f"option 'cp' ({cp!r}) was built for process group {cp.group_name!r}, which is not a live group of "
+            f"the initialized torch.distributed ({e}); {fix}"
+        ) from None
+    if pg is not cp.group or pg.size() != cp.world or pg.rank() != cp.rank:
+        raise ValueError(
+            f"option 'cp' ({cp!r}) does not match the initialized process group: it was built for a group "
+            f"{cp.group_name!r} of {cp.world} ranks (this rank {cp.rank}), but the live group of that name is another "
+            f"one, with {pg.size()} ranks (this rank {pg.rank()}); {fix}"
+        )
+    for what in ("ring_group_name", "ulysses_group_name"):
+        name = getattr(cp, what, None)
+        if name is not None and name != cp.group_name:
+            try:
+                resolve_group(name)
+            except ValueError as e:
+                raise ValueError(
+                    f"option 'cp': its {what[:-5]} {name!r} is not a live group ({e}); {fix}"
+                ) from None
