@@ -52,7 +52,7 @@ def test_inspect_json_lists_sites_collectives_and_pairing(demo_dir):
 
 
 def test_inspect_text_dot_and_html(demo_dir, tmp_path):
-    pydot = pytest.importorskip("pydot")
+    import pydot
     dot, page = tmp_path / "g.dot", tmp_path / "g.html"
     r = _cli("inspect", str(demo_dir / "rank0.uspg"), "--dot", str(dot), "--html", str(page))
     assert r.returncode == 0, r.stderr
