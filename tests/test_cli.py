@@ -53,6 +53,7 @@ def test_inspect_json_lists_sites_collectives_and_pairing(demo_dir):
 
 def test_inspect_text_dot_and_html(demo_dir, tmp_path):
     import pydot
+
     dot, page = tmp_path / "g.dot", tmp_path / "g.html"
     r = _cli("inspect", str(demo_dir / "rank0.uspg"), "--dot", str(dot), "--html", str(page))
     assert r.returncode == 0, r.stderr
@@ -133,3 +134,34 @@ def test_diff_reports_no_change_between_ranks_and_a_change_against_another_graph
 def test_help_has_examples():
     r = _cli("--help")
     assert r.returncode == 0 and "examples:" in r.stdout and "usp-graph verify" in r.stdout
+
+
+def test_every_subcommand_reads_a_torch_compile_dump_dir(tmp_path):
+    import torch
+
+    from usp_graph import AttentionMetadata, documents
+    from usp_graph.models import Llama, LlamaConfig, make_llama_batch
+
+    config = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+    model = Llama(config)
+    batch = make_llama_batch(config, [6, 1, 0, 9], generator=torch.Generator().manual_seed(0))
+    meta = AttentionMetadata.from_position_ids(batch["position_ids"], max_docs=6)
+    dump = tmp_path / "dump"
+    compiled = torch.compile(model, backend="usp", options={"dump_dir": str(dump)})
+    with documents(meta):
+        compiled(batch["input_ids"], batch["position_ids"]).sum().backward()
+    files = sorted(p.name for p in dump.rglob("*.uspg"))
+    assert {"joint.uspg", "forward.uspg", "backward.uspg"} <= set(files), files
+
+    r = _cli("inspect", str(dump), "--json")
+    assert r.returncode == 0, r.stderr
+    by_file = json.loads(r.stdout)
+    fwd = next(s for f, s in by_file.items() if f.endswith("forward.uspg"))
+    assert len([a for a in fwd["attention"] if a["rewritten"]]) == config.n_layers
+    joint = next(s for f, s in by_file.items() if f.endswith("joint.uspg"))
+    assert joint["op_counts"]["usp.varlen_bwd.default"] == config.n_layers
+    joint_file = next(str(p) for p in dump.rglob("joint.uspg"))
+    r = _cli("verify", joint_file)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _cli("diff", joint_file, joint_file)
+    assert r.returncode == 0 and "no differences" in r.stdout

@@ -33,11 +33,10 @@ class _Unreadable(Exception):
 
 
 def _graph_files(path: str) -> list[str]:
+    """The graph file itself, or every *.uspg under a directory (a compile dump_dir)."""
     if os.path.isdir(path):
         files = sorted(
-            os.path.join(path, f)
-            for f in os.listdir(path)
-            if f.endswith((".uspg", ".json")) and not f.endswith(".summary.json")
+            os.path.join(root, f) for root, _, names in os.walk(path) for f in names if f.endswith(".uspg")
         )
         if not files:
             raise _Unreadable(f"{path}: directory holds no graph files (*.uspg)")

@@ -17,7 +17,6 @@ compiles in this process; F/C is Dynamo's compile id), holding:
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import re
@@ -106,20 +105,6 @@ def site_record(site: AttentionSite, rewritten: bool) -> dict[str, Any]:
     }
 
 
-def _graph_file_api() -> tuple[Any, Any] | None:
-    """(save_graph_module, InputSpec) of usp_graph's graph-file module, when it has them."""
-    for name in ("usp_graph.graphfile", "usp_graph.graphfile.graph", "usp_graph.serialize", "usp_graph"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        save = getattr(module, "save_graph_module", None)
-        if callable(save):
-            spec = getattr(importlib.import_module(save.__module__), "InputSpec", None)
-            return save, spec
-    return None
-
-
 # AOTAutograd graphs are the ones a graph file can hold (aten and usp ops only); Dynamo's graph
 # calls torch functions and modules.
 AOT_GRAPHS = ("joint", "forward", "backward", "inference")
@@ -168,14 +153,13 @@ class GraphDump:
     def _graph_file(
         self, name: str, gm: fx.GraphModule, inputs: list[dict[str, Any]] | None
     ) -> dict[str, Any]:
-        api = _graph_file_api()
-        if api is None:
-            return {"file": None, "error": "this usp_graph cannot write graph files yet; see the .txt dump"}
-        save, input_spec = api
-        path = self.dir / f"{name}.graph"
+        from ..graphfile import InputSpec as input_spec
+        from ..graphfile import save_graph_module as save
+
+        path = self.dir / f"{name}.uspg"
         try:
             specs = None
-            if inputs is not None and input_spec is not None:
+            if inputs is not None:
                 specs = [
                     _spec(input_spec, p, i)
                     for p, i in zip(gm.graph.find_nodes(op="placeholder"), inputs, strict=True)
