@@ -108,12 +108,12 @@ TOL = {"float64": 1e-10, "float32": 1e-5}
 
 def test_every_strategy_matches_one_process_on_2_ranks():
     configs = _configs(STRATEGIES, [(4, 2, 1), (4, 4, 2)])
-    _check(run_ranks(_attention_cases, 2, configs), TOL)
+    _check(run_ranks(_attention_cases, 2, configs, timeout=150), TOL)
 
 
 def test_every_strategy_matches_one_process_on_4_ranks():
     configs = _configs(STRATEGIES, [(4, 2, 1)])
-    _check(run_ranks(_attention_cases, 4, configs), TOL)
+    _check(run_ranks(_attention_cases, 4, configs, timeout=150), TOL)
 
 
 def test_ulysses_shape_rules_on_4_ranks():
@@ -125,7 +125,7 @@ def test_ulysses_shape_rules_on_4_ranks():
         for causal in (False, True)
         for (h, g) in ((6, 2), (5, 5), (4, 1), (8, 2))
     ]
-    _check(run_ranks(_attention_cases, 4, configs), TOL)
+    _check(run_ranks(_attention_cases, 4, configs, timeout=150), TOL)
 
 
 # ---- whole train steps ----------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def _llama_steps(rank: int, world: int, strategies: list[str]) -> list[dict]:
 
 
 def test_llama_train_step_every_strategy_matches_one_process():
-    for results in run_ranks(_llama_steps, 2, STRATEGIES):
+    for results in run_ranks(_llama_steps, 2, STRATEGIES, timeout=150):
         for r in results:
             # Seed bug 1: a collective without an autograd kernel leaves q/k/v projection grads None.
             assert r["none_grads"] == [], r
@@ -246,7 +246,7 @@ def _flux_steps(rank: int, world: int, strategies: list[str]) -> list[dict]:
 
 
 def test_flux_joint_attention_every_strategy_matches_one_process():
-    for results in run_ranks(_flux_steps, 2, STRATEGIES):
+    for results in run_ranks(_flux_steps, 2, STRATEGIES, timeout=150):
         for r in results:
             assert r["none_grads"] == [], r
             assert r["loss"] <= 1e-10 and r["worst_grad"] <= 1e-10, r
@@ -369,7 +369,7 @@ def _bytes_cases(rank: int, world: int) -> list[tuple]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_bytes_sent_per_rank_match_the_cost_model(world):
-    for rows in run_ranks(_bytes_cases, world):
+    for rows in run_ranks(_bytes_cases, world, timeout=150):
         for strategy, h, g, fwd, fwd_model, both, both_model in rows:
             assert fwd > 0 or (strategy == "usp" and world == 2), (strategy, h, g)
             assert (fwd, both) == (fwd_model, both_model), (strategy, h, g)
