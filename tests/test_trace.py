@@ -475,31 +475,76 @@ def _cp_trace_and_replay(rank: int, world: int, configs: list[tuple[str, str | N
         doc_lists = [[3, 20, 1, 4, 6, 2], [36], [10, 0, 10, 8, 12], [1, 1, 30], [16, 16],
                      [5, 5, 5, 5, 4], [2, 38], [24, 8], [7, 9, 0, 11, 1], [12, 12, 12, 4]]  # fmt: skip
         inputs = [shard(lengths, 60 + i) for i, lengths in enumerate(doc_lists)]
-        histories = []
-        for replay in (None, graph.replay):
-            m = copy.deepcopy(model)
-            opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-            history = []
-            for local, meta in inputs:
-                if replay is None:
-                    m.zero_grad(set_to_none=True)
-                    with attention_mode(meta, cp=cp):
-                        loss = step(m, local)
-                    loss.backward()
-                    loss = loss.detach()
-                else:
-                    loss, grads = replay(dict(m.named_parameters()), local, meta)
-                    for name, p in m.named_parameters():
-                        p.grad = grads[name]
-                cp.reduce_grads(m.parameters())
-                opt.step()
-                history.append([loss] + [p.detach().clone() for p in m.parameters()])
-            histories.append(history)
-        equal = all(
-            torch.equal(a, b) for he, hr in zip(*histories, strict=True) for a, b in zip(he, hr, strict=True)
-        )
+        equal = _cp_eager_equals_replay(model, step, graph, inputs, cp)
         out.append({"strategy": strategy, "lb": lb, "equal": equal, "counts": _cp_counts(graph.graph_module)})
     return out
+
+
+def _cp_eager_equals_replay(model, step, graph, inputs, cp) -> bool:
+    """10 AdamW steps (grads reduced over the CP group) driven by eager and by replay: bitwise?"""
+    histories = []
+    for replay in (None, graph.replay):
+        m = copy.deepcopy(model)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        history = []
+        for local, meta in inputs:
+            if replay is None:
+                m.zero_grad(set_to_none=True)
+                with attention_mode(meta, cp=cp):
+                    loss = step(m, local)
+                loss.backward()
+                loss = loss.detach()
+            else:
+                loss, grads = replay(dict(m.named_parameters()), local, meta)
+                for name, p in m.named_parameters():
+                    p.grad = grads[name]
+            cp.reduce_grads(m.parameters())
+            opt.step()
+            history.append([loss] + [p.detach().clone() for p in m.parameters()])
+        histories.append(history)
+    return all(
+        torch.equal(a, b) for he, hr in zip(*histories, strict=True) for a, b in zip(he, hr, strict=True)
+    )
+
+
+def _cp_flux_trace_and_replay(rank: int, world: int, strategies: list[str]) -> list[dict]:
+    """Flux (joint text+image, one document per sample; text and image sharded separately)."""
+    from usp_graph import ContextParallel
+
+    out = []
+    for strategy in strategies:
+        cp = ContextParallel(strategy, **({"ulysses_degree": 2} if strategy == "usp" else {}))
+        torch.manual_seed(5)
+        model = Flux(FLUX)
+
+        def step(m, b, cp=cp):
+            pred = m(b["img"], b["txt"], b["timesteps"], b["img_ids"], b["txt_ids"], b["pooled"])
+            return cp.token_mean(F.mse_loss(pred, b["target"], reduction="sum"), pred.numel())
+
+        def shard(t, i, seed, cp=cp):
+            batch = make_flux_batch(
+                FLUX, 2, t, i, generator=torch.Generator().manual_seed(seed), grid_width=3
+            )
+            seq = {"img", "txt", "img_ids", "txt_ids", "target"}
+            local = {k: cp.shard(v, 1) if k in seq else v for k, v in batch.items()}
+            return local, AttentionMetadata.per_sample(2, t + i)
+
+        graph = trace_train_step(model, step, *shard(4, 10, 70), dynamic=FLUX_DYNAMIC, cp=cp)
+        sizes = [(4, 10), (8, 6), (4, 12), (6, 4), (4, 16), (8, 8), (4, 4), (6, 10), (4, 14), (12, 12)]
+        inputs = [shard(t, i, 80 + n) for n, (t, i) in enumerate(sizes)]
+        out.append({"strategy": strategy, "equal": _cp_eager_equals_replay(model, step, graph, inputs, cp)})
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_cp_flux_train_steps_replayed_equal_eager_cp_bitwise_on_2_ranks():
+    from tests.dist import run_ranks
+
+    for results in run_ranks(
+        _cp_flux_trace_and_replay, 2, ["allgather_kv", "ulysses", "ring", "usp"], timeout=240
+    ):
+        for r in results:
+            assert r["equal"], r
 
 
 @pytest.mark.timeout(300)

@@ -300,7 +300,9 @@ class TrainStepGraph:
                             f"{bindings[want][1]}; dims sharing a name must be equal"
                         )
                     bindings.setdefault(want, (size, f"{where} dim {d}"))
-        flat += leaves
+        # The graph was traced on contiguous fake inputs, so its views assume contiguous strides; a
+        # strided batch (e.g. ContextParallel.shard of a (B, L, ...) tensor) is copied first.
+        flat += [t.contiguous() for t in leaves]
         if metadata.max_docs != s.max_docs:
             raise ValueError(
                 f"metadata has capacity max_docs={metadata.max_docs} but the graph was traced with "

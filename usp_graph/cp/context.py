@@ -215,7 +215,10 @@ class ContextParallel:
         """
         from torch.distributed import _functional_collectives as funcol
 
-        n = torch.as_tensor(num_tokens, device=loss_sum.device).detach().to(torch.float64)
+        if isinstance(num_tokens, torch.Tensor):
+            n = num_tokens.detach().to(torch.float64)
+        else:  # an int or a traced SymInt (e.g. x.numel()): full() keeps it symbolic, as_tensor would not
+            n = torch.full((), num_tokens, dtype=torch.float64, device=loss_sum.device)
         # A functional all-reduce, so a traced train step records it as a graph node. Token counts
         # are integers: their float64 sum is exact in any reduction order.
         total = funcol.wait_tensor(funcol.all_reduce(n, "sum", self.group))
