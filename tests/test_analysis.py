@@ -52,6 +52,7 @@ def test_a_removed_backward_op_shows_as_unpaired():
 
 def test_dot_is_parsed_by_networkx_and_keeps_every_node():
     import pydot
+
     graph = _traced()
     dot = to_dot(graph.graph_module)
     (parsed,) = pydot.graph_from_dot_data(dot)
