@@ -57,6 +57,24 @@ def _pair_mode(qc: int, kc: int, is_causal: bool) -> str | None:
     return None
 
 
+def _pairs(q_ids: list[int], k_ids: list[int], chunk: int, cu: Tensor, is_causal: bool):
+    """(query slice, key slice, cu_q, cu_k, causal) for every (local query chunk, visiting key
+    chunk) pair that has work; the same sequence in forward and backward."""
+    for qi, qc in enumerate(q_ids):
+        for ki, kc in enumerate(k_ids):
+            mode = _pair_mode(qc, kc, is_causal)
+            if mode is None:
+                continue
+            cu_q, cu_k = pair_view(cu, qc * chunk, kc * chunk, chunk)
+            yield (
+                slice(qi * chunk, (qi + 1) * chunk),
+                slice(ki * chunk, (ki + 1) * chunk),
+                cu_q,
+                cu_k,
+                mode == "causal",
+            )
+
+
 def _start_rotate(tensors: list[Tensor], group, rank: int, size: int) -> tuple[list, list[Tensor]]:
     """Start sending to rank+1 and receiving from rank-1 (ranks within `group`); compute overlaps
     the transfer until `_finish`."""
@@ -116,18 +134,11 @@ def ring_attn_fwd(
         src = (rank - step) % size
         pending = _start_rotate(kv, group, rank, size) if step + 1 < size else None
         k_cur, v_cur = kv
-        for qi, qc in enumerate(ids[rank]):
-            qs = slice(qi * chunk, (qi + 1) * chunk)
-            for ki, kc in enumerate(ids[src]):
-                mode = _pair_mode(qc, kc, is_causal)
-                if mode is None:
-                    continue
-                ks = slice(ki * chunk, (ki + 1) * chunk)
-                cu_q, cu_k = pair_view(cu_seqlens, qc * chunk, kc * chunk, chunk)
-                o_p, lse_p = torch.ops.usp.varlen_fwd(
-                    q[qs], k_cur[ks], v_cur[ks], cu_q, cu_k, max_seqlen, max_seqlen, mode == "causal", scale
-                )
-                _merge(out[qs], lse[:, qs], o_p, lse_p.to(acc))
+        for qs, ks, cu_q, cu_k, causal in _pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal):
+            o_p, lse_p = torch.ops.usp.varlen_fwd(
+                q[qs], k_cur[ks], v_cur[ks], cu_q, cu_k, max_seqlen, max_seqlen, causal, scale
+            )
+            _merge(out[qs], lse[:, qs], o_p, lse_p.to(acc))
         if pending is not None:
             kv = _finish(pending)
     return out.to(q.dtype), lse.to(_lse_dtype(q.dtype))
@@ -176,31 +187,24 @@ def ring_attn_bwd(
         src = (rank - step) % size
         # K/V of the next step travel while this step computes; the dK/dV buffers follow after.
         pending = _start_rotate([k_cur, v_cur], group, rank, size) if step + 1 < size else None
-        for qi, qc in enumerate(ids[rank]):
-            qs = slice(qi * chunk, (qi + 1) * chunk)
-            for ki, kc in enumerate(ids[src]):
-                mode = _pair_mode(qc, kc, is_causal)
-                if mode is None:
-                    continue
-                ks = slice(ki * chunk, (ki + 1) * chunk)
-                cu_q, cu_k = pair_view(cu_seqlens, qc * chunk, kc * chunk, chunk)
-                g_q, g_k, g_v = torch.ops.usp.varlen_bwd(
-                    grad_out[qs],
-                    q[qs],
-                    k_cur[ks],
-                    v_cur[ks],
-                    out[qs],
-                    lse[:, qs],
-                    cu_q,
-                    cu_k,
-                    max_seqlen,
-                    max_seqlen,
-                    mode == "causal",
-                    scale,
-                )
-                dq[qs] += g_q
-                dk[ks] += g_k
-                dv[ks] += g_v
+        for qs, ks, cu_q, cu_k, causal in _pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal):
+            g_q, g_k, g_v = torch.ops.usp.varlen_bwd(
+                grad_out[qs],
+                q[qs],
+                k_cur[ks],
+                v_cur[ks],
+                out[qs],
+                lse[:, qs],
+                cu_q,
+                cu_k,
+                max_seqlen,
+                max_seqlen,
+                causal,
+                scale,
+            )
+            dq[qs] += g_q
+            dk[ks] += g_k
+            dv[ks] += g_v
         if pending is not None:
             k_cur, v_cur = _finish(pending)
         # The dK/dV buffers move with their K/V; after the last step this rank holds rank+1's,
