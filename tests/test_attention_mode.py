@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.reference import rel_err as _rel
 from usp_graph import AttentionMetadata, attention_mode, sdpa_to_usp
 from usp_graph.models import (
     Flux,
@@ -17,11 +18,6 @@ from usp_graph.models import (
     make_flux_batch,
     make_llama_batch,
 )
-
-
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    denom = ref.double().norm().item()
-    return (x.double() - ref.double()).norm().item() / (denom if denom > 0 else 1.0)
 
 
 def _loss_and_grads(model, loss_fn, batch):

@@ -18,6 +18,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import usp_graph
 from tests.dist import run_ranks
+from tests.reference import rel_err as _rel
 from usp_graph import AttentionMetadata, ContextParallel, UspOptions, attention_mode, documents
 from usp_graph.models import (
     Flux,
@@ -51,11 +52,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def _rel(x: Tensor, ref: Tensor) -> float:
-    denom = ref.double().norm().item()
-    return (x.double() - ref.double()).norm().item() / (denom if denom > 0 else 1.0)
 
 
 def _compiled(model: nn.Module, reports: list, **options):

@@ -12,15 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist import run_ranks
+from tests.reference import rel_err as _rel
 
 pytestmark = pytest.mark.timeout(300)
 
 STRATEGIES = ["allgather_kv", "ulysses", "ring", "usp"]
-
-
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    denom = ref.double().norm().item()
-    return (x.double() - ref.double()).norm().item() / (denom if denom > 0 else 1.0)
 
 
 def _lengths(gen: torch.Generator, total: int) -> list[int]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.reference import rel_err as _rel
 from usp_graph import AttentionMetadata, registry, varlen_attn
 
 # Lengths with empty and length-1 documents in every position that matters.
@@ -52,13 +53,6 @@ def _reference(q, k, v, cu_q, cu_k, is_causal, scale):
         p = torch.softmax(s, -1).nan_to_num(0.0)  # rows that see no key: 0
         outs.append((p @ vd).transpose(0, 1))
     return torch.cat(outs) if outs else q.new_zeros(0, h, v.shape[-1])
-
-
-def _rel(x, ref):
-    """||x - ref|| / ||ref||; absolute when ref is exactly zero (e.g. dq of a length-1 document)."""
-    x, ref = x.double(), ref.double()
-    denom = ref.norm().item()
-    return (x - ref).norm().item() / (denom if denom > 0 else 1.0)
 
 
 def _check_against_reference(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, tol):
