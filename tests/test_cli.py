@@ -165,3 +165,8 @@ def test_every_subcommand_reads_a_torch_compile_dump_dir(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     r = _cli("diff", joint_file, joint_file)
     assert r.returncode == 0 and "no differences" in r.stdout
+
+
+def test_bad_values_argument_is_a_clear_usage_error(demo_dir):
+    r = _cli("inspect", str(demo_dir / "rank0.uspg"), "--values", "T=lots")
+    assert r.returncode == 2 and "--values expects NAME=INT" in r.stderr, r.stderr
