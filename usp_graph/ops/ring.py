@@ -58,8 +58,8 @@ def _pair_mode(qc: int, kc: int, is_causal: bool) -> str | None:
 
 
 def _pairs(q_ids: list[int], k_ids: list[int], chunk: int, cu: Tensor, is_causal: bool):
-    """(query slice, key slice, cu_q, cu_k, causal) for every (local query chunk, visiting key
-    chunk) pair that has work; the same sequence in forward and backward."""
+    """(query chunk index, query slice, key slice, cu_q, cu_k, causal) for every (local query chunk,
+    visiting key chunk) pair that has work; the same sequence in forward and backward."""
     for qi, qc in enumerate(q_ids):
         for ki, kc in enumerate(k_ids):
             mode = _pair_mode(qc, kc, is_causal)
@@ -67,6 +67,7 @@ def _pairs(q_ids: list[int], k_ids: list[int], chunk: int, cu: Tensor, is_causal
                 continue
             cu_q, cu_k = pair_view(cu, qc * chunk, kc * chunk, chunk)
             yield (
+                qi,
                 slice(qi * chunk, (qi + 1) * chunk),
                 slice(ki * chunk, (ki + 1) * chunk),
                 cu_q,
@@ -129,28 +130,37 @@ def ring_attn_fwd(
     t, h, _ = q.shape
     out = torch.zeros(t, h, v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full((h, t), _NEG_INF, dtype=acc, device=q.device)
+    seen = [False] * len(ids[rank])  # query chunks that hold a partial result already
     kv = [k, v]
     for step in range(size):
         src = (rank - step) % size
         pending = _start_rotate(kv, group, rank, size) if step + 1 < size else None
         k_cur, v_cur = kv
-        for qs, ks, cu_q, cu_k, causal in _pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal):
+        for qi, qs, ks, cu_q, cu_k, causal in _pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal):
             o_p, lse_p = torch.ops.usp.varlen_fwd(
                 q[qs], k_cur[ks], v_cur[ks], cu_q, cu_k, max_seqlen, max_seqlen, causal, scale
             )
-            _merge(out[qs], lse[:, qs], o_p, lse_p.to(acc))
+            if seen[qi]:
+                _merge(out[qs], lse[:, qs], o_p, lse_p.to(acc))
+            else:  # the first partial result is the running result: no merge pass
+                out[qs].copy_(o_p)
+                lse[:, qs].copy_(lse_p)
+                seen[qi] = True
         if pending is not None:
             kv = _finish(pending)
     return out.to(q.dtype), lse.to(_lse_dtype(q.dtype))
 
 
 def _merge(out: Tensor, lse: Tensor, o_p: Tensor, lse_p: Tensor) -> None:
-    """In place: (out, lse) <- the softmax-weighted union of (out, lse) and (o_p, lse_p)."""
+    """In place: (out, lse) <- the softmax-weighted union of (out, lse) and (o_p, lse_p).
+
+    The weights are computed on the small (H, T) log-sum-exps; the (T, H, K) output takes two
+    in-place passes (scale, then fused multiply-add), with no full-size temporaries."""
     new = torch.logaddexp(lse, lse_p)
     safe = new.masked_fill(new == _NEG_INF, 0.0)  # rows with no key so far stay 0 / -inf
     w_old = torch.exp(lse - safe).transpose(0, 1).unsqueeze(-1)
     w_new = torch.exp(lse_p - safe).transpose(0, 1).unsqueeze(-1)
-    out.copy_(out * w_old + o_p.to(out.dtype) * w_new)
+    out.mul_(w_old).addcmul_(o_p, w_new)
     lse.copy_(new)
 
 
@@ -180,14 +190,15 @@ def ring_attn_bwd(
     group, size, rank, chunk, ids = _layout(q, chunk_ids, chunks_per_rank, group_name)
     acc = _lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # travels with the visiting k/v
-    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     k_cur, v_cur = k, v
+    carried = None  # dK/dV of the visiting K/V accumulated by earlier ranks, in flight
     for step in range(size):
         src = (rank - step) % size
-        # K/V of the next step travel while this step computes; the dK/dV buffers follow after.
+        # K/V of the next step travel while this step computes.
         pending = _start_rotate([k_cur, v_cur], group, rank, size) if step + 1 < size else None
-        for qs, ks, cu_q, cu_k, causal in _pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal):
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # grads of the visiting K/V
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        for _, qs, ks, cu_q, cu_k, causal in _pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal):
             g_q, g_k, g_v = torch.ops.usp.varlen_bwd(
                 grad_out[qs],
                 q[qs],
@@ -205,12 +216,20 @@ def ring_attn_bwd(
             dq[qs] += g_q
             dk[ks] += g_k
             dv[ks] += g_v
+        # dK/dV travel with their K/V, one hop behind: the buffers this rank receives now belong
+        # to the K/V it just used (rank-1 used them one step earlier), and their transfer
+        # overlapped this step's compute. After the last step the sum belongs to rank+1's own
+        # K/V, so the last hop carries every dK/dV home.
+        if carried is not None:
+            dk_in, dv_in = _finish(carried)
+            dk += dk_in
+            dv += dv_in
+        if size > 1:
+            carried = _start_rotate([dk, dv], group, rank, size)
         if pending is not None:
             k_cur, v_cur = _finish(pending)
-        # The dK/dV buffers move with their K/V; after the last step this rank holds rank+1's,
-        # so the last hop carries them home.
-        if size > 1:
-            dk, dv = _finish(_start_rotate([dk, dv], group, rank, size))
+    if carried is not None:
+        dk, dv = _finish(carried)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
