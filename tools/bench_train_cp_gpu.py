@@ -1,0 +1,257 @@
+"""Llama-style train step under context parallelism: tokens/s, scaling vs one GPU, memory per rank.
+
+# T global packed tokens, P ranks, N documents
+
+Run under torchrun on one host (NVLink multicast off, as the device README asks):
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+    torchrun --nproc-per-node 2 tools/bench_train_cp_gpu.py --json $OUT/train_cp2.json
+Smoke test of the logic on CPU (gloo, tiny model, aot_eager inner compiler):
+    torchrun --nproc-per-node 2 tools/bench_train_cp_gpu.py --device cpu --quick
+
+Every rank first runs the ONE-GPU step on the whole packed stream (the same model, same documents,
+``torch.compile(backend="usp")`` with no CP, on its own GPU, no communication): that is the
+baseline each rank measures itself, in the same run. Then, per strategy, the model is compiled with
+``options={"cp": ContextParallel(strategy), "inner": ...}``, each rank feeds its sequence shard under
+``usp_graph.documents(global metadata)``, the loss is the global token mean (`cp.token_mean`),
+and the step is fwd + bwd + `cp.reduce_grads` (the rank-ordered gradient sum that CP needs, as data
+parallelism would). Checked first: the CP loss (summed over ranks) and every gradient vs the one-GPU
+step. Timed: median step after warm-up, compile excluded, with a barrier before each step.
+Scaling efficiency = tokens/s on P GPUs / (P x tokens/s on one GPU). Memory: peak allocated per
+rank during a step, above what was held before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import usp_graph  # noqa: E402
+from usp_graph import AttentionMetadata, ContextParallel  # noqa: E402
+from usp_graph.models import Llama, LlamaConfig, make_llama_batch  # noqa: E402
+
+STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp")
+
+
+def doc_lengths(total: int, mean: float, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    while sum(out) < total:
+        n = int(torch.empty(1).log_normal_(math.log(mean) - 0.5, 1.0, generator=gen).clamp(min=2).item())
+        out.append(min(n, total - sum(out)))
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int, device: torch.device, barrier: bool) -> float:
+    times = []
+    for _ in range(reps):
+        if barrier:
+            dist.barrier()
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_extra_gib(fn, device: torch.device) -> float:
+    if device.type != "cuda":
+        return 0.0
+    sync(device)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    sync(device)
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=131072, help="global packed tokens per step")
+    ap.add_argument("--doc-mean", type=float, default=2048)
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument(
+        "--inner", default=None, help="inner compiler (default: inductor on cuda, aot_eager on cpu)"
+    )
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.doc_mean, args.dim, args.layers, args.heads, args.kv_heads, args.reps = (
+            256, 40, 64, 1, 4, 2, 2,
+        )  # fmt: skip
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if args.device == "cuda":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=300))
+        dtype = torch.bfloat16
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+        dtype = torch.float32
+    inner = args.inner or ("inductor" if device.type == "cuda" else "aot_eager")
+    config = LlamaConfig(
+        vocab_size=32000 if not args.quick else 256,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        ffn_dim=int(args.dim * 8 / 3) // 64 * 64,
+    )
+    torch.manual_seed(0)
+    model = Llama(config).to(device=device, dtype=dtype)
+    lengths = doc_lengths(args.tokens, args.doc_mean, 0)
+    batch = make_llama_batch(config, lengths, generator=torch.Generator().manual_seed(1), device=device)
+    meta = AttentionMetadata.from_lengths(lengths, max_docs=len(lengths) + 16, device=device)
+    total = sum(lengths)
+    if rank == 0:
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        print(f"# torch {torch.__version__}, {world} x {name}, {dtype}, inner {inner}; Llama dim {args.dim} x "
+              f"{args.layers} layers, H={args.heads}, G={args.kv_heads}; {total} tokens in {len(lengths)} documents "
+              f"(max {max(lengths)})", flush=True)  # fmt: skip
+
+    def loss_sum_of(logits, labels):
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+
+    # ---- one GPU: the whole stream, every rank on its own GPU -------------------------------------
+    single = torch.compile(model, backend="usp", options={"inner": inner})
+    n_labels = (batch["labels"] != -100).sum()
+
+    def single_step():
+        model.zero_grad(set_to_none=True)
+        with usp_graph.documents(meta):
+            logits = single(batch["input_ids"], batch["position_ids"])
+        loss = loss_sum_of(logits, batch["labels"]) / n_labels
+        loss.backward()
+        return loss
+
+    t0 = time.perf_counter()
+    ref_loss = single_step().detach()
+    compile_single = time.perf_counter() - t0
+    ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    ms_single = timed(single_step, args.reps, device, barrier=False)
+    gib_single = peak_extra_gib(single_step, device)
+    model.zero_grad(set_to_none=True)
+    rows = [{"strategy": "1 GPU", "world": 1, "ms": ms_single, "tokens_per_s": total / ms_single * 1e3,
+             "efficiency": 1.0, "peak_extra_gib": gib_single, "compile_s": compile_single}]  # fmt: skip
+    if rank == 0:
+        print(json.dumps(rows[0]), flush=True)
+    torch._dynamo.reset()
+
+    for strategy in args.strategies.split(","):
+        kw = {"ulysses_degree": 2 if world >= 4 else 1} if strategy == "usp" else {}
+        try:
+            cp = ContextParallel(strategy, **kw)
+            shard = {k: cp.shard(v, 1).contiguous() for k, v in batch.items()}
+            labels = shard["labels"]
+            compiled = torch.compile(model, backend="usp", options={"cp": cp, "inner": inner})
+            n_local = (labels != -100).sum()
+
+            def cp_step(cp=cp, compiled=compiled, shard=shard, labels=labels, n_local=n_local):
+                model.zero_grad(set_to_none=True)
+                with usp_graph.documents(meta):
+                    logits = compiled(shard["input_ids"], shard["position_ids"])
+                loss = cp.token_mean(loss_sum_of(logits, labels), n_local)
+                loss.backward()
+                cp.reduce_grads(model.parameters())
+                return loss
+
+            t0 = time.perf_counter()
+            loss = cp_step()
+            compile_s = time.perf_counter() - t0
+            loss_err = rel(cp.global_sum(loss), ref_loss)
+            grad_err = max(rel(p.grad, ref_grads[n]) for n, p in model.named_parameters())
+            ms = timed(cp_step, args.reps, device, barrier=True)
+            gib = peak_extra_gib(cp_step, device)
+            tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+            row = {
+                "strategy": strategy
+                + (f" ({kw['ulysses_degree']}x{world // kw['ulysses_degree']})" if kw else ""),
+                "world": world,
+                "ok": loss_err < tol and grad_err < tol,
+                "loss_rel_err": loss_err,
+                "worst_grad_rel_err": grad_err,
+                "ms": ms,
+                "tokens_per_s": total / ms * 1e3,
+                "efficiency": ms_single / (world * ms),
+                "peak_extra_gib": gib,
+                "compile_s": compile_s,
+            }
+            del compiled
+        except Exception as e:  # report and go on with the other strategies
+            row = {
+                "strategy": strategy,
+                "world": world,
+                "ok": False,
+                "error": f"{type(e).__name__}: {e}"[:400],
+            }
+        torch._dynamo.reset()
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+
+    if rank == 0:
+        print(f"\n{total} tokens, {len(lengths)} documents, {world} ranks")
+        print(
+            "| GPUs | strategy | check (loss, worst grad) | step ms | tokens/s | scaling efficiency | peak extra GiB/rank |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            if "error" in r:
+                print(f"| {r['world']} | {r['strategy']} | ERROR {r['error'][:80]} | | | | |")
+                continue
+            check = (
+                "-"
+                if r["world"] == 1
+                else (
+                    f"{'PASS' if r['ok'] else 'FAIL'} {r['loss_rel_err']:.1e}, {r['worst_grad_rel_err']:.1e}"
+                )
+            )
+            print(f"| {r['world']} | {r['strategy']} | {check} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} "
+                  f"| {r['efficiency']:.2f} | {r['peak_extra_gib']:.2f} |")  # fmt: skip
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(
+                    {"torch": torch.__version__, "world": world, "lengths": lengths, "rows": rows},
+                    f,
+                    indent=1,
+                )
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
