@@ -157,6 +157,25 @@ def test_opcheck_passes_for_both_ops():
         assert result == "SUCCESS"
 
 
+def test_outputs_are_contiguous_for_strided_inputs_as_the_fake_impls_promise():
+    # Ulysses hands the op (H, T, K)-major views; a compiler checks the real outputs' strides
+    # against the fake impl's, so both ops return contiguous tensors for any input layout.
+    gen = torch.Generator().manual_seed(10)
+    meta = AttentionMetadata.from_lengths([3, 0, 1, 4], max_docs=6)
+    q, k, v = (torch.randn(h, 8, 8, generator=gen, dtype=torch.float64).transpose(0, 1) for h in (4, 2, 2))
+    assert not q.is_contiguous()
+    cu = meta.cu_seqlens
+    fwd_args = (q, k, v, cu, cu, 4, 4, True, 0.3)
+    out, lse = torch.ops.usp.varlen_fwd(*fwd_args)
+    grads = torch.ops.usp.varlen_bwd(
+        out.transpose(0, 1).contiguous().transpose(0, 1), q, k, v, out, lse, cu, cu, 4, 4, True, 0.3
+    )
+    for t in (out, lse, *grads):
+        assert t.is_contiguous()
+    for result in torch.library.opcheck(torch.ops.usp.varlen_fwd.default, fwd_args).values():
+        assert result == "SUCCESS"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_two_runs_are_bitwise_equal(dtype):
     gen = torch.Generator().manual_seed(9)

@@ -249,7 +249,7 @@ def _(
     chunks_per_rank,
     group_name,
 ):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the op
 
 
 def _setup_context(ctx, inputs, output):

@@ -251,12 +251,18 @@ def varlen_fwd(
     is_causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
-    """Packed-document attention forward: `(out_THKv, lse_HT)`. See the module docstring."""
+    """Packed-document attention forward: `(out_THKv, lse_HT)`. See the module docstring.
+
+    Outputs are contiguous whatever the inputs' strides (the flash kernel would hand back q's
+    layout): the fake impl promises that, and a compiler checks it."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
     if q.device.type == "cpu":
-        return _cpu_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
-    if q.device.type == "cuda":
-        return _cuda_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
-    return _math_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
+        out, lse = _cpu_fwd(*args)
+    elif q.device.type == "cuda":
+        out, lse = _cuda_fwd(*args)
+    else:
+        out, lse = _math_fwd(*args)
+    return out.contiguous(), lse.contiguous()
 
 
 @varlen_fwd.register_fake
@@ -280,7 +286,8 @@ def varlen_bwd(
     is_causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Packed-document attention backward: `(dq, dk, dv)` given the forward's `out` and `lse`."""
+    """Packed-document attention backward: `(dq, dk, dv)` given the forward's `out` and `lse`;
+    contiguous, like the forward's outputs."""
     args = (
         grad_out,
         q,
@@ -296,15 +303,17 @@ def varlen_bwd(
         scale,
     )
     if q.device.type == "cpu":
-        return _cpu_bwd(*args)
-    if q.device.type == "cuda":
-        return _cuda_bwd(*args)
-    return _math_bwd(*args)
+        grads = _cpu_bwd(*args)
+    elif q.device.type == "cuda":
+        grads = _cuda_bwd(*args)
+    else:
+        grads = _math_bwd(*args)
+    return tuple(g.contiguous() for g in grads)
 
 
 @varlen_bwd.register_fake
 def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 # ------------------------------------------------------------------------------------------------
