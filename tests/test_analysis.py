@@ -79,8 +79,15 @@ def _cp_summaries(rank: int, world: int) -> list[dict]:
     from usp_graph.cp.cost import bytes_sent
 
     out = []
-    for strategy in ("allgather_kv", "ulysses", "ring", "usp"):
-        cp = ContextParallel(strategy, **({"ulysses_degree": 2} if strategy == "usp" else {}))
+    for strategy in ("allgather_kv", "ulysses", "ring", "usp", "halo"):
+        kw = (
+            {"ulysses_degree": 2}
+            if strategy == "usp"
+            else {"max_document_len": 12}
+            if strategy == "halo"
+            else {}
+        )
+        cp = ContextParallel(strategy, **kw)
         torch.manual_seed(0)
         model = Llama(CONFIG)
         batch = make_llama_batch(CONFIG, [9, 7, 11, 5], generator=torch.Generator().manual_seed(1))
@@ -96,15 +103,22 @@ def _cp_summaries(rank: int, world: int) -> list[dict]:
         graph = trace_train_step(model, step, local, meta, cp=cp)
         t_local = local["input_ids"].shape[1]
         s = summarize(graph.graph_module, symbols=graph.signature.symbols, values={"T": t_local})
-        model_bytes = bytes_sent(
-            strategy,
-            tokens=t_local * world,
-            heads=CONFIG.n_heads,
-            kv_heads=CONFIG.n_kv_heads,
-            head_dim=CONFIG.dim // CONFIG.n_heads,
-            world=world,
-            element_size=4,
-            ulysses_degree=cp.ulysses_degree if strategy == "usp" else 1,
+        head_dim = CONFIG.dim // CONFIG.n_heads
+        # halo: inspect counts what a rank with neighbours on both sides sends (11 K/V tokens each
+        # way, causal); the cost model's per-rank figure is tested against the ops in test_cp.
+        model_bytes = (
+            2 * 2 * 11 * CONFIG.n_kv_heads * head_dim * 4
+            if strategy == "halo"
+            else bytes_sent(
+                strategy,
+                tokens=t_local * world,
+                heads=CONFIG.n_heads,
+                kv_heads=CONFIG.n_kv_heads,
+                head_dim=CONFIG.dim // CONFIG.n_heads,
+                world=world,
+                element_size=4,
+                ulysses_degree=cp.ulysses_degree if strategy == "usp" else 1,
+            )
         )
         out.append(
             {

@@ -32,7 +32,7 @@ from usp_graph.sites import node_value
 
 pytestmark = pytest.mark.timeout(300)
 
-STRATEGIES = ["allgather_kv", "ulysses", "ring", "usp"]
+STRATEGIES = ["allgather_kv", "ulysses", "ring", "usp", "halo"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -503,7 +503,10 @@ def _cp_compiled_llama(rank: int, world: int, strategies: list[str]) -> list[dic
     out = []
     for strategy in strategies:
         torch._dynamo.reset()
-        cp = ContextParallel(strategy, ulysses_degree=1 if strategy == "usp" else None)
+        if strategy == "halo":  # the longest document has 11 tokens; 16 tokens per rank
+            cp = ContextParallel("halo", max_document_len=12)
+        else:
+            cp = ContextParallel(strategy, ulysses_degree=1 if strategy == "usp" else None)
         local = {k: cp.shard(v, 1) for k, v in batch.items()}
         reports: list = []
         compiled = torch.compile(

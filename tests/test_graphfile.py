@@ -583,13 +583,15 @@ def test_load_of_a_plain_graph_module_file_points_to_load_graph_module(tmp_path)
 
 # ---- context parallel: per-rank files, fresh ranks ----------------------------------------------
 
-CP_STRATEGIES = ["allgather_kv", "ulysses", "ring", "usp"]
+CP_STRATEGIES = ["allgather_kv", "ulysses", "ring", "usp", "halo"]
 CP_LLAMA = dict(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
 def _cp(strategy):
     from usp_graph import ContextParallel
 
+    if strategy == "halo":  # documents of up to 17 tokens (16 or 18 tokens per rank below)
+        return ContextParallel("halo", max_document_len=17)
     return ContextParallel(strategy, ulysses_degree=1 if strategy == "usp" else None)
 
 
@@ -619,7 +621,7 @@ def _cp_trace_save_and_eager(rank: int, world: int, folder: str) -> dict:
         model = _cp_model()
         graph = trace_train_step(model, _cp_step, *_cp_inputs([9, 7, 11, 5], 50, cp), cp=cp)
         save(graph, os.path.join(folder, f"{strategy}.rank{rank}.usp.json"))
-        local, meta = _cp_inputs([3, 20, 1, 4, 6, 2], 51, cp)  # 32 -> 36 tokens, new boundaries
+        local, meta = _cp_inputs([3, 17, 1, 4, 6, 5], 51, cp)  # 32 -> 36 tokens, new boundaries
         model.zero_grad(set_to_none=True)
         with attention_mode(meta, cp=cp):
             loss = _cp_step(model, local)
@@ -638,11 +640,11 @@ def _cp_load_and_replay(rank: int, world: int, folder: str) -> dict:
     for strategy in CP_STRATEGIES:
         cp = _cp(strategy)
         step = load(os.path.join(folder, f"{strategy}.rank{rank}.usp.json"))
-        local, meta = _cp_inputs([3, 20, 1, 4, 6, 2], 51, cp)
+        local, meta = _cp_inputs([3, 17, 1, 4, 6, 5], 51, cp)
         loss, grads = step.replay(dict(_cp_model().named_parameters()), local, meta)
         out[strategy] = (loss, grads, step.file.bind_groups())
     params = dict(_cp_model().named_parameters())
-    args = _cp_inputs([3, 20, 1, 4, 6, 2], 51, _cp("usp"))
+    args = _cp_inputs([3, 17, 1, 4, 6, 5], 51, _cp("usp"))
     path = os.path.join(folder, f"usp.rank{rank}.usp.json")
     (pair,) = [g.name for g in load(path).file.world.groups if g.ranks == (0, 1)]
     # An explicit mapping wins over the rank-list search; it must span the recorded ranks.
@@ -687,7 +689,7 @@ def test_cp_graphs_saved_per_rank_replay_in_fresh_ranks_bitwise_equal_to_eager_c
     # Inspection needs no process group; replay does, and says how to get one.
     step = load(tmp_path / "usp.rank0.usp.json")
     assert step.file.world.size == 2 and {g.ranks for g in step.file.world.groups} == {(0,), (0, 1)}
-    batch, meta = _cp_inputs_single([3, 20, 1, 4, 6, 2], 51)
+    batch, meta = _cp_inputs_single([3, 17, 1, 4, 6, 5], 51)
     with pytest.raises(
         ProcessGroupMismatchError, match=r"call torch.distributed.init_process_group\(\.\.\., world_size=2\)"
     ):

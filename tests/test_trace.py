@@ -458,6 +458,8 @@ def _cp_trace_and_replay(rank: int, world: int, configs: list[tuple[str, str | N
     out = []
     for strategy, lb in configs:
         kw = {"ulysses_degree": 2} if strategy == "usp" else {}
+        if strategy == "halo":  # 16 to 20 tokens per rank: documents of up to 17 tokens
+            kw = {"max_document_len": 17}
         cp = ContextParallel(strategy, load_balance=lb, **kw)
         model = llama_model(seed=9)
 
@@ -467,13 +469,16 @@ def _cp_trace_and_replay(rank: int, world: int, configs: list[tuple[str, str | N
             loss_sum = F.cross_entropy(logits.flatten(0, 1), labels, ignore_index=-100, reduction="sum")
             return cp.token_mean(loss_sum, (labels != -100).sum())
 
-        def shard(lengths, seed, cp=cp):
-            batch, meta = llama_inputs(lengths, seed=seed, max_seqlen=40)
+        def shard(lengths, seed, cp=cp, strategy=strategy):
+            batch, meta = llama_inputs(lengths, seed=seed, max_seqlen=17 if strategy == "halo" else 40)
             return {k: cp.shard(v, 1) for k, v in batch.items()}, meta
 
         graph = trace_train_step(model, step, *shard([9, 7, 11, 5], 50), cp=cp)
         doc_lists = [[3, 20, 1, 4, 6, 2], [36], [10, 0, 10, 8, 12], [1, 1, 30], [16, 16],
                      [5, 5, 5, 5, 4], [2, 38], [24, 8], [7, 9, 0, 11, 1], [12, 12, 12, 4]]  # fmt: skip
+        if strategy == "halo":
+            doc_lists = [[3, 17, 1, 4, 6, 5], [17, 17, 6], [10, 0, 10, 8, 12], [1, 1, 17, 17, 4], [16, 16, 8],
+                         [5, 5, 5, 5, 4, 16], [2, 17, 17, 2], [17, 17], [7, 9, 0, 11, 1, 12], [12, 12, 12, 4]]  # fmt: skip
         inputs = [shard(lengths, 60 + i) for i, lengths in enumerate(doc_lists)]
         equal = _cp_eager_equals_replay(model, step, graph, inputs, cp)
         out.append({"strategy": strategy, "lb": lb, "equal": equal, "counts": _cp_counts(graph.graph_module)})
@@ -551,13 +556,15 @@ def test_cp_flux_train_steps_replayed_equal_eager_cp_bitwise_on_2_ranks():
 def test_cp_train_steps_replayed_equal_eager_cp_bitwise_on_2_ranks():
     from tests.dist import run_ranks
 
-    configs = [("allgather_kv", None), ("ulysses", None), ("ring", None), ("usp", None), ("ring", "zigzag")]
+    configs = [("allgather_kv", None), ("ulysses", None), ("ring", None), ("usp", None), ("ring", "zigzag"),
+               ("halo", None)]  # fmt: skip
     k = LLAMA.n_layers
     expected = {
         # every attention call: forward collectives, and their adjoints in the backward
         "allgather_kv": {"all_gather:forward": 2 * k, "reduce_scatter:backward": 2 * k},
         "ulysses": {"all_to_all:forward": 4 * k, "all_to_all:backward": 4 * k},
         "ring": {"ring_attn_fwd:forward": k, "ring_attn_bwd:backward": k},
+        "halo": {"halo_exchange:forward": 2 * k, "halo_reduce:backward": 2 * k},
         "usp": {"all_to_all:forward": 4 * k, "all_to_all:backward": 4 * k,
                 "ring_attn_fwd:forward": k, "ring_attn_bwd:backward": k},
     }  # fmt: skip

@@ -13,8 +13,9 @@ inputs (usp's varlen path), then the CP call on its shard; out and dq/dk/dv are 
 shard (rel err, bf16 tolerance 2e-2), then fwd+bwd is timed (median, CUDA events, barrier per rep).
 Memory: what one fwd+bwd call allocates above the tensors held before it (activations, workspaces,
 out and grads), on one GPU for the whole stream and per rank under CP: ideally 1/P of it.
-Per-GPU efficiency = t_single / (P * t_cp). Bytes sent per rank per attention call are computed
-from the strategy's collectives and shapes (fwd + bwd).
+Per-GPU efficiency = t_single / (P * t_cp). Bytes sent per rank per attention call (fwd + bwd) come
+from `usp_graph.cp.cost.bytes_sent` (the test suite checks it against the ops' own counts; for
+"halo" it is the mean over ranks). "halo" runs with max_document_len = the longest document.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from usp_graph import AttentionMetadata, ContextParallel, sdpa_to_usp  # noqa: E402
+from usp_graph.cp.cost import bytes_sent  # noqa: E402
 
-STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp")
+STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo")
 
 
 def doc_lengths(total: int, mean: float, sigma: float, seed: int) -> list[int]:
@@ -52,22 +54,6 @@ def doc_lengths(total: int, mean: float, sigma: float, seed: int) -> list[int]:
 def useful_flops(lens: list[int], h: int, k: int, causal: bool) -> float:
     fwd = sum(4 * (n * (n + 1) / 2 if causal else n * n) * h * k for n in lens)
     return 3.5 * fwd
-
-
-def comm_bytes(strategy: str, t: int, h: int, g: int, k: int, p: int, u: int, elt: int) -> int:
-    """Bytes one rank sends per attention call, forward + backward."""
-    tl = t // p
-    if strategy == "allgather_kv":  # fwd: all-gather K, V; bwd: reduce-scatter dK, dV
-        return 2 * 2 * (p - 1) * tl * g * k * elt
-    if strategy == "ulysses":  # fwd: q, k, v, out all-to-all; bwd: the four adjoints
-        return 2 * (p - 1) * tl * (2 * h + 2 * g) * k * elt // p
-    if strategy == "ring":  # fwd: P-1 K/V hops; bwd: P-1 K/V hops + P dK/dV hops (fp32 buffers)
-        return (p - 1) * 2 * tl * g * k * elt * 2 + p * 2 * tl * g * k * 4
-    r = p // u  # usp: ulysses inside u, ring across r with u*tl tokens of g/u heads
-    uly = 2 * (u - 1) * tl * (2 * h + 2 * g) * k * elt // u
-    ring_t = tl * u
-    ring = (r - 1) * 2 * ring_t * (g // u) * k * elt * 2 + (r if r > 1 else 0) * 2 * ring_t * (g // u) * k * 4
-    return uly + ring
 
 
 def fwd_bwd(tensors, causal, meta, cp):
@@ -171,6 +157,10 @@ def main() -> int:
             for strategy in args.strategies.split(","):
                 for lb in (None, "zigzag") if causal and not args.no_zigzag else (None,):
                     kw = {"ulysses_degree": 2 if world >= 4 else 1} if strategy == "usp" else {}
+                    if strategy == "halo":  # the longest document of this step bounds the halo
+                        if lb is not None:
+                            continue
+                        kw = {"max_document_len": max(lens)}
                     cp = ContextParallel(strategy, load_balance=lb, **kw)
                     shards = [cp.shard(x, 2).contiguous() for x in (q, kk, v, go)]
                     step = functools.partial(fwd_bwd, shards, causal, meta, cp)
@@ -198,9 +188,18 @@ def main() -> int:
                             "efficiency": t_single / (world * t_cp),
                             "extra_gib_single": mem_single,
                             "extra_gib_rank": mem_cp,
-                            "bytes_sent_rank": comm_bytes(
-                                strategy, total, h, h, k, world, kw.get("ulysses_degree", 1), q.element_size()
-                            ),
+                            "bytes_sent_rank": bytes_sent(
+                                strategy,
+                                tokens=total,
+                                heads=h,
+                                kv_heads=h,
+                                head_dim=k,
+                                world=world,
+                                element_size=q.element_size(),
+                                ulysses_degree=kw.get("ulysses_degree", 1),
+                                max_document_len=kw.get("max_document_len"),
+                                is_causal=causal,
+                            ),  # fmt: skip
                         }
                     except Exception as e:  # report and go on with the other strategies
                         row = {

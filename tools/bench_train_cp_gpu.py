@@ -41,7 +41,7 @@ import usp_graph  # noqa: E402
 from usp_graph import AttentionMetadata, ContextParallel  # noqa: E402
 from usp_graph.models import Llama, LlamaConfig, make_llama_batch  # noqa: E402
 
-STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp")
+STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo")
 
 
 def doc_lengths(total: int, mean: float, seed: int) -> list[int]:
@@ -173,6 +173,8 @@ def main() -> int:
 
     for strategy in args.strategies.split(","):
         kw = {"ulysses_degree": 2 if world >= 4 else 1} if strategy == "usp" else {}
+        if strategy == "halo":
+            kw = {"max_document_len": max(lengths)}
         try:
             cp = ContextParallel(strategy, **kw)
             shard = {k: cp.shard(v, 1).contiguous() for k, v in batch.items()}

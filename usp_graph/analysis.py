@@ -42,6 +42,18 @@ def _usp_name(node: fx.Node) -> str | None:
     return None
 
 
+# usp ops that communicate (the rest compute locally).
+_COMM_OPS = (
+    "all_to_all",
+    "all_gather",
+    "reduce_scatter",
+    "halo_exchange",
+    "halo_reduce",
+    "ring_attn_fwd",
+    "ring_attn_bwd",
+)
+
+
 def _vals(node: fx.Node) -> list[Any]:
     v = node.meta.get("val")
     if v is None:
@@ -111,6 +123,13 @@ def _collective_bytes(node: fx.Node) -> tuple[Any, int | None, str | None]:
         p = int(a[2])
         b = _nbytes(a[0])
         return (_scale(b, p - 1) if name == "all_gather" else _scale(b, p - 1, p)), p, a[3]
+    if name in ("halo_exchange", "halo_reduce"):
+        # (x, dim, before, after, ...): both halos of every row, what a rank with two neighbours
+        # sends (the first and last ranks of a one-row stream send one of them)
+        b = _nbytes(a[0])
+        if b is None:
+            return None, None, a[-1]
+        return b * (int(a[2]) + int(a[3])) // _vals(a[0])[0].shape[int(a[1])], None, a[-1]
     if name in ("ring_attn_fwd", "ring_attn_bwd"):
         # fwd(q, k, v, cu, max, causal, scale, chunk_ids, per_rank, group);
         # bwd(dout, q, k, v, out, lse, cu, max, causal, scale, chunk_ids, per_rank, group)
@@ -150,9 +169,10 @@ def _strategy(g: nx.DiGraph, attn: str) -> str:
     ups = nx.ancestors(g, attn)
     if g.nodes[attn]["usp"] == "ring_attn_fwd":
         return "usp" if any(g.nodes[u]["usp"] == "all_to_all" for u in ups) else "ring"
+
     near = set()
     for u in ups:
-        if g.nodes[u]["usp"] in ("all_to_all", "all_gather"):
+        if g.nodes[u]["usp"] in ("all_to_all", "all_gather", "halo_exchange"):
             between = nx.descendants(g, u) & ups
             if not any(g.nodes[b]["usp"] in ("varlen_fwd", "ring_attn_fwd") for b in between):
                 near.add(g.nodes[u]["usp"])
@@ -160,6 +180,8 @@ def _strategy(g: nx.DiGraph, attn: str) -> str:
         return "ulysses"
     if "all_gather" in near:
         return "allgather_kv"
+    if "halo_exchange" in near:
+        return "halo"
     return "single"
 
 
@@ -249,7 +271,7 @@ def summarize(
     collectives = []
     for n in gm.graph.nodes:
         u = _usp_name(n)
-        if u not in ("all_to_all", "all_gather", "reduce_scatter", "ring_attn_fwd", "ring_attn_bwd"):
+        if u not in _COMM_OPS:
             continue
         nbytes, size, group = _collective_bytes(n)
         collectives.append(
@@ -334,12 +356,7 @@ def _critical_comm(g: nx.DiGraph, gm: fx.GraphModule, names: dict[str, str]) -> 
     if g.number_of_nodes() == 0:
         return []
     path = nx.dag_longest_path(g)
-    return [
-        v
-        for v in path
-        if g.nodes[v]["usp"]
-        in ("all_to_all", "all_gather", "reduce_scatter", "ring_attn_fwd", "ring_attn_bwd")
-    ]
+    return [v for v in path if g.nodes[v]["usp"] in _COMM_OPS]
 
 
 def to_dot(gm: fx.GraphModule, summary: dict[str, Any] | None = None) -> str:

@@ -15,7 +15,7 @@ from .layout import ChunkLayout
 
 __all__ = ["ContextParallel", "STRATEGIES"]
 
-STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp")
+STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo")
 LOAD_BALANCE = (None, "zigzag")
 
 
@@ -29,11 +29,17 @@ class ContextParallel:
 
     strategy: ``"allgather_kv"`` (Q sharded, K/V all-gathered), ``"ulysses"`` (sequence <-> heads
     all-to-all), ``"ring"`` (K/V rotate, LSE merge) or ``"usp"`` (Ulysses inside groups of
-    `ulysses_degree` consecutive ranks, ring across them).
+    `ulysses_degree` consecutive ranks, ring across them) or ``"halo"`` (Q and K/V stay sharded;
+    each rank takes from its neighbours only the K/V that documents crossing its shard boundary
+    need: at most ``max_document_len - 1`` tokens each way).
     group / mesh: the CP ranks (default: the whole world). For ``"usp"`` a 2-D `mesh` gives the
     ring dimension first and the Ulysses dimension second.
     load_balance: None (rank p holds the p-th 1/P of each row) or ``"zigzag"`` (rank p holds
     chunks p and 2P-1-p of 2P, which balances causal work).
+    max_document_len: for ``"halo"`` only, and required there: the longest document a step may
+    hold (`AttentionMetadata.max_seqlen` must not exceed it: the step fails with a ValueError
+    on every rank otherwise). Bytes sent scale with it, not with the shard length; it may be at
+    most the local row length + 1.
     check_metadata: debug mode; every attention call first checks that all ranks hold the same
     metadata (a host sync per call).
 
@@ -48,12 +54,31 @@ class ContextParallel:
         mesh=None,
         ulysses_degree: int | None = None,
         load_balance: str | None = None,
+        max_document_len: int | None = None,
         check_metadata: bool = False,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
         if load_balance not in LOAD_BALANCE:
             raise ValueError(f"load_balance must be None or 'zigzag', got {load_balance!r}")
+        if strategy == "halo":
+            if (
+                isinstance(max_document_len, bool)
+                or not isinstance(max_document_len, int)
+                or max_document_len < 1
+            ):
+                raise ValueError(
+                    "strategy 'halo' needs max_document_len, a positive int: the longest document a step may "
+                    f"hold; got {max_document_len!r}"
+                )
+            if load_balance is not None:
+                raise ValueError(
+                    "strategy 'halo' needs contiguous shards (load_balance=None): its halo is the neighbouring "
+                    "chunks; packed documents balance causal work without zigzag"
+                )
+        elif max_document_len is not None:
+            raise ValueError(f"max_document_len is only for strategy 'halo', not {strategy!r}")
+        self.max_document_len = max_document_len
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "ContextParallel needs torch.distributed initialized: call init_process_group first"
@@ -129,6 +154,8 @@ class ContextParallel:
 
     def __repr__(self) -> str:
         extra = f", ulysses_degree={self.ulysses_degree}" if self.strategy == "usp" else ""
+        if self.strategy == "halo":
+            extra = f", max_document_len={self.max_document_len}"
         return (
             f"ContextParallel({self.strategy!r}, world={self.world}, rank={self.rank}{extra}, "
             f"load_balance={self.load_balance!r})"

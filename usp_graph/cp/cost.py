@@ -32,8 +32,16 @@ def bytes_sent(
     element_size: int,
     ulysses_degree: int = 1,
     backward: bool = True,
+    max_document_len: int | None = None,
+    is_causal: bool = True,
+    rank: int | None = None,
+    batch: int = 1,
 ) -> int:
-    """Bytes one rank sends for one attention call (forward, plus backward when `backward`)."""
+    """Bytes one rank sends for one attention call (forward, plus backward when `backward`).
+
+    ``"halo"`` needs `max_document_len` and depends on `is_causal`, on the rank (the first and
+    last ranks have one neighbour; with `batch` > 1 rows every rank has two) and on `batch`;
+    `rank` None gives the mean over ranks, rounded down."""
     p, k, e = world, head_dim, element_size
     tl = tokens // p
     acc = 8 if e == 8 else 4  # ring dK/dV buffers accumulate in fp32 (fp64 for fp64)
@@ -50,7 +58,25 @@ def bytes_sent(
         g = _kv_heads_after_split(heads, kv_heads, u)
         uly = passes * (u - 1) * tl * (2 * heads + 2 * g) * k * e // u
         return uly + _ring(p // u, tl * u, g // u, k, e, acc, backward)
+    if strategy == "halo":
+        if max_document_len is None:
+            raise ValueError("strategy 'halo' needs max_document_len")
+        ranks = range(p) if rank is None else [rank]
+        per = [_halo(r, p, max_document_len - 1, is_causal, batch, backward) for r in ranks]
+        return sum(per) * 2 * kv_heads * k * e // len(per)  # K and V (dK and dV)
     raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def _halo(r: int, p: int, w: int, is_causal: bool, batch: int, backward: bool) -> int:
+    """Tokens (per row, summed over rows) of one tensor rank r sends: its tail to the next rank and,
+    bidirectional, its head to the previous one; backward sends the halo gradients the other way."""
+    after = 0 if is_causal else w
+    has_prev, has_next = (True, True) if batch > 1 else (r > 0, r < p - 1)
+    if p == 1:
+        return 0
+    fwd = w * has_next + after * has_prev
+    bwd = w * has_prev + after * has_next
+    return batch * (fwd + (bwd if backward else 0))
 
 
 def _ring(r: int, tl: int, g: int, k: int, e: int, acc: int, backward: bool) -> int:

@@ -21,7 +21,7 @@ from ..sdpa import pack, unpack
 if TYPE_CHECKING:
     from .context import ContextParallel
 
-__all__ = ["allgather_kv", "ulysses", "ring", "usp"]
+__all__ = ["allgather_kv", "ulysses", "ring", "usp", "halo"]
 
 
 def _reorder_chunks(x: Tensor, dim: int, order: list[int]) -> Tensor:
@@ -182,3 +182,44 @@ def usp(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
         scale,
     )
     return _a2a(unpack(out_T, b), 2, 1, seq, q_sizes, cp.ulysses_group_name)
+
+
+def halo(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
+    """Q stays sharded; each rank takes from its neighbours only the K/V that a document crossing
+    its shard boundary can need: the last ``max_document_len - 1`` tokens of the preceding chunk
+    (and, bidirectional, the first ones of the following chunk). One varlen call per row, keys over
+    that window. ``usp::halo_exchange`` refuses a step whose documents are longer than the halo
+    allows, so a too-long document is an error, never a wrong result."""
+    b, _, ll, _ = q.shape
+    w = cp.max_document_len - 1
+    before, after = w, (0 if is_causal else w)
+    k_w = torch.ops.usp.halo_exchange(k, 2, before, after, max_seqlen, cp.group_name)
+    v_w = torch.ops.usp.halo_exchange(v, 2, before, after, max_seqlen, cp.group_name)
+    q_T, k_T, v_T = pack(q), pack(k_w), pack(v_w)
+    span = before + ll + after
+    outs = []
+    for i, cid in enumerate(cp.layout.global_chunks(cp.rank, b)):
+        start = cid * ll
+        window = start - before  # global position of the window's first key (may be < 0: zeros)
+        # Keys of the window outside every document (zeros past the stream's ends, the part of a
+        # document that has no query here) go to a leading and a trailing document with no
+        # queries, so the boundaries cover every token and those keys get zero gradients.
+        cu_q = cu_seqlens.clamp(start, start + ll) - start
+        cu_k = cu_seqlens.clamp(window, window + span) - window
+        zero = cu_seqlens.new_zeros(1)
+        outs.append(
+            varlen.varlen_attn(
+                q_T[i * ll : (i + 1) * ll],
+                k_T[i * span : (i + 1) * span],
+                v_T[i * span : (i + 1) * span],
+                torch.cat([zero, cu_q, cu_q[-1:]]),
+                torch.cat([zero, cu_k, zero + span]),
+                max_seqlen,
+                max_seqlen,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=True,
+            )
+        )
+    out_T = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+    return unpack(out_T, b)

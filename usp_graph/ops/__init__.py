@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from .. import registry
-from . import collectives, ring, varlen
+from . import collectives, halo, ring, varlen
 
 registry.check_complete()
 
-__all__ = ["collectives", "ring", "varlen"]
+__all__ = ["collectives", "halo", "ring", "varlen"]
