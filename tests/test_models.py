@@ -1,4 +1,5 @@
-# B batch, L sequence, H heads, G kv heads, K head dim, D model dim, V vocab, C image channels
+# B batch, L sequence, H heads, G kv heads, K head dim, D model dim, V vocab, C image channels,
+# N packed samples, T / I text / image tokens, S joint tokens
 """Behaviour tests for the reference models in usp_graph.models."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from tests.reference import rel_err
+from usp_graph import AttentionMetadata, attention_mode
 from usp_graph.models import (
     Flux,
     FluxConfig,
@@ -21,7 +24,9 @@ from usp_graph.models import (
     llama_loss,
     make_flux_batch,
     make_llama_batch,
+    make_packed_flux_batch,
 )
+from usp_graph.models.flux import packed_layout
 
 
 class SDPACounter(TorchFunctionMode):
@@ -207,3 +212,111 @@ def test_flux_config_rejects_axes_dims_not_splitting_head_dim_into_even_parts(
 ) -> None:
     with pytest.raises(ValueError):
         FluxConfig(axes_dims=axes_dims)
+
+
+def flux_args(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    keys = ("img", "txt", "timesteps", "img_ids", "txt_ids", "pooled")
+    return tuple(batch[k] for k in keys)
+
+
+def flux_sse_and_grads(
+    model: Flux, batches: list[dict[str, torch.Tensor]]
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Outputs of each batch, and the gradients of their summed squared error to the targets."""
+    outs = [model(*flux_args(b), txt_doc_T=b.get("txt_doc"), img_doc_I=b.get("img_doc")) for b in batches]
+    sse = sum(((out - b["target"]) ** 2).sum() for out, b in zip(outs, batches, strict=True))
+    names, params = zip(*model.named_parameters(), strict=True)
+    grads = torch.autograd.grad(sse, params)
+    return [out.detach() for out in outs], dict(zip(names, grads, strict=True))
+
+
+def sample_of_packed(
+    batch: dict[str, torch.Tensor], txt_lens: list[int], img_lens: list[int], n: int
+) -> dict[str, torch.Tensor]:
+    """Sample n of a packed batch as an ordinary one-row batch."""
+    t0, i0 = sum(txt_lens[:n]), sum(img_lens[:n])
+    t_sl, i_sl = slice(t0, t0 + txt_lens[n]), slice(i0, i0 + img_lens[n])
+    return {
+        "img": batch["img"][:, i_sl],
+        "txt": batch["txt"][:, t_sl],
+        "timesteps": batch["timesteps"][n : n + 1],
+        "img_ids": batch["img_ids"][:, i_sl],
+        "txt_ids": batch["txt_ids"][:, t_sl],
+        "pooled": batch["pooled"][n : n + 1],
+        "target": batch["target"][:, i_sl],
+    }
+
+
+def test_make_packed_flux_batch_indexes_samples_and_sums_joint_lengths() -> None:
+    config = FluxConfig()
+    batch, joint_lens = make_packed_flux_batch(config, [2, 0, 1], [3, 4, 1], generator=gen(18))
+    assert joint_lens == [5, 4, 2]
+    assert batch["txt_doc"].tolist() == [0, 0, 2]
+    assert batch["img_doc"].tolist() == [0, 0, 0, 1, 1, 1, 1, 2]
+    assert batch["timesteps"].shape == (3,) and batch["pooled"].shape == (3, config.pooled_dim)
+    assert batch["img"].shape == batch["target"].shape == (1, 8, config.in_channels)
+    # Every sample's image ids are its own grid, starting again at (0, 0).
+    grid = [[0, 0], [0, 1], [1, 0]]
+    assert batch["img_ids"][0, :, 1:].tolist() == grid + [*grid, [1, 1]] + [[0, 0]]
+
+
+def test_packed_layout_orders_each_samples_text_then_image() -> None:
+    txt_doc_T = torch.tensor([0, 0, 2, 3])
+    img_doc_I = torch.tensor([0, 1, 1, 3, 3])
+    layout = packed_layout(txt_doc_T, img_doc_I)
+    # Stream order [t0 t1 t2 t3 | i0 i1 i2 i3 i4] -> document order t0 t1 i0 | i1 i2 | t2 | t3 i3 i4.
+    assert layout.perm_S.tolist() == [0, 1, 4, 5, 6, 2, 3, 7, 8]
+    assert layout.joint_doc_S.tolist() == [0, 0, 0, 1, 1, 2, 3, 3, 3]
+    assert layout.txt_pos_T.tolist() == [0, 1, 5, 6]
+    assert layout.img_pos_I.tolist() == [2, 3, 4, 7, 8]
+
+
+def test_flux_packed_samples_match_each_sample_alone_float64() -> None:
+    config = FluxConfig(n_double=2, n_single=2)
+    model = flux_model(config, seed=19, dtype=torch.float64)
+    g = gen(20)
+    txt_lens = torch.randint(1, 7, (5,), generator=g).tolist()
+    img_lens = torch.randint(1, 13, (5,), generator=g).tolist()
+    txt_lens[1], img_lens[3] = 1, 1  # a one-token text and a one-token image
+    batch, joint_lens = make_packed_flux_batch(config, txt_lens, img_lens, generator=g, dtype=torch.float64)
+    meta = AttentionMetadata.from_lengths(joint_lens, max_docs=8)
+
+    with attention_mode(meta) as mode:
+        (packed_out_BIC,), packed_grads = flux_sse_and_grads(model, [batch])
+    assert mode.calls == config.n_double + config.n_single
+    samples = [sample_of_packed(batch, txt_lens, img_lens, n) for n in range(len(txt_lens))]
+    alone_outs, alone_grads = flux_sse_and_grads(model, samples)
+
+    assert rel_err(packed_out_BIC, torch.cat(alone_outs, dim=1)) <= 1e-10
+    for name, grad in packed_grads.items():
+        assert rel_err(grad, alone_grads[name]) <= 1e-10, name
+        assert torch.isfinite(grad).all() and grad.abs().sum() > 0, f"{name} grad is zero or not finite"
+
+
+def test_flux_loss_on_packed_batch_is_mse_over_every_image_token() -> None:
+    config = FluxConfig()
+    model = flux_model(config, seed=21)
+    batch, joint_lens = make_packed_flux_batch(config, [3, 2], [4, 6], generator=gen(22))
+    with attention_mode(AttentionMetadata.from_lengths(joint_lens)):
+        out_BIC = model(*flux_args(batch), txt_doc_T=batch["txt_doc"], img_doc_I=batch["img_doc"])
+        loss = flux_loss(model, batch)
+    assert torch.equal(loss, F.mse_loss(out_BIC, batch["target"]))
+
+
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("txt_doc", torch.tensor([0, 1]), "txt_doc_T has 2 entries but the row has 3"),
+        ("img_doc", torch.tensor([0, 1, 1, 0, 1]), "img_doc_I must be non-decreasing"),
+        ("txt_doc", torch.tensor([0, 1, 2]), r"sample indices in \[0, 2\] but .* N = 2"),
+        ("img_doc", torch.tensor([0, 0, 1, 1, 1], dtype=torch.int32), "1-D int64"),
+        ("timesteps", torch.rand(3), "one timestep and one pooled vector per sample"),
+    ],
+)
+def test_flux_packed_rejects_inconsistent_sample_indices(key: str, value: torch.Tensor, match: str) -> None:
+    config = FluxConfig()
+    model = flux_model(config, seed=23)
+    batch, _ = make_packed_flux_batch(config, [2, 1], [3, 2], generator=gen(24))
+    batch[key] = value
+    with pytest.raises(ValueError, match=match):
+        model(*flux_args(batch), txt_doc_T=batch["txt_doc"], img_doc_I=batch["img_doc"])

@@ -1,5 +1,6 @@
 # B batch, L sequence (T text tokens, I image tokens, S = T + I joint), H heads, K head dim,
-# D hidden dim, C image channels, E text feature dim, P pooled text dim, M mlp dim, A rope axes (3)
+# D hidden dim, C image channels, E text feature dim, P pooled text dim, M mlp dim, A rope axes (3),
+# N samples packed into one row
 """A small Flux-style MMDiT (multi-modal diffusion transformer) used as a reference model.
 
 Text and image tokens keep separate weights in the double-stream blocks but attend jointly
@@ -7,16 +8,25 @@ over the concatenated ``[txt, img]`` sequence; single-stream blocks then process
 sequence with shared weights. Every block makes exactly one bidirectional, unmasked call to
 ``F.scaled_dot_product_attention`` (default scale), which is what the graph pass rewrites.
 Positions enter only through a multi-axis RoPE computed from per-token ``ids``.
+
+Packed mode (``txt_doc`` / ``img_doc`` given to :meth:`Flux.forward`): one row holds N samples of
+different text and image lengths. Every token is modulated by its own sample's conditioning
+vector, and the joint sequence is laid out in document order (sample 0's text then its image,
+sample 1's text then image, ...) so each sample is one contiguous document for varlen
+attention (``AttentionMetadata.from_lengths`` of the per-sample ``t_i + i_i``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 # Width of the sinusoidal timestep features fed to the time MLP.
 TIME_FREQ_DIM = 256
@@ -151,9 +161,58 @@ class Modulation(nn.Module):
         self.n_chunks = 3 * n_sets
         self.lin = nn.Linear(hidden, self.n_chunks * hidden)
 
-    def forward(self, vec_BD: torch.Tensor) -> list[torch.Tensor]:
-        # Each chunk is (B, 1, D) so it broadcasts over the token axis.
-        return list(self.lin(F.silu(vec_BD))[:, None].chunk(self.n_chunks, dim=-1))
+    def forward(self, vec_BD: torch.Tensor, doc_L: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Chunks of shape ``(B, 1, D)`` (one vector per row, broadcast over the tokens), or with
+        ``doc_L`` (packed mode: ``vec_BD`` holds one vector per sample) ``(1, L, D)``: token l gets
+        the chunks of sample ``doc_L[l]``."""
+        return list(_per_token(self.lin(F.silu(vec_BD)), doc_L).chunk(self.n_chunks, dim=-1))
+
+
+def _per_token(x_BF: torch.Tensor, doc_L: torch.Tensor | None) -> torch.Tensor:
+    """``(B, 1, F)`` to broadcast over tokens, or with ``doc_L`` the per-token rows ``(1, L, F)``.
+
+    Packed mode gathers after the modulation linear (per sample, not per token), which gives
+    each token exactly its sample's values at a cost independent of the token count.
+    """
+    if doc_L is None:
+        return x_BF[:, None]
+    return x_BF.index_select(0, doc_L)[None]
+
+
+class PackedLayout(NamedTuple):
+    """Where the tokens of a packed row go (see :func:`packed_layout`).
+
+    txt_doc_T / img_doc_I: sample of every text / image token (stream order). joint_doc_S: sample
+    of every joint token in document order. perm_S: for each document-order position, its index
+    in the stream order ``[txt, img]``. txt_pos_T / img_pos_I: the document-order position of
+    every text / image token (the inverse of ``perm_S``, split by stream).
+    """
+
+    txt_doc_T: torch.Tensor
+    img_doc_I: torch.Tensor
+    joint_doc_S: torch.Tensor
+    perm_S: torch.Tensor
+    txt_pos_T: torch.Tensor
+    img_pos_I: torch.Tensor
+
+
+def packed_layout(txt_doc_T: torch.Tensor, img_doc_I: torch.Tensor) -> PackedLayout:
+    """Document order of a packed row from non-decreasing per-token sample indices.
+
+    Sample n's text goes right after every token of samples before n, and its image right after
+    its text. Positions come from ``searchsorted`` (no sort, no host sync, static shapes).
+    """
+    n_txt, n_img = txt_doc_T.shape[0], img_doc_I.shape[0]
+    # A text token is preceded by the image tokens of earlier samples (and the earlier text).
+    txt_pos_T = torch.arange(n_txt, device=txt_doc_T.device) + torch.searchsorted(img_doc_I, txt_doc_T)
+    # An image token is preceded by the text tokens of its own and earlier samples.
+    img_pos_I = torch.arange(n_img, device=img_doc_I.device) + torch.searchsorted(
+        txt_doc_T, img_doc_I, right=True
+    )
+    pos_S = torch.cat([txt_pos_T, img_pos_I])
+    perm_S = torch.zeros_like(pos_S).scatter(0, pos_S, torch.arange(n_txt + n_img, device=pos_S.device))
+    joint_doc_S = torch.cat([txt_doc_T, img_doc_I]).index_select(0, perm_S)
+    return PackedLayout(txt_doc_T, img_doc_I, joint_doc_S, perm_S, txt_pos_T, img_pos_I)
 
 
 def split_heads(qkv_BL3D: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -198,12 +257,16 @@ class DoubleStreamBlock(nn.Module):
         cos_B1SK2: torch.Tensor,
         sin_B1SK2: torch.Tensor,
         attn_mask: torch.Tensor | None,
+        layout: PackedLayout | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With ``layout`` (packed mode) the joint attention runs in document order and
+        ``cos/sin`` must be in that order too; txt/img inputs and outputs stay in stream order."""
         T = txt_BTD.shape[1]
         streams = [(self.txt, txt_BTD), (self.img, img_BID)]
+        docs = (None, None) if layout is None else (layout.txt_doc_T, layout.img_doc_I)
         mods, qs, ks, vs = [], [], [], []
-        for weights, x_BLD in streams:
-            shift1, scale1, gate1, shift2, scale2, gate2 = weights.mod(vec_BD)
+        for (weights, x_BLD), doc_L in zip(streams, docs, strict=True):
+            shift1, scale1, gate1, shift2, scale2, gate2 = weights.mod(vec_BD, doc_L)
             mods.append((gate1, shift2, scale2, gate2))
             x_mod_BLD = (1 + scale1) * weights.norm1(x_BLD) + shift1
             q_BHLK, k_BHLK, v_BHLK = split_heads(weights.qkv(x_mod_BLD), self.n_heads)
@@ -212,17 +275,18 @@ class DoubleStreamBlock(nn.Module):
             ks.append(k_BHLK)
             vs.append(v_BHLK)
         # Joint attention: text and image tokens see each other in both directions.
-        o_BSD = attention(
-            torch.cat(qs, dim=2),
-            torch.cat(ks, dim=2),
-            torch.cat(vs, dim=2),
-            cos_B1SK2,
-            sin_B1SK2,
-            attn_mask,
-        )
+        q_BHSK, k_BHSK, v_BHSK = torch.cat(qs, dim=2), torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        if layout is not None:
+            q_BHSK, k_BHSK, v_BHSK = (x.index_select(2, layout.perm_S) for x in (q_BHSK, k_BHSK, v_BHSK))
+        o_BSD = attention(q_BHSK, k_BHSK, v_BHSK, cos_B1SK2, sin_B1SK2, attn_mask)
+        if layout is None:
+            o_txt_BTD, o_img_BID = o_BSD[:, :T], o_BSD[:, T:]
+        else:
+            o_txt_BTD = o_BSD.index_select(1, layout.txt_pos_T)
+            o_img_BID = o_BSD.index_select(1, layout.img_pos_I)
         outs = []
         for (weights, x_BLD), (gate1, shift2, scale2, gate2), o_BLD in zip(
-            streams, mods, (o_BSD[:, :T], o_BSD[:, T:]), strict=True
+            streams, mods, (o_txt_BTD, o_img_BID), strict=True
         ):
             x_BLD = x_BLD + gate1 * weights.proj(o_BLD)
             x_BLD = x_BLD + gate2 * weights.mlp((1 + scale2) * weights.norm2(x_BLD) + shift2)
@@ -253,8 +317,10 @@ class SingleStreamBlock(nn.Module):
         cos_B1SK2: torch.Tensor,
         sin_B1SK2: torch.Tensor,
         attn_mask: torch.Tensor | None,
+        layout: PackedLayout | None = None,
     ) -> torch.Tensor:
-        shift, scale, gate = self.mod(vec_BD)
+        """With ``layout`` (packed mode) ``x_BSD`` is the joint sequence in document order."""
+        shift, scale, gate = self.mod(vec_BD, None if layout is None else layout.joint_doc_S)
         x_mod_BSD = (1 + scale) * self.pre_norm(x_BSD) + shift
         qkv_BS3D, mlp_BSM = self.linear1(x_mod_BSD).split([3 * self.hidden, self.mlp_dim], dim=-1)
         q_BHSK, k_BHSK, v_BHSK = split_heads(qkv_BS3D, self.n_heads)
@@ -279,8 +345,11 @@ class FinalLayer(nn.Module):
             nn.init.normal_(lin.weight, std=0.02)
             nn.init.normal_(lin.bias, std=0.02)
 
-    def forward(self, x_BID: torch.Tensor, vec_BD: torch.Tensor) -> torch.Tensor:
-        shift_B1D, scale_B1D = self.ada(F.silu(vec_BD))[:, None].chunk(2, dim=-1)
+    def forward(
+        self, x_BID: torch.Tensor, vec_BD: torch.Tensor, doc_I: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``doc_I`` (packed mode): the sample of every image token, indexing the rows of ``vec_BD``."""
+        shift_B1D, scale_B1D = _per_token(self.ada(F.silu(vec_BD)), doc_I).chunk(2, dim=-1)
         return self.linear((1 + scale_B1D) * self.norm(x_BID) + shift_B1D)
 
 
@@ -308,30 +377,114 @@ class Flux(nn.Module):
         txt_ids_BT3: torch.Tensor,
         pooled_BP: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
+        *,
+        txt_doc_T: torch.Tensor | None = None,
+        img_doc_I: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Return the prediction for the image tokens, ``(B, I, C)``.
 
         ``attn_mask`` (bool, broadcastable to ``(B, H, S, S)`` over the joint ``[txt, img]``
         sequence, True = attend) is passed to every attention call when given.
+
+        Packed mode: ``txt_doc_T`` and ``img_doc_I`` (int64, non-decreasing, values in
+        ``0..N-1``) give the sample of every text / image token of a single row (B = 1), and
+        ``timesteps`` / ``pooled`` hold one entry per sample (length N). Each token is modulated
+        by its sample's vector and the attention calls see the joint sequence in document order
+        (sample by sample, text then image), so ``AttentionMetadata.from_lengths`` of the
+        per-sample ``t_i + i_i`` describes it (an ``attn_mask`` then refers to that order too).
+        The output stays in the input's image-token order, ``(1, I, C)``.
         """
+        layout = None
+        if txt_doc_T is not None or img_doc_I is not None:
+            _check_packed(
+                img_BIC, txt_BTE, timesteps_B, img_ids_BI3, txt_ids_BT3, pooled_BP, txt_doc_T, img_doc_I
+            )
+            assert txt_doc_T is not None and img_doc_I is not None
+            layout = packed_layout(txt_doc_T, img_doc_I)
         img_BID = self.img_in(img_BIC)
         txt_BTD = self.txt_in(txt_BTE)
         temb_BF = timestep_embedding(timesteps_B, TIME_FREQ_DIM, img_BID.dtype)
         vec_BD = self.time_in(temb_BF) + self.vector_in(pooled_BP)
         # Text comes first in the joint sequence, so its RoPE ids do too.
         ids_BS3 = torch.cat([txt_ids_BT3, img_ids_BI3], dim=1)
+        if layout is not None:
+            ids_BS3 = ids_BS3.index_select(1, layout.perm_S)
         cos_B1SK2, sin_B1SK2 = rope_cos_sin(ids_BS3, self.config.axes_dims, self.config.theta, img_BID.dtype)
         for block in self.double_blocks:
-            txt_BTD, img_BID = block(txt_BTD, img_BID, vec_BD, cos_B1SK2, sin_B1SK2, attn_mask)
+            txt_BTD, img_BID = block(txt_BTD, img_BID, vec_BD, cos_B1SK2, sin_B1SK2, attn_mask, layout)
         T = txt_BTD.shape[1]
         x_BSD = torch.cat([txt_BTD, img_BID], dim=1)
+        if layout is not None:
+            x_BSD = x_BSD.index_select(1, layout.perm_S)
         for block in self.single_blocks:
-            x_BSD = block(x_BSD, vec_BD, cos_B1SK2, sin_B1SK2, attn_mask)
-        return self.final_layer(x_BSD[:, T:], vec_BD)
+            x_BSD = block(x_BSD, vec_BD, cos_B1SK2, sin_B1SK2, attn_mask, layout)
+        if layout is None:
+            return self.final_layer(x_BSD[:, T:], vec_BD)
+        return self.final_layer(x_BSD.index_select(1, layout.img_pos_I), vec_BD, layout.img_doc_I)
+
+
+def _is_real(t: torch.Tensor) -> bool:
+    """False while compiling or tracing (fake/meta/functional tensors), when values can't be read."""
+    return not (torch.compiler.is_compiling() or t.is_meta or is_fake(t) or type(t) is not torch.Tensor)
+
+
+def _check_packed(
+    img_BIC: torch.Tensor,
+    txt_BTE: torch.Tensor,
+    timesteps_N: torch.Tensor,
+    img_ids_BI3: torch.Tensor,
+    txt_ids_BT3: torch.Tensor,
+    pooled_NP: torch.Tensor,
+    txt_doc_T: torch.Tensor | None,
+    img_doc_I: torch.Tensor | None,
+) -> None:
+    """ValueError unless the packed-mode inputs describe one row of N samples consistently.
+
+    Shapes are always checked; the index values (range, order) only in eager, where reading them
+    is possible (it is a host sync on GPU).
+    """
+    if txt_doc_T is None or img_doc_I is None:
+        raise ValueError("packed mode needs both txt_doc_T and img_doc_I (or neither)")
+    for name, doc, stream in (("txt_doc_T", txt_doc_T, txt_BTE), ("img_doc_I", img_doc_I, img_BIC)):
+        if doc.dtype != torch.int64 or doc.dim() != 1:
+            raise ValueError(
+                f"{name} must be a 1-D int64 tensor, got {doc.dtype} of shape {tuple(doc.shape)}"
+            )
+        if doc.shape[0] != stream.shape[1]:
+            raise ValueError(
+                f"{name} has {doc.shape[0]} entries but the row has {stream.shape[1]} such tokens"
+            )
+    for name, t in (("img", img_BIC), ("txt", txt_BTE), ("img_ids", img_ids_BI3), ("txt_ids", txt_ids_BT3)):
+        if t.shape[0] != 1:
+            raise ValueError(f"packed mode takes one row (B = 1), got {name} of shape {tuple(t.shape)}")
+    N = timesteps_N.shape[0]
+    if timesteps_N.dim() != 1 or pooled_NP.shape[0] != N:
+        raise ValueError(
+            f"packed mode needs one timestep and one pooled vector per sample, got timesteps of shape "
+            f"{tuple(timesteps_N.shape)} and pooled of shape {tuple(pooled_NP.shape)}"
+        )
+    for name, doc in (("txt_doc_T", txt_doc_T), ("img_doc_I", img_doc_I)):
+        if not _is_real(doc) or doc.numel() == 0:
+            continue
+        lo, hi = int(doc.min()), int(doc.max())
+        if lo < 0 or hi >= N:
+            raise ValueError(
+                f"{name} has sample indices in [{lo}, {hi}] but timesteps/pooled hold N = {N} samples"
+            )
+        if bool((doc[1:] < doc[:-1]).any()):
+            i = int((doc[1:] < doc[:-1]).nonzero()[0])
+            raise ValueError(
+                f"{name} must be non-decreasing (samples packed one after another), but "
+                f"{name}[{i + 1}] = {int(doc[i + 1])} < {name}[{i}] = {int(doc[i])}"
+            )
 
 
 def flux_loss(model: Flux, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean squared error between the model's image prediction and ``batch["target"]``."""
+    """Mean squared error between the model's image prediction and ``batch["target"]``.
+
+    A packed batch (keys ``txt_doc`` / ``img_doc``, see :func:`make_packed_flux_batch`) runs the
+    packed mode; every image token of it is real, so this is the MSE over all samples' tokens.
+    """
     out_BIC = model(
         batch["img"],
         batch["txt"],
@@ -340,6 +493,8 @@ def flux_loss(model: Flux, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         batch["txt_ids"],
         batch["pooled"],
         batch.get("attn_mask"),
+        txt_doc_T=batch.get("txt_doc"),
+        img_doc_I=batch.get("img_doc"),
     )
     return F.mse_loss(out_BIC, batch["target"])
 
@@ -388,3 +543,51 @@ def make_flux_batch(
         "target": randn(batch_size, img_len, config.in_channels),
     }
     return {name: t.to(device) for name, t in batch.items()}
+
+
+def make_packed_flux_batch(
+    config: FluxConfig,
+    txt_lens: Sequence[int],
+    img_lens: Sequence[int],
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Random packed batch: one row holding N samples, sample n with ``txt_lens[n]`` text and
+    ``img_lens[n]`` image tokens, and the joint document lengths ``[t_n + i_n]``.
+
+    Keys are those of :func:`make_flux_batch` plus ``txt_doc`` / ``img_doc`` (int64 sample of every
+    text / image token). Streams keep their own order (all text tokens, sample by sample, in
+    ``txt``; all image tokens in ``img``); ``timesteps`` and ``pooled`` have one entry per sample.
+    Each sample's image ids are its own row-major grid (:func:`image_ids`), text ids are zero.
+    The joint lengths are what ``AttentionMetadata.from_lengths`` takes for the packed forward.
+    """
+    txt_lens, img_lens = [int(n) for n in txt_lens], [int(n) for n in img_lens]
+    if len(txt_lens) != len(img_lens) or not txt_lens:
+        raise ValueError(
+            f"need one text and one image length per sample (N >= 1), got {len(txt_lens)} and {len(img_lens)}"
+        )
+    if any(n < 0 for n in txt_lens + img_lens):
+        raise ValueError(f"lengths must be non-negative, got txt {txt_lens} and img {img_lens}")
+    N, n_txt, n_img = len(txt_lens), sum(txt_lens), sum(img_lens)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=dtype)
+
+    def doc_ids(lens: list[int]) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(N), torch.tensor(lens, dtype=torch.long))
+
+    batch = {
+        "img": randn(1, n_img, config.in_channels),
+        "txt": randn(1, n_txt, config.txt_dim),
+        "timesteps": torch.rand(N, generator=generator, dtype=dtype),
+        "img_ids": torch.cat([image_ids(n) for n in img_lens]).to(dtype)[None],
+        "txt_ids": torch.zeros(1, n_txt, 3, dtype=dtype),
+        "pooled": randn(N, config.pooled_dim),
+        "target": randn(1, n_img, config.in_channels),
+        "txt_doc": doc_ids(txt_lens),
+        "img_doc": doc_ids(img_lens),
+    }
+    joint_lens = [t + i for t, i in zip(txt_lens, img_lens, strict=True)]
+    return {name: t.to(device) for name, t in batch.items()}, joint_lens
