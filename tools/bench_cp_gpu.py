@@ -15,7 +15,10 @@ Memory: what one fwd+bwd call allocates above the tensors held before it (activa
 out and grads), on one GPU for the whole stream and per rank under CP: ideally 1/P of it.
 Per-GPU efficiency = t_single / (P * t_cp). Bytes sent per rank per attention call (fwd + bwd) come
 from `usp_graph.cp.cost.bytes_sent` (the test suite checks it against the ops' own counts; for
-"halo" it is the mean over ranks). "halo" runs with max_document_len = the longest document.
+"halo" it is the mean over ranks). "halo" runs with max_document_len = the longest document. "shard balance" is the mean over the max of
+the ranks' attention work under contiguous sharding (`usp_graph.cp.shard_work`): what caps the
+strategies that shard queries by position (allgather_kv, ring, halo); --balance packs the
+documents in `usp_graph.cp.balance_documents` order first.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from usp_graph import AttentionMetadata, ContextParallel, sdpa_to_usp  # noqa: E402
+from usp_graph.cp import balance_documents, shard_work  # noqa: E402
 from usp_graph.cp.cost import bytes_sent  # noqa: E402
 
 STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo")
@@ -112,6 +116,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--modes", default="causal,bi", help="causal, bi or both")
     ap.add_argument("--no-zigzag", action="store_true", help="skip the zigzag rows")
+    ap.add_argument(
+        "--balance", action="store_true", help="pack documents in usp_graph.cp.balance_documents order"
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
@@ -142,6 +149,11 @@ def main() -> int:
         lens = doc_lengths(total, args.doc_mean, 1.0, seed=total)
         meta = AttentionMetadata.from_lengths(lens, max_docs=len(lens) + 8, device=device)
         for causal in [m == "causal" for m in args.modes.split(",")]:
+            if args.balance:  # the same documents, packed so that contiguous shards carry equal work
+                lens = [lens[i] for i in balance_documents(lens, world, is_causal=causal)]
+                meta = AttentionMetadata.from_lengths(lens, max_docs=len(lens) + 8, device=device)
+            work = shard_work(lens, world, is_causal=causal)
+            balance = sum(work) / world / max(work)
             gen = torch.Generator(device=device).manual_seed(total + causal)
             q, kk, v, go = (
                 torch.randn(1, h, total, k, generator=gen, device=device, dtype=dtype) for _ in range(4)
@@ -179,6 +191,8 @@ def main() -> int:
                             "strategy": strategy,
                             "load_balance": lb,
                             "world": world,
+                            "balanced_order": args.balance,
+                            "shard_balance": balance,
                             "max_rel_err": max(errs),
                             "ok": max(errs) < (2e-2 if dtype == torch.bfloat16 else 1e-4),
                             "ms_single": t_single,
@@ -215,9 +229,9 @@ def main() -> int:
                         print(json.dumps(row), flush=True)
     if rank == 0:
         print(
-            "\n| tokens | docs | mode | strategy | lb | check | ms 1 GPU | ms CP | TFLOP/s/GPU 1 | TFLOP/s/GPU CP | eff | GiB 1 GPU | GiB/rank CP | MB sent/rank |"
+            "\n| tokens | docs | mode | strategy | lb | shard balance | check | ms 1 GPU | ms CP | TFLOP/s/GPU 1 | TFLOP/s/GPU CP | eff | GiB 1 GPU | GiB/rank CP | MB sent/rank |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if "error" in r:
                 print(
@@ -226,6 +240,7 @@ def main() -> int:
                 continue
             print(
                 f"| {r['tokens']} | {r['docs']} | {'causal' if r['causal'] else 'bi'} | {r['strategy']} | {r['load_balance']} "
+                f"| {r['shard_balance']:.2f} "
                 f"| {'PASS' if r['ok'] else 'FAIL'} {r['max_rel_err']:.1e} | {r['ms_single']:.2f} | {r['ms_cp']:.2f} "
                 f"| {r['tflops_per_gpu_single']:.0f} | {r['tflops_per_gpu_cp']:.0f} | {r['efficiency']:.2f} "
                 f"| {r['extra_gib_single']:.2f} | {r['extra_gib_rank']:.2f} | {r['bytes_sent_rank'] / 1e6:.0f} |"

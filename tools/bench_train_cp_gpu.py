@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import usp_graph  # noqa: E402
 from usp_graph import AttentionMetadata, ContextParallel  # noqa: E402
+from usp_graph.cp import balance_documents, shard_work  # noqa: E402
 from usp_graph.models import Llama, LlamaConfig, make_llama_batch  # noqa: E402
 
 STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo")
@@ -99,6 +100,9 @@ def main() -> int:
         "--inner", default=None, help="inner compiler (default: inductor on cuda, aot_eager on cpu)"
     )
     ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument(
+        "--balance", action="store_true", help="pack documents in usp_graph.cp.balance_documents order"
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
@@ -132,6 +136,10 @@ def main() -> int:
     torch.manual_seed(0)
     model = Llama(config).to(device=device, dtype=dtype)
     lengths = doc_lengths(args.tokens, args.doc_mean, 0)
+    if args.balance:  # the same documents, packed so that contiguous shards carry equal work
+        lengths = [lengths[i] for i in balance_documents(lengths, world)]
+    work = shard_work(lengths, world) if sum(lengths) % world == 0 else [1]
+    balance = sum(work) / len(work) / max(work)
     batch = make_llama_batch(config, lengths, generator=torch.Generator().manual_seed(1), device=device)
     meta = AttentionMetadata.from_lengths(lengths, max_docs=len(lengths) + 16, device=device)
     total = sum(lengths)
@@ -201,7 +209,11 @@ def main() -> int:
             tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
             row = {
                 "strategy": strategy
-                + (f" ({kw['ulysses_degree']}x{world // kw['ulysses_degree']})" if kw else ""),
+                + (
+                    f" ({kw['ulysses_degree']}x{world // kw['ulysses_degree']})"
+                    if "ulysses_degree" in kw
+                    else ""
+                ),
                 "world": world,
                 "ok": loss_err < tol and grad_err < tol,
                 "loss_rel_err": loss_err,
@@ -226,7 +238,8 @@ def main() -> int:
             print(json.dumps(row), flush=True)
 
     if rank == 0:
-        print(f"\n{total} tokens, {len(lengths)} documents, {world} ranks")
+        print(f"\n{total} tokens, {len(lengths)} documents, {world} ranks, balanced order {args.balance}, "
+              f"shard balance (mean/max attention work, causal) {balance:.2f}")  # fmt: skip
         print(
             "| GPUs | strategy | check (loss, worst grad) | step ms | tokens/s | scaling efficiency | peak extra GiB/rank |"
         )
