@@ -408,10 +408,10 @@ VARLEN_CASES: list[Any] = [
         id="cu_seqlens_not_ending_at_token_count_cpu_kernel",
     ),
     pytest.param(
-        lambda a: {"cu_seqlens_k": i32([1, 3, 8])},
+        lambda a: {"cu_seqlens_k": i32([1, 3, 9])},
         ValueError,
-        r"cu_seqlens_k must run from 0 to the token count 8, got 1\.\.8",
-        id="cu_seqlens_not_starting_at_0_cpu_kernel",
+        r"cu_seqlens_k must stay within 0\.\.8 \(the key count\), got 1\.\.9",
+        id="cu_seqlens_k_past_the_key_count_cpu_kernel",
     ),
     pytest.param(
         lambda a: {"cu_seqlens_q": i32([0, 6, 3, 8]), "cu_seqlens_k": i32([0, 6, 3, 8]), "max_seqlen_q": 8},

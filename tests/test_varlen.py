@@ -157,6 +157,31 @@ def test_opcheck_passes_for_both_ops():
         assert result == "SUCCESS"
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_keys_outside_every_document_are_unused_and_get_zero_gradient(causal):
+    # A key window padded on both sides (what the halo strategy hands the op): cu_k starts after 0
+    # and ends before the key count. Same result as the unpadded keys; zero grads on the padding.
+    gen = torch.Generator().manual_seed(11)
+    lens = [3, 0, 1, 5]
+    cu = AttentionMetadata.from_lengths(lens, max_docs=6).cu_seqlens
+    q, k, v = _qkv(gen, 9, 9, 4, 2, 8, torch.float64)
+    pad = lambda x, a, b: torch.cat([torch.randn(a, *x.shape[1:], generator=gen, dtype=x.dtype), x,
+                                     torch.randn(b, *x.shape[1:], generator=gen, dtype=x.dtype)])  # noqa: E731  # fmt: skip
+    kp, vp = pad(k.detach(), 4, 3).requires_grad_(), pad(v.detach(), 4, 3).requires_grad_()
+    go = torch.randn(9, 4, 8, generator=gen, dtype=torch.float64)
+    ref = varlen_attn(q, k, v, cu, cu, 5, 5, is_causal=causal, enable_gqa=True)
+    ref.backward(go)
+    qp = q.detach().clone().requires_grad_()
+    out = varlen_attn(qp, kp, vp, cu, cu + 4, 5, 5, is_causal=causal, enable_gqa=True)
+    out.backward(go)
+    assert torch.equal(out, ref)
+    assert torch.equal(qp.grad, q.grad)
+    for padded, plain in ((kp.grad, k.grad), (vp.grad, v.grad)):
+        assert torch.equal(padded[4:13], plain)
+        assert torch.equal(padded[:4], torch.zeros_like(padded[:4]))
+        assert torch.equal(padded[13:], torch.zeros_like(padded[13:]))
+
+
 def test_outputs_are_contiguous_for_strided_inputs_as_the_fake_impls_promise():
     # Ulysses hands the op (H, T, K)-major views; a compiler checks the real outputs' strides
     # against the fake impl's, so both ops return contiguous tensors for any input layout.

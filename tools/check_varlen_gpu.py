@@ -6,8 +6,8 @@ Run on a CUDA machine from the repo root:
     PYTHONUNBUFFERED=1 python tools/check_varlen_gpu.py [--json OUT.json]
 Exits non-zero when any case fails. Cases: bf16/fp16 (flash kernel) and fp32 (math path),
 causal and bidirectional, GQA, unequal query/key lengths (bottom-right causal), empty and
-length-1 documents, rows that see no key, the lse gradient, determinism, and a Llama-style model
-under attention_mode.
+length-1 documents, rows that see no key, the lse gradient, determinism, keys outside every
+document (a padded key window: zero gradient), and a Llama-style model under attention_mode.
 """
 
 from __future__ import annotations
@@ -106,6 +106,38 @@ def check_case(name, dtype, lens_q, lens_k, h, g, dim, is_causal, gen, results):
     return ok
 
 
+def check_padded_keys(dtype, is_causal, gen, results):
+    """Keys padded on both sides (cu_k starts after 0, ends before the key count, as the halo
+    strategy's key window does): same result as the unpadded keys, zero gradient on the padding."""
+    dev, lens, a, b, h, g, dim = "cuda", [300, 0, 1, 1000, 37], 64, 100, 8, 2, 128
+    m = AttentionMetadata.from_lengths(lens, max_docs=len(lens) + 3, device=dev)
+    t = m.total_tokens
+    q = torch.randn(t, h, dim, generator=gen, device=dev).to(dtype).requires_grad_()
+    kp, vp = (
+        torch.randn(a + t + b, g, dim, generator=gen, device=dev).to(dtype).requires_grad_() for _ in range(2)
+    )
+    out = varlen_attn(q, kp, vp, m.cu_seqlens, m.cu_seqlens + a, m.max_seqlen, m.max_seqlen,
+                      is_causal=is_causal, enable_gqa=True)  # fmt: skip
+    q64, k64, v64 = (x.detach()[s].double().requires_grad_() for x, s in ((q, slice(None)), (kp, slice(a, a + t)), (vp, slice(a, a + t))))  # fmt: skip
+    ref, _ = reference(q64, k64, v64, m.cu_seqlens, m.cu_seqlens, is_causal, dim**-0.5)
+    go = torch.randn(out.shape, generator=gen, device=dev, dtype=torch.float64)
+    dq, dk, dv = torch.autograd.grad((out.double() * go).sum(), (q, kp, vp))
+    rq, rk, rv = torch.autograd.grad((ref * go).sum(), (q64, k64, v64))
+    errs = {
+        "out": rel(out, ref),
+        "dq": rel(dq, rq),
+        "dk": rel(dk[a : a + t], rk),
+        "dv": rel(dv[a : a + t], rv),
+    }
+    pads_zero = all(bool((x[:a] == 0).all() and (x[a + t :] == 0).all()) for x in (dk, dv))
+    ok = all(e <= TOL[dtype] for e in errs.values()) and pads_zero
+    name = f"padded keys {'causal' if is_causal else 'bidir'}"
+    results.append({"case": name, "dtype": str(dtype), "ok": ok, "pads_zero": pads_zero, **errs})
+    print(f"{'PASS' if ok else 'FAIL'} {name:42s} {str(dtype):15s} " + " ".join(f"{k} {v:.1e}" for k, v in errs.items())
+          + f" pad grads zero {pads_zero}")  # fmt: skip
+    return ok
+
+
 def check_model(gen, results):
     from usp_graph.models import Llama, LlamaConfig, llama_loss, make_llama_batch
 
@@ -174,6 +206,8 @@ def main() -> int:
             gen,
             results,
         )
+    for causal in (False, True):
+        ok &= check_padded_keys(torch.bfloat16, causal, gen, results)
     ok &= check_model(gen, results)
     if args.json:
         with open(args.json, "w") as f:

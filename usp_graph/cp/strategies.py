@@ -200,20 +200,16 @@ def halo(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
     outs = []
     for i, cid in enumerate(cp.layout.global_chunks(cp.rank, b)):
         start = cid * ll
-        window = start - before  # global position of the window's first key (may be < 0: zeros)
-        # Keys of the window outside every document (zeros past the stream's ends, the part of a
-        # document that has no query here) go to a leading and a trailing document with no
-        # queries, so the boundaries cover every token and those keys get zero gradients.
-        cu_q = cu_seqlens.clamp(start, start + ll) - start
-        cu_k = cu_seqlens.clamp(window, window + span) - window
-        zero = cu_seqlens.new_zeros(1)
+        window = start - before  # global position of the window's first key (may be < 0)
+        # Keys of the window past the stream's ends (zeros) lie outside every document: unused,
+        # with zero gradient (the varlen contract), and halo_reduce drops them.
         outs.append(
             varlen.varlen_attn(
                 q_T[i * ll : (i + 1) * ll],
                 k_T[i * span : (i + 1) * span],
                 v_T[i * span : (i + 1) * span],
-                torch.cat([zero, cu_q, cu_q[-1:]]),
-                torch.cat([zero, cu_k, zero + span]),
+                cu_seqlens.clamp(start, start + ll) - start,
+                cu_seqlens.clamp(window, window + span) - window,
                 max_seqlen,
                 max_seqlen,
                 is_causal=is_causal,

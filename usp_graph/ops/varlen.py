@@ -10,7 +10,9 @@ Semantics (the flash-attention varlen convention):
   c <= r + lk - lq (identical to ordinary causal when lq == lk);
 - a query row that sees no key (an empty key range, or causal with lq > lk) gets out = 0 and
   lse = -inf (log of an empty sum), on every device;
-- lse is `(H, T)`, float32 (float64 for float64 inputs).
+- lse is `(H, T)`, float32 (float64 for float64 inputs);
+- cu_q runs from 0 to the query count; cu_k may start after 0 and end before the key count: keys
+  outside every document are never attended and get zero gradient (a key window with padding).
 
 Kernels:
 - CPU: per document over ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward op),
@@ -52,8 +54,10 @@ def _doc_bounds(
             f"cu_seqlens_q has {len(bq)} entries but cu_seqlens_k has {len(bk)}; they must match"
         )
     for name, b, total, bound in (("cu_seqlens_q", bq, t_q, max_q), ("cu_seqlens_k", bk, t_k, max_k)):
-        if b[0] != 0 or b[-1] != total:
+        if name == "cu_seqlens_q" and (b[0] != 0 or b[-1] != total):
             raise ValueError(f"{name} must run from 0 to the token count {total}, got {b[0]}..{b[-1]}")
+        if b[0] < 0 or b[-1] > total:  # keys before cu_seqlens_k[0] or after its end are unused
+            raise ValueError(f"{name} must stay within 0..{total} (the key count), got {b[0]}..{b[-1]}")
         for i in range(1, len(b)):
             if b[i] < b[i - 1]:
                 raise ValueError(f"{name} must be non-decreasing: {name}[{i}] = {b[i]} < {b[i - 1]}")
@@ -232,7 +236,11 @@ def _cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scal
         unused,
         scale=scale,
     )
-    return dq, dk, dv
+    # Keys outside every document (before cu_k[0], after cu_k[-1]) are never attended; the kernel
+    # leaves their gradient unwritten, the contract says zero. No host sync: a mask on the device.
+    pos = torch.arange(k.shape[0], device=k.device)
+    used = ((pos >= cu_k[0]) & (pos < cu_k[-1])).view(-1, 1, 1)
+    return dq, torch.where(used, dk, 0), torch.where(used, dv, 0)
 
 
 # ------------------------------------------------------------------------------------------------
