@@ -669,3 +669,18 @@ def test_hf_llama_compiled_with_usp_is_bitwise_equal_to_eager():
     reports = _adamw_steps(model, step_fn, batches)
     assert sum(len(r.rewritten) for r in reports) == config.num_hidden_layers
     assert all(r.kept == () for r in reports) and len(reports) == 1
+
+
+def test_only_32_bit_index_bounds_on_metadata_symbols_are_tolerated():
+    # A GPU code generator guards `numel <= 2**31 - 1` to index with int32; int32 cu_seqlens always
+    # satisfy it, so it does not specialize the metadata. Anything else still fails the compile.
+    import sympy
+
+    from usp_graph.backend.inputs import is_index_bound
+
+    s = sympy.Symbol("s9", integer=True, positive=True)
+    assert is_index_bound(s <= 2**31 - 1) and is_index_bound(s < 2**31) and is_index_bound(2**31 - 1 >= s)
+    assert not is_index_bound(s <= 4096)
+    assert not is_index_bound(sympy.Eq(s, 8))
+    assert not is_index_bound(s + 1 <= 2**31 - 1)
+    assert not is_index_bound(s >= 2)

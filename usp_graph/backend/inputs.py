@@ -114,6 +114,22 @@ def add_metadata_inputs(
     return MetadataInputs(cu, msn, cu_val, ms_int, frozenset({n1, ms}))
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def is_index_bound(expr: sympy.Basic) -> bool:
+    """True for ``s <= C`` / ``s < C`` with a constant C >= 2**31 - 1: what a code generator adds
+    to index a tensor of symbolic size with 32-bit integers. Document metadata always satisfies it
+    (cu_seqlens is int32, so neither its length nor max_seqlen can pass 2**31 - 1), so it does not
+    specialize the compiled code."""
+    if isinstance(expr, (sympy.Ge, sympy.Gt)):
+        expr = expr.reversed
+    if not isinstance(expr, (sympy.Le, sympy.Lt)):
+        return False
+    bound = expr.rhs - (1 if isinstance(expr, sympy.Lt) else 0)
+    return bool(expr.lhs.is_Symbol and bound.is_number and bound >= _INT32_MAX)
+
+
 def check_not_guarded(shape_env: ShapeEnv, symbols: frozenset[sympy.Symbol], graph: str) -> None:
     """Fail the compile if anything guarded on (or specialized) a metadata symbol.
 
@@ -122,7 +138,7 @@ def check_not_guarded(shape_env: ShapeEnv, symbols: frozenset[sympy.Symbol], gra
     """
     for guard in shape_env.guards:
         hit = guard.expr.free_symbols & symbols
-        if hit:
+        if hit and not is_index_bound(guard.expr):
             raise AssertionError(
                 f"graph {graph}: compiling added the guard {guard.expr} on document metadata input(s) "
                 f"{sorted(map(str, hit))}; metadata must stay dynamic (report this as a usp_graph bug)"
