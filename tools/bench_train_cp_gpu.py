@@ -260,7 +260,13 @@ def main() -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(
-                    {"torch": torch.__version__, "world": world, "lengths": lengths, "rows": rows},
+                    {
+                        "torch": torch.__version__,
+                        "world": world,
+                        "lengths": lengths,
+                        "balance": balance,
+                        "rows": rows,
+                    },
                     f,
                     indent=1,
                 )
