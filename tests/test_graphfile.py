@@ -280,6 +280,44 @@ def test_recorded_guards_and_ranges_survive_the_file(tmp_path):
         assert str(loaded_error.value) == str(traced_error.value)
 
 
+def test_a_recorded_guard_that_cannot_be_evaluated_is_a_clear_error_not_a_sympy_crash(tmp_path):
+    # Well-formed and re-fingerprinted, but no tracer writes it: 8 // (T - 10) divides by zero at T=10.
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+    def step(model, batch):
+        x = batch["x"]
+        return model.lin(x[:4] if x.shape[0] % 2 == 0 else x).sum()
+
+    model = Tiny()
+    graph = trace_train_step(model, step, {"x": torch.randn(6, 4)}, AttentionMetadata.from_lengths([6]))
+    save(graph, tmp_path / "g.json")
+    doc = _doc(tmp_path / "g.json")
+    doc["guards"][0][0] = ["Eq", ["FloorDiv", 8, ["Add", "T", -10]], 0]
+    _write(doc, tmp_path / "hostile.json")
+    loaded = load(tmp_path / "hostile.json")
+    args = (dict(model.named_parameters()), {"x": torch.ones(10, 4)}, AttentionMetadata.from_lengths([10]))
+    with pytest.raises(
+        ValueError, match=r"cannot be evaluated for these inputs \(ZeroDivisionError.*damaged"
+    ):
+        loaded.replay(*args)
+
+
+def test_a_file_over_the_size_limit_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    from usp_graph.graphfile import document
+
+    path = tmp_path / "big.json"
+    path.write_bytes(b"{" + b" " * 4096 + b"}")
+    monkeypatch.setattr(document, "MAX_FILE_BYTES", 1024)
+    for fn in (load, load_graph_module):
+        with pytest.raises(
+            CorruptGraphFileError, match=r"over the 0 MiB a graph file may be .*MAX_FILE_BYTES"
+        ):
+            fn(path)
+
+
 class WithBuffer(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -384,21 +384,32 @@ def _check_symbols(
     def show(expr: sympy.Basic) -> str:
         return str(expr.xreplace({sym: sympy.Symbol(n) for sym, n in names.items()}))
 
+    def evaluate(expr: sympy.Basic, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+        # A recorded expression that cannot be evaluated (division by zero, an undecidable
+        # comparison) never comes from the tracer: only from a damaged or hand-edited graph file.
+        try:
+            return fn(*args)
+        except (TypeError, ValueError, ArithmeticError, AttributeError) as e:
+            raise ValueError(
+                f"the graph's recorded expression {show(expr)} ({where}) cannot be evaluated for these inputs "
+                f"({type(e).__name__}: {e}); the graph, or the file it was loaded from, is damaged"
+            ) from None
+
     for expr, where in s.guards:
-        result = expr.xreplace(subs)
+        result = evaluate(expr, where, expr.xreplace, subs)
         if result.free_symbols:
             continue
-        if not bool(result):
+        if not evaluate(expr, where, bool, result):
             values = ", ".join(f"{n}={bindings[n][0]}" for n in s.symbols if n in bindings)
             raise ValueError(
                 f"these inputs ({values}) break an assumption made while tracing: {show(expr)} "
                 f"(recorded {where}); retrace with an example that satisfies the new inputs' shapes"
             )
     for site, source, expr in s.token_checks:
-        tokens = expr.xreplace(subs)
+        tokens = evaluate(expr, f"attention site {site}", expr.xreplace, subs)
         if tokens.free_symbols:
             continue
-        if int(tokens) != metadata.total_tokens:
+        if evaluate(expr, f"attention site {site}", int, tokens) != metadata.total_tokens:
             at = f" at {source}" if source else ""
             raise ValueError(
                 f"metadata describes {metadata.total_tokens} tokens but attention site {site}{at} attends over "

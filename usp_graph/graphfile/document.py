@@ -90,12 +90,34 @@ def _no_constants(name: str) -> Any:
     )
 
 
+# The largest file `load` reads: a 32-layer train step is a few MB; this is far above any real
+# graph and stops a wrong path (a checkpoint, a dataset) from being read into memory whole.
+MAX_FILE_BYTES = 512 * 2**20
+
+
+def check_size(nbytes: int, source: str) -> None:
+    if nbytes > MAX_FILE_BYTES:
+        raise CorruptGraphFileError(
+            f"{source} is {nbytes / 2**20:.0f} MiB, over the {MAX_FILE_BYTES / 2**20:.0f} MiB a graph file may be "
+            "(train-step graphs are a few MB): it is not a usp_graph graph file (raise "
+            "usp_graph.graphfile.document.MAX_FILE_BYTES if it really is one)"
+        )
+
+
+def read_file(path: Any) -> bytes:
+    """The bytes of the file at `path`, refused before reading when over `MAX_FILE_BYTES`."""
+    with open(path, "rb") as fh:
+        check_size(os.fstat(fh.fileno()).st_size, os.fspath(path))
+        return fh.read(MAX_FILE_BYTES + 1)
+
+
 def parse(data: bytes, *, source: str = "graph file") -> dict[str, Any]:
     """Bytes -> the checked document: JSON, our format, this format version, fingerprint intact.
 
     Raises CorruptGraphFileError, GraphFileVersionError or FingerprintError (all GraphFileError)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"expected the file's bytes, got {type(data).__name__}")
+    check_size(len(data), source)
     try:
         text = bytes(data).decode("utf-8")
     except UnicodeDecodeError as e:

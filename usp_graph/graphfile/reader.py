@@ -63,6 +63,19 @@ def _only_keys(d: dict[str, Any], allowed: set[str], where: str) -> None:
         raise _schema(where, f"unknown field(s) {[e[:40] for e in extra[:5]]}")
 
 
+def _evaluate(expr: Any, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Evaluate a recorded size expression or guard for concrete inputs. One that cannot be
+    evaluated (a division by zero, a comparison sympy cannot decide) was not written by usp_graph's
+    tracer: the file is refused as damaged rather than failing with a sympy error."""
+    try:
+        return fn(*args)
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:
+        raise GraphFileSchemaError(
+            f"the graph file's recorded expression {expr} ({where}) cannot be evaluated for these inputs "
+            f"({type(e).__name__}: {e}); the file is damaged or was not written by usp_graph"
+        ) from None
+
+
 @dataclass(eq=False)
 class GraphFile:
     """A loaded graph file.
@@ -182,15 +195,15 @@ class GraphFile:
         named = {sympy.Symbol(n, integer=True): sympy.Integer(v) for n, (v, _) in bound.items()}
         named.update({sympy.Symbol(n): sympy.Integer(v) for n, (v, _) in bound.items()})
         for expr, size, where in deferred:
-            value = expr.xreplace(named)
-            if not value.free_symbols and int(value) != size:
+            value = _evaluate(expr, where, expr.xreplace, named)
+            if not value.free_symbols and _evaluate(expr, where, int, value) != size:
                 raise ValueError(
                     f"{where} is {size}, but the graph was saved for {expr} = {value} with these inputs"
                 )
         subs = {self.dims[n]: sympy.Integer(v) for n, (v, _) in bound.items() if n in self.dims}
         for cond, where in self.guards:
-            result = cond.xreplace(subs)
-            if not result.free_symbols and not bool(result):
+            result = _evaluate(cond, where, cond.xreplace, subs)
+            if not result.free_symbols and not _evaluate(cond, where, bool, result):
                 values = ", ".join(f"{n}={v}" for n, (v, _) in bound.items())
                 raise ValueError(
                     f"these inputs ({values}) break an assumption recorded with the graph: {cond} ({where})"
@@ -609,8 +622,7 @@ def load_graph_module(
     by another torch or usp_graph version. Raises a `GraphFileError` subclass for any bad file;
     nothing in the file is executed or unpickled.
     """
-    with open(path, "rb") as fh:
-        data = fh.read()
+    data = document.read_file(path)
     f = loads_graph_module(data, values=values, strict_versions=strict_versions, source=os.fspath(path))
     f.path = os.fspath(path)
     return f

@@ -427,8 +427,7 @@ def load(
     re-run usp_graph's verify pass on the loaded graph. Raises a `GraphFileError` subclass for any
     bad file; nothing in the file is executed or unpickled.
     """
-    with open(path, "rb") as fh:
-        data = fh.read()
+    data = document.read_file(path)
     step = loads(
         data,
         groups=groups,
