@@ -185,9 +185,11 @@ def _halo_configs(world: int) -> list[tuple]:
     ]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_halo_matches_one_process(world):
-    results = run_ranks(_halo_cases, world, _halo_configs(world), timeout=150)
+    # world 1 with two rows: the halo of each row is the previous row's tail, from this same rank.
+    configs = _halo_configs(world) if world > 1 else [c for c in _halo_configs(world) if c[1] == "float64"]
+    results = run_ranks(_halo_cases, world, configs, timeout=150)
     for rank_results in results:
         for r in rank_results:
             tol = TOL[r["config"][1]]
