@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import pytest
@@ -139,11 +140,12 @@ def _halo_lengths(gen: torch.Generator, total: int, longest: int) -> list[int]:
 
 
 def _halo_cases(rank: int, world: int, configs: list[tuple]) -> list[dict]:
-    """Each config: (causal, dtype name, heads, kv_heads, batch, local length, max_document_len)."""
+    """Each config: (causal, dtype name, heads, kv_heads, batch, local length, max_document_len,
+    Ulysses degree: 0 for strategy 'halo', U for 'usp' with across='halo')."""
     from usp_graph import AttentionMetadata, ContextParallel, attention_mode, sdpa_to_usp
 
     results = []
-    for causal, dtype_name, h, g, b, ll, longest in configs:
+    for causal, dtype_name, h, g, b, ll, longest, u in configs:
         dtype = getattr(torch, dtype_name)
         gen = torch.Generator().manual_seed(_seed("halo", causal, h, g, b, ll, longest))
         length = ll * world
@@ -157,14 +159,17 @@ def _halo_cases(rank: int, world: int, configs: list[tuple]) -> list[dict]:
         ref = sdpa_to_usp(qr, kr, vr, is_causal=causal, enable_gqa=True, metadata=meta)
         ref.backward(go)
 
-        cp = ContextParallel("halo", max_document_len=longest)
+        if u:
+            cp = ContextParallel("usp", ulysses_degree=u, across="halo", max_document_len=longest)
+        else:
+            cp = ContextParallel("halo", max_document_len=longest)
         ql, kl, vl = (cp.shard(x, 2).clone().requires_grad_() for x in (q, k, v))
         with attention_mode(meta, cp=cp):
             out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal, enable_gqa=True)
         out.backward(cp.shard(go, 2))
         results.append(
             {
-                "config": (causal, dtype_name, h, g, b, ll, longest),
+                "config": (causal, dtype_name, h, g, b, ll, longest, u),
                 "out": _rel(out, cp.shard(ref, 2)),
                 "dq": _rel(ql.grad, cp.shard(qr.grad, 2)),
                 "dk": _rel(kl.grad, cp.shard(kr.grad, 2)),
@@ -175,20 +180,35 @@ def _halo_cases(rank: int, world: int, configs: list[tuple]) -> list[dict]:
 
 
 def _halo_configs(world: int) -> list[tuple]:
-    return [
-        (causal, dtype, h, g, b, ll, longest)
+    halo = [
+        (causal, dtype, h, g, b, ll, longest, 0)
         for causal in (True, False)
         for dtype in ("float64", "float32")
         for h, g in ((4, 2), (4, 4))
         for b in (1, 2)
         for ll, longest in ((8, 9), (8, 4), (12, 1))  # the widest halo (a whole chunk), a narrow one, none
     ]
+    # usp with halos across its Ulysses groups: 2 x (world / 2) and 1 x world; each group's chunk is
+    # U x 8 tokens, so documents of up to 8U + 1 tokens fit. GQA with 2 KV heads over U = 2.
+    usp = [
+        (causal, "float64", 4, g, b, 8, longest, u)
+        for u in sorted({1, 2} & set(range(1, world + 1)))
+        for causal in (True, False)
+        for g in (2, 1)
+        for b in (1, 2)
+        for longest in (8 * u + 1, 5)
+    ]
+    return halo + usp
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_halo_matches_one_process(world):
     # world 1 with two rows: the halo of each row is the previous row's tail, from this same rank.
-    configs = _halo_configs(world) if world > 1 else [c for c in _halo_configs(world) if c[1] == "float64"]
+    configs = (
+        _halo_configs(world)
+        if world > 1
+        else [c for c in _halo_configs(world) if c[1] == "float64" and not c[7]]
+    )
     results = run_ranks(_halo_cases, world, configs, timeout=150)
     for rank_results in results:
         for r in rank_results:
@@ -236,6 +256,12 @@ def test_halo_refuses_documents_longer_than_it_allows_on_every_rank_without_hang
         ContextParallel("halo", max_document_len=4, load_balance="zigzag")
     with pytest.raises(ValueError, match="only for strategy 'halo'"):
         ContextParallel("ring", max_document_len=4)
+    with pytest.raises(ValueError, match="usp with across='halo' needs max_document_len"):
+        ContextParallel("usp", ulysses_degree=1, across="halo")
+    with pytest.raises(ValueError, match="across must be 'ring' or 'halo'"):
+        ContextParallel("usp", ulysses_degree=1, across="all")
+    with pytest.raises(ValueError, match="across is only for strategy 'usp'"):
+        ContextParallel("ulysses", across="halo")
 
 
 # ---- whole train steps ----------------------------------------------------------------------------
@@ -476,31 +502,26 @@ def _bytes_cases(rank: int, world: int) -> list[tuple]:
             )
     from usp_graph import ContextParallel
 
-    cp = ContextParallel("halo", max_document_len=6)
-    for causal in (True, False):
-        for b in (1, 2):
-            length = 8 * world
-            meta = AttentionMetadata.from_lengths([6, 2] * (b * world), max_docs=2 * b * world)
-            q = torch.randn(b, 4, length // world, 8, requires_grad=True)
-            k = torch.randn(b, 2, length // world, 8, requires_grad=True)
-            with count_bytes_sent() as fwd:
-                out = sdpa_to_usp(q, k, k, is_causal=causal, enable_gqa=True, metadata=meta, cp=cp)
-            with count_bytes_sent() as both:
-                out.sum().backward()
-            kw = dict(tokens=b * length, heads=4, kv_heads=2, head_dim=8, world=world, element_size=4,
-                      max_document_len=6, is_causal=causal, rank=rank, batch=b)  # fmt: skip
-            fwd_n, both_n = sum(fwd.values()), sum(fwd.values()) + sum(both.values())
-            rows.append(
-                (
-                    "halo",
-                    causal,
-                    b,
-                    fwd_n,
-                    bytes_sent("halo", backward=False, **kw),
-                    both_n,
-                    bytes_sent("halo", **kw),
-                )
-            )
+    u = 2 if world >= 4 else 1
+    plans = (
+        ("halo", ContextParallel("halo", max_document_len=6), {}),
+        ("usp", ContextParallel("usp", ulysses_degree=u, across="halo", max_document_len=6),
+         {"ulysses_degree": u, "across": "halo"}),
+    )  # fmt: skip
+    for (strategy, cp, extra), causal, b in itertools.product(plans, (True, False), (1, 2)):
+        length = 8 * world
+        meta = AttentionMetadata.from_lengths([6, 2] * (b * world), max_docs=2 * b * world)
+        q = torch.randn(b, 4, length // world, 8, requires_grad=True)
+        k = torch.randn(b, 2, length // world, 8, requires_grad=True)
+        with count_bytes_sent() as fwd:
+            out = sdpa_to_usp(q, k, k, is_causal=causal, enable_gqa=True, metadata=meta, cp=cp)
+        with count_bytes_sent() as both:
+            out.sum().backward()
+        kw = dict(tokens=b * length, heads=4, kv_heads=2, head_dim=8, world=world, element_size=4,
+                  max_document_len=6, is_causal=causal, rank=rank, batch=b, **extra)  # fmt: skip
+        fwd_n, both_n = sum(fwd.values()), sum(fwd.values()) + sum(both.values())
+        model = (bytes_sent(strategy, backward=False, **kw), bytes_sent(strategy, **kw))
+        rows.append((strategy + "+halo", causal, b, fwd_n, model[0], both_n, model[1]))
     return rows
 
 
@@ -510,5 +531,5 @@ def test_bytes_sent_per_rank_match_the_cost_model(world):
         for strategy, h, g, fwd, fwd_model, both, both_model in rows:
             # usp on 2 ranks is Ulysses of degree 1 (no traffic); halo's last rank has no next rank
             # to send its tail to in a one-row causal stream.
-            assert fwd > 0 or (strategy == "usp" and world == 2) or strategy == "halo", (strategy, h, g)
+            assert fwd > 0 or (strategy == "usp" and world == 2) or "halo" in strategy, (strategy, h, g)
             assert (fwd, both) == (fwd_model, both_model), (strategy, h, g)

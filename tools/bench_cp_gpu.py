@@ -42,7 +42,7 @@ from usp_graph import AttentionMetadata, ContextParallel, sdpa_to_usp  # noqa: E
 from usp_graph.cp import balance_documents, shard_work  # noqa: E402
 from usp_graph.cp.cost import bytes_sent  # noqa: E402
 
-STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo")
+STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo", "usp_halo")
 
 
 def doc_lengths(total: int, mean: float, sigma: float, seed: int) -> list[int]:
@@ -169,11 +169,13 @@ def main() -> int:
             for strategy in args.strategies.split(","):
                 for lb in (None, "zigzag") if causal and not args.no_zigzag else (None,):
                     kw = {"ulysses_degree": 2 if world >= 4 else 1} if strategy == "usp" else {}
-                    if strategy == "halo":  # the longest document of this step bounds the halo
+                    if strategy in ("halo", "usp_halo"):  # the longest document of this step bounds the halo
                         if lb is not None:
                             continue
                         kw = {"max_document_len": max(lens)}
-                    cp = ContextParallel(strategy, load_balance=lb, **kw)
+                        if strategy == "usp_halo":  # Ulysses in pairs, halos across the pairs
+                            kw.update(ulysses_degree=2 if world >= 4 else 1, across="halo")
+                    cp = ContextParallel(strategy.split("_halo")[0], load_balance=lb, **kw)
                     shards = [cp.shard(x, 2).contiguous() for x in (q, kk, v, go)]
                     step = functools.partial(fwd_bwd, shards, causal, meta, cp)
 
@@ -203,7 +205,7 @@ def main() -> int:
                             "extra_gib_single": mem_single,
                             "extra_gib_rank": mem_cp,
                             "bytes_sent_rank": bytes_sent(
-                                strategy,
+                                cp.strategy,
                                 tokens=total,
                                 heads=h,
                                 kv_heads=h,

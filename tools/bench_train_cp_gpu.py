@@ -42,7 +42,7 @@ from usp_graph import AttentionMetadata, ContextParallel  # noqa: E402
 from usp_graph.cp import balance_documents, shard_work  # noqa: E402
 from usp_graph.models import Llama, LlamaConfig, make_llama_batch  # noqa: E402
 
-STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo")
+STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo", "usp_halo")
 
 
 def doc_lengths(total: int, mean: float, seed: int) -> list[int]:
@@ -181,10 +181,12 @@ def main() -> int:
 
     for strategy in args.strategies.split(","):
         kw = {"ulysses_degree": 2 if world >= 4 else 1} if strategy == "usp" else {}
-        if strategy == "halo":
+        if strategy in ("halo", "usp_halo"):
             kw = {"max_document_len": max(lengths)}
+            if strategy == "usp_halo":  # Ulysses in pairs, halos across the pairs
+                kw.update(ulysses_degree=2 if world >= 4 else 1, across="halo")
         try:
-            cp = ContextParallel(strategy, **kw)
+            cp = ContextParallel(strategy.split("_halo")[0], **kw)
             shard = {k: cp.shard(v, 1).contiguous() for k, v in batch.items()}
             labels = shard["labels"]
             compiled = torch.compile(model, backend="usp", options={"cp": cp, "inner": inner})

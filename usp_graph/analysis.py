@@ -177,7 +177,7 @@ def _strategy(g: nx.DiGraph, attn: str) -> str:
             if not any(g.nodes[b]["usp"] in ("varlen_fwd", "ring_attn_fwd") for b in between):
                 near.add(g.nodes[u]["usp"])
     if "all_to_all" in near:
-        return "ulysses"
+        return "usp" if "halo_exchange" in near else "ulysses"
     if "all_gather" in near:
         return "allgather_kv"
     if "halo_exchange" in near:

@@ -29,7 +29,8 @@ class ContextParallel:
 
     strategy: ``"allgather_kv"`` (Q sharded, K/V all-gathered), ``"ulysses"`` (sequence <-> heads
     all-to-all), ``"ring"`` (K/V rotate, LSE merge) or ``"usp"`` (Ulysses inside groups of
-    `ulysses_degree` consecutive ranks, ring across them) or ``"halo"`` (Q and K/V stay sharded;
+    `ulysses_degree` consecutive ranks, ring across them; ``across="halo"`` exchanges halos across
+    them instead, with `max_document_len`) or ``"halo"`` (Q and K/V stay sharded;
     each rank takes from its neighbours only the K/V that documents crossing its shard boundary
     need: at most ``max_document_len - 1`` tokens each way).
     group / mesh: the CP ranks (default: the whole world). For ``"usp"`` a 2-D `mesh` gives the
@@ -55,29 +56,42 @@ class ContextParallel:
         ulysses_degree: int | None = None,
         load_balance: str | None = None,
         max_document_len: int | None = None,
+        across: str | None = None,
         check_metadata: bool = False,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
         if load_balance not in LOAD_BALANCE:
             raise ValueError(f"load_balance must be None or 'zigzag', got {load_balance!r}")
-        if strategy == "halo":
+        if strategy == "usp":
+            if across not in (None, "ring", "halo"):
+                raise ValueError(
+                    f"across must be 'ring' or 'halo' (how usp's Ulysses groups share K/V), got {across!r}"
+                )
+            across = across or "ring"
+        elif across is not None:
+            raise ValueError(f"across is only for strategy 'usp', not {strategy!r}")
+        self.across = across
+        if strategy == "halo" or across == "halo":
+            what = "strategy 'halo'" if strategy == "halo" else "usp with across='halo'"
             if (
                 isinstance(max_document_len, bool)
                 or not isinstance(max_document_len, int)
                 or max_document_len < 1
             ):
                 raise ValueError(
-                    "strategy 'halo' needs max_document_len, a positive int: the longest document a step may "
+                    f"{what} needs max_document_len, a positive int: the longest document a step may "
                     f"hold; got {max_document_len!r}"
                 )
             if load_balance is not None:
                 raise ValueError(
-                    "strategy 'halo' needs contiguous shards (load_balance=None): its halo is the neighbouring "
+                    f"{what} needs contiguous shards (load_balance=None): its halo is the neighbouring "
                     "chunks; packed documents balance causal work without zigzag"
                 )
         elif max_document_len is not None:
-            raise ValueError(f"max_document_len is only for strategy 'halo', not {strategy!r}")
+            raise ValueError(
+                f"max_document_len is only for strategy 'halo' and usp with across='halo', not {strategy!r}"
+            )
         self.max_document_len = max_document_len
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
@@ -154,6 +168,8 @@ class ContextParallel:
 
     def __repr__(self) -> str:
         extra = f", ulysses_degree={self.ulysses_degree}" if self.strategy == "usp" else ""
+        if self.strategy == "usp" and self.across == "halo":
+            extra += f", across='halo', max_document_len={self.max_document_len}"
         if self.strategy == "halo":
             extra = f", max_document_len={self.max_document_len}"
         return (

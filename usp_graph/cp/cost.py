@@ -36,12 +36,14 @@ def bytes_sent(
     is_causal: bool = True,
     rank: int | None = None,
     batch: int = 1,
+    across: str = "ring",
 ) -> int:
     """Bytes one rank sends for one attention call (forward, plus backward when `backward`).
 
     ``"halo"`` needs `max_document_len` and depends on `is_causal`, on the rank (the first and
     last ranks have one neighbour; with `batch` > 1 rows every rank has two) and on `batch`;
-    `rank` None gives the mean over ranks, rounded down."""
+    `rank` None gives the mean over ranks, rounded down. ``"usp"`` with ``across="halo"`` likewise
+    (its halos travel between Ulysses groups, with G/U heads)."""
     p, k, e = world, head_dim, element_size
     tl = tokens // p
     acc = 8 if e == 8 else 4  # ring dK/dV buffers accumulate in fp32 (fp64 for fp64)
@@ -57,6 +59,13 @@ def bytes_sent(
         u = ulysses_degree
         g = _kv_heads_after_split(heads, kv_heads, u)
         uly = passes * (u - 1) * tl * (2 * heads + 2 * g) * k * e // u
+        if across == "halo":
+            if max_document_len is None:
+                raise ValueError("usp with across='halo' needs max_document_len")
+            r = p // u
+            ranks = range(r) if rank is None else [rank // u]
+            per = [_halo(i, r, max_document_len - 1, is_causal, batch, backward) for i in ranks]
+            return uly + sum(per) * 2 * (g // u) * k * e // len(per)
         return uly + _ring(p // u, tl * u, g // u, k, e, acc, backward)
     if strategy == "halo":
         if max_document_len is None:

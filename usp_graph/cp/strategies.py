@@ -151,7 +151,8 @@ def ring(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
 
 
 def usp(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
-    """2-D: Ulysses all-to-all inside groups of `ulysses_degree` ranks, ring across the groups."""
+    """2-D: Ulysses all-to-all inside groups of `ulysses_degree` ranks, ring (or, with
+    ``across="halo"``, halo exchange) across the groups."""
     b, _, ll, _ = q.shape
     u = cp.ulysses_degree
     k, v, q_sizes, kv_sizes = _ulysses_heads(q, k, v, u)
@@ -159,6 +160,16 @@ def usp(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
     q_g = _a2a(q, 1, 2, q_sizes, seq, cp.ulysses_group_name)
     k_g = _a2a(k, 1, 2, kv_sizes, seq, cp.ulysses_group_name)
     v_g = _a2a(v, 1, 2, kv_sizes, seq, cp.ulysses_group_name)
+    if cp.across == "halo":
+        # Contiguous layout: after the all-to-all, member i of the ring dimension holds, per row, the
+        # U consecutive chunks of CP ranks i*U .. i*U+U-1: one chunk of U*Ll tokens of the stream.
+        r, i = cp.ring_size, cp.rank // u
+        out = _halo_attention(
+            q_g, k_g, v_g, chunk_ids=[bb * r + i for bb in range(b)], group=cp.ring_group_name,
+            max_document_len=cp.max_document_len, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+            is_causal=is_causal, scale=scale,
+        )  # fmt: skip
+        return _a2a(out, 2, 1, seq, q_sizes, cp.ulysses_group_name)
     # After the all-to-all, ring member i holds, per row, the chunks of CP ranks i*U .. i*U+U-1.
     n = cp.layout.row_chunks_total
     ids = [
@@ -184,21 +195,18 @@ def usp(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
     return _a2a(unpack(out_T, b), 2, 1, seq, q_sizes, cp.ulysses_group_name)
 
 
-def halo(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
-    """Q stays sharded; each rank takes from its neighbours only the K/V that a document crossing
-    its shard boundary can need: the last ``max_document_len - 1`` tokens of the preceding chunk
-    (and, bidirectional, the first ones of the following chunk). One varlen call per row, keys over
-    that window. ``usp::halo_exchange`` refuses a step whose documents are longer than the halo
-    allows, so a too-long document is an error, never a wrong result."""
+def _halo_attention(q, k, v, *, chunk_ids, group, max_document_len, cu_seqlens, max_seqlen, is_causal, scale):
+    """Varlen attention of q (B, H, Lc, K), whose row b is global chunk `chunk_ids[b]` of length Lc,
+    over K/V windows extended by halos exchanged with the neighbouring chunks' owners in `group`."""
     b, _, ll, _ = q.shape
-    w = cp.max_document_len - 1
+    w = max_document_len - 1
     before, after = w, (0 if is_causal else w)
-    k_w = torch.ops.usp.halo_exchange(k, 2, before, after, max_seqlen, cp.group_name)
-    v_w = torch.ops.usp.halo_exchange(v, 2, before, after, max_seqlen, cp.group_name)
+    k_w = torch.ops.usp.halo_exchange(k, 2, before, after, max_seqlen, group)
+    v_w = torch.ops.usp.halo_exchange(v, 2, before, after, max_seqlen, group)
     q_T, k_T, v_T = pack(q), pack(k_w), pack(v_w)
     span = before + ll + after
     outs = []
-    for i, cid in enumerate(cp.layout.global_chunks(cp.rank, b)):
+    for i, cid in enumerate(chunk_ids):
         start = cid * ll
         window = start - before  # global position of the window's first key (may be < 0)
         # Keys of the window past the stream's ends (zeros) lie outside every document: unused,
@@ -219,3 +227,16 @@ def halo(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
         )
     out_T = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
     return unpack(out_T, b)
+
+
+def halo(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
+    """Q stays sharded; each rank takes from its neighbours only the K/V that a document crossing
+    its shard boundary can need: the last ``max_document_len - 1`` tokens of the preceding chunk
+    (and, bidirectional, the first ones of the following chunk). One varlen call per row, keys over
+    that window. ``usp::halo_exchange`` refuses a step whose documents are longer than the halo
+    allows, so a too-long document is an error, never a wrong result."""
+    return _halo_attention(
+        q, k, v, chunk_ids=cp.layout.global_chunks(cp.rank, q.shape[0]), group=cp.group_name,
+        max_document_len=cp.max_document_len, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        is_causal=is_causal, scale=scale,
+    )  # fmt: skip
