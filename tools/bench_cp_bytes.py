@@ -52,9 +52,19 @@ def main() -> int:
     h, k, dtype = args.heads, args.head_dim, torch.bfloat16
     rows = []
     for g in (int(x) for x in args.kv_heads.split(",")):
-        for strategy in ("allgather_kv", "ulysses", "ring", "usp"):
+        longest = max(meta.lengths())
+        for strategy in ("allgather_kv", "ulysses", "ring", "usp", "halo"):
             u = 2 if (strategy == "usp" and world >= 4) else 1
-            cp = ContextParallel(strategy, **({"ulysses_degree": u} if strategy == "usp" else {}))
+            extra = (
+                {"max_document_len": longest, "is_causal": True, "rank": rank} if strategy == "halo" else {}
+            )
+            if strategy == "halo" and longest > args.tokens // world + 1:
+                rows.append((g, f"halo (a {longest}-token document spans more than two shards)", 0, 0))
+                continue
+            kw = {"ulysses_degree": u} if strategy == "usp" else {}
+            if strategy == "halo":
+                kw = {"max_document_len": longest}
+            cp = ContextParallel(strategy, **kw)
             q = torch.randn(1, h, args.tokens // world, k, dtype=dtype, requires_grad=True)
             kv = torch.randn(1, g, args.tokens // world, k, dtype=dtype, requires_grad=True)
             with count_bytes_sent() as counts:
@@ -69,6 +79,7 @@ def main() -> int:
                 world=world,
                 element_size=2,
                 ulysses_degree=u,
+                **extra,
             )
             rows.append((g, strategy + (f" {world // u}x{u}" if strategy == "usp" else ""), measured, model))
     bound = {
