@@ -170,3 +170,10 @@ def test_every_subcommand_reads_a_torch_compile_dump_dir(tmp_path):
 def test_bad_values_argument_is_a_clear_usage_error(demo_dir):
     r = _cli("inspect", str(demo_dir / "rank0.uspg"), "--values", "T=lots")
     assert r.returncode == 2 and "--values expects NAME=INT" in r.stderr, r.stderr
+
+
+def test_demo_with_the_halo_strategy_replays_bitwise(tmp_path):
+    r = _cli("demo", "--strategy", "halo", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "replay == eager, bitwise" in r.stdout
+    assert "usp.halo_exchange" in r.stdout and "usp.halo_reduce" in r.stdout

@@ -36,10 +36,28 @@ def _lengths(seed: int, docs: int, total: int) -> list[int]:
     return [*lens[:-1], 0, 1, lens[-1]]
 
 
+# Strategy "halo": documents are cut to at most this many tokens (a packer's usual limit), which
+# fits within one rank's 64 traced tokens.
+HALO_DOCUMENT_LEN = 64
+
+
 def _cp(strategy: str):
     from . import ContextParallel
 
+    if strategy == "halo":
+        return ContextParallel("halo", max_document_len=HALO_DOCUMENT_LEN)
     return ContextParallel(strategy, **({"ulysses_degree": 2} if strategy == "usp" else {}))
+
+
+def _cut(lengths: list[int], longest: int) -> list[int]:
+    """Documents longer than `longest` cut into pieces of at most `longest` tokens."""
+    out: list[int] = []
+    for n in lengths:
+        while n > longest:
+            out.append(longest)
+            n -= longest
+        out.append(n)
+    return out
 
 
 def _make_step(cp):
@@ -56,10 +74,11 @@ def _batch(config, lengths: list[int], seed: int, cp, max_docs: int):
     from . import AttentionMetadata
     from .models import make_llama_batch
 
+    if cp.strategy == "halo":
+        lengths = _cut(lengths, HALO_DOCUMENT_LEN)
     batch = make_llama_batch(config, lengths, generator=torch.Generator().manual_seed(seed))
-    meta = AttentionMetadata.from_position_ids(
-        batch["position_ids"], max_docs=max_docs, max_seqlen=sum(lengths)
-    )
+    longest = HALO_DOCUMENT_LEN if cp.strategy == "halo" else sum(lengths)
+    meta = AttentionMetadata.from_position_ids(batch["position_ids"], max_docs=max_docs, max_seqlen=longest)
     return {k: cp.shard(v, 1) for k, v in batch.items()}, meta
 
 
