@@ -48,7 +48,7 @@ def _make_cp(strategy: str, world: int, zigzag: bool):
 def _attention_cases(rank: int, world: int, configs: list[tuple]) -> list[dict]:
     """Each config: (strategy, zigzag, causal, dtype name, heads, kv_heads, batch). Out and grads of
     the CP call vs the single-process call on the same global tensors."""
-    from usp_graph import AttentionMetadata, attention_mode, sdpa_to_usp
+    from usp_graph import AttentionMetadata
 
     results = []
     for strategy, zigzag, causal, dtype_name, h, g, b in configs:
@@ -56,29 +56,34 @@ def _attention_cases(rank: int, world: int, configs: list[tuple]) -> list[dict]:
         gen = torch.Generator().manual_seed(_seed(strategy, zigzag, causal, h, g, b))
         length = 8 * world  # divisible by 2P (zigzag)
         meta = AttentionMetadata.from_lengths(_lengths(gen, b * length), max_docs=12)
-        q = torch.randn(b, h, length, 8, generator=gen, dtype=torch.float64).to(dtype)
-        k = torch.randn(b, g, length, 8, generator=gen, dtype=torch.float64).to(dtype)
-        v = torch.randn(b, g, length, 8, generator=gen, dtype=torch.float64).to(dtype)
-        go = torch.randn(b, h, length, 8, generator=gen, dtype=torch.float64).to(dtype)
-        qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-        ref = sdpa_to_usp(qr, kr, vr, is_causal=causal, enable_gqa=True, metadata=meta)
-        ref.backward(go)
-
         cp = _make_cp(strategy, world, zigzag)
-        ql, kl, vl = (cp.shard(x, 2).clone().requires_grad_() for x in (q, k, v))
-        with attention_mode(meta, cp=cp):
-            out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal, enable_gqa=True)
-        out.backward(cp.shard(go, 2))
-        results.append(
-            {
-                "config": (strategy, zigzag, causal, dtype_name, h, g, b),
-                "out": _rel(out, cp.shard(ref, 2)),
-                "dq": _rel(ql.grad, cp.shard(qr.grad, 2)),
-                "dk": _rel(kl.grad, cp.shard(kr.grad, 2)),
-                "dv": _rel(vl.grad, cp.shard(vr.grad, 2)),
-            }
-        )
+        errs = _cp_vs_one_process(cp, meta, gen, b, h, g, length, dtype, causal)
+        results.append({"config": (strategy, zigzag, causal, dtype_name, h, g, b), **errs})
     return results
+
+
+def _cp_vs_one_process(cp, meta, gen, b, h, g, length, dtype, causal) -> dict:
+    """Rel errors of out, dq, dk, dv of one CP attention call (this rank's shards) vs the
+    single-process call on the same global tensors, drawn from `gen`."""
+    from usp_graph import attention_mode, sdpa_to_usp
+
+    q = torch.randn(b, h, length, 8, generator=gen, dtype=torch.float64).to(dtype)
+    k = torch.randn(b, g, length, 8, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(b, g, length, 8, generator=gen, dtype=torch.float64).to(dtype)
+    go = torch.randn(b, h, length, 8, generator=gen, dtype=torch.float64).to(dtype)
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = sdpa_to_usp(qr, kr, vr, is_causal=causal, enable_gqa=True, metadata=meta)
+    ref.backward(go)
+    ql, kl, vl = (cp.shard(x, 2).clone().requires_grad_() for x in (q, k, v))
+    with attention_mode(meta, cp=cp):
+        out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal, enable_gqa=True)
+    out.backward(cp.shard(go, 2))
+    return {
+        "out": _rel(out, cp.shard(ref, 2)),
+        "dq": _rel(ql.grad, cp.shard(qr.grad, 2)),
+        "dk": _rel(kl.grad, cp.shard(kr.grad, 2)),
+        "dv": _rel(vl.grad, cp.shard(vr.grad, 2)),
+    }
 
 
 def _check(results_per_rank, tol_by_dtype):
@@ -142,7 +147,7 @@ def _halo_lengths(gen: torch.Generator, total: int, longest: int) -> list[int]:
 def _halo_cases(rank: int, world: int, configs: list[tuple]) -> list[dict]:
     """Each config: (causal, dtype name, heads, kv_heads, batch, local length, max_document_len,
     Ulysses degree: 0 for strategy 'halo', U for 'usp' with across='halo')."""
-    from usp_graph import AttentionMetadata, ContextParallel, attention_mode, sdpa_to_usp
+    from usp_graph import AttentionMetadata, ContextParallel
 
     results = []
     for causal, dtype_name, h, g, b, ll, longest, u in configs:
@@ -151,31 +156,12 @@ def _halo_cases(rank: int, world: int, configs: list[tuple]) -> list[dict]:
         length = ll * world
         lens = _halo_lengths(gen, b * length, longest)
         meta = AttentionMetadata.from_lengths(lens, max_docs=len(lens) + 2)
-        q = torch.randn(b, h, length, 8, generator=gen, dtype=torch.float64).to(dtype)
-        k = torch.randn(b, g, length, 8, generator=gen, dtype=torch.float64).to(dtype)
-        v = torch.randn(b, g, length, 8, generator=gen, dtype=torch.float64).to(dtype)
-        go = torch.randn(b, h, length, 8, generator=gen, dtype=torch.float64).to(dtype)
-        qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-        ref = sdpa_to_usp(qr, kr, vr, is_causal=causal, enable_gqa=True, metadata=meta)
-        ref.backward(go)
-
         if u:
             cp = ContextParallel("usp", ulysses_degree=u, across="halo", max_document_len=longest)
         else:
             cp = ContextParallel("halo", max_document_len=longest)
-        ql, kl, vl = (cp.shard(x, 2).clone().requires_grad_() for x in (q, k, v))
-        with attention_mode(meta, cp=cp):
-            out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal, enable_gqa=True)
-        out.backward(cp.shard(go, 2))
-        results.append(
-            {
-                "config": (causal, dtype_name, h, g, b, ll, longest, u),
-                "out": _rel(out, cp.shard(ref, 2)),
-                "dq": _rel(ql.grad, cp.shard(qr.grad, 2)),
-                "dk": _rel(kl.grad, cp.shard(kr.grad, 2)),
-                "dv": _rel(vl.grad, cp.shard(vr.grad, 2)),
-            }
-        )
+        errs = _cp_vs_one_process(cp, meta, gen, b, h, g, length, dtype, causal)
+        results.append({"config": (causal, dtype_name, h, g, b, ll, longest, u), **errs})
     return results
 
 

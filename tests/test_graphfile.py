@@ -253,19 +253,27 @@ def test_loaded_graph_rejects_bad_inputs_with_the_traced_graphs_messages(llama_f
             step.replay(*args)
 
 
-def test_recorded_guards_and_ranges_survive_the_file(tmp_path):
-    class Tiny(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+
+def _guarded_graph(path):
+    """A tiny traced step whose trace recorded guards (T even, T >= 4), saved to `path`."""
 
     def step(model, batch):
         x = batch["x"]
         return model.lin(x[:4] if x.shape[0] % 2 == 0 else x).sum()
 
-    model = Tiny()
+    model = _Tiny()
     graph = trace_train_step(model, step, {"x": torch.randn(6, 4)}, AttentionMetadata.from_lengths([6]))
-    save(graph, tmp_path / "g.json")
+    save(graph, path)
+    return model, graph
+
+
+def test_recorded_guards_and_ranges_survive_the_file(tmp_path):
+    model, graph = _guarded_graph(tmp_path / "g.json")
     loaded = load(tmp_path / "g.json")
     params = dict(model.named_parameters())
     loss, _ = loaded.replay(params, {"x": torch.ones(10, 4)}, AttentionMetadata.from_lengths([10]))
@@ -282,18 +290,7 @@ def test_recorded_guards_and_ranges_survive_the_file(tmp_path):
 
 def test_a_recorded_guard_that_cannot_be_evaluated_is_a_clear_error_not_a_sympy_crash(tmp_path):
     # Well-formed and re-fingerprinted, but no tracer writes it: 8 // (T - 10) divides by zero at T=10.
-    class Tiny(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-    def step(model, batch):
-        x = batch["x"]
-        return model.lin(x[:4] if x.shape[0] % 2 == 0 else x).sum()
-
-    model = Tiny()
-    graph = trace_train_step(model, step, {"x": torch.randn(6, 4)}, AttentionMetadata.from_lengths([6]))
-    save(graph, tmp_path / "g.json")
+    model, _ = _guarded_graph(tmp_path / "g.json")
     doc = _doc(tmp_path / "g.json")
     doc["guards"][0][0] = ["Eq", ["FloorDiv", 8, ["Add", "T", -10]], 0]
     _write(doc, tmp_path / "hostile.json")

@@ -366,6 +366,21 @@ def _check_named(what: str, given: Any, specs: tuple[TensorSpec, ...], *, hint: 
     return out
 
 
+def evaluate_recorded(
+    shown: str, where: str, fn: Callable[..., Any], *args: Any, error: type[Exception] = ValueError
+) -> Any:
+    """``fn(*args)`` for a recorded guard or size expression (`shown`, recorded at `where`). One that
+    cannot be evaluated (a division by zero, a comparison sympy cannot decide) never comes from the
+    tracer, only from a damaged or hand-edited graph file: `error` saying so, not a sympy crash."""
+    try:
+        return fn(*args)
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:
+        raise error(
+            f"the graph's recorded expression {shown} ({where}) cannot be evaluated for these inputs "
+            f"({type(e).__name__}: {e}); the graph, or the file it was loaded from, is damaged"
+        ) from None
+
+
 def _check_symbols(
     s: GraphSignature, bindings: dict[str, tuple[int, str]], metadata: AttentionMetadata
 ) -> None:
@@ -385,15 +400,7 @@ def _check_symbols(
         return str(expr.xreplace({sym: sympy.Symbol(n) for sym, n in names.items()}))
 
     def evaluate(expr: sympy.Basic, where: str, fn: Callable[..., Any], *args: Any) -> Any:
-        # A recorded expression that cannot be evaluated (division by zero, an undecidable
-        # comparison) never comes from the tracer: only from a damaged or hand-edited graph file.
-        try:
-            return fn(*args)
-        except (TypeError, ValueError, ArithmeticError, AttributeError) as e:
-            raise ValueError(
-                f"the graph's recorded expression {show(expr)} ({where}) cannot be evaluated for these inputs "
-                f"({type(e).__name__}: {e}); the graph, or the file it was loaded from, is damaged"
-            ) from None
+        return evaluate_recorded(show(expr), where, fn, *args)
 
     for expr, where in s.guards:
         result = evaluate(expr, where, expr.xreplace, subs)

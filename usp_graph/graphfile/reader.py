@@ -21,6 +21,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..trace import evaluate_recorded
 from . import document
 from .allowlist import check_call, resolve_target
 from .errors import GraphFileError, GraphFileSchemaError, GraphFileVersionError, GraphFileVersionWarning
@@ -64,16 +65,7 @@ def _only_keys(d: dict[str, Any], allowed: set[str], where: str) -> None:
 
 
 def _evaluate(expr: Any, where: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """Evaluate a recorded size expression or guard for concrete inputs. One that cannot be
-    evaluated (a division by zero, a comparison sympy cannot decide) was not written by usp_graph's
-    tracer: the file is refused as damaged rather than failing with a sympy error."""
-    try:
-        return fn(*args)
-    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:
-        raise GraphFileSchemaError(
-            f"the graph file's recorded expression {expr} ({where}) cannot be evaluated for these inputs "
-            f"({type(e).__name__}: {e}); the file is damaged or was not written by usp_graph"
-        ) from None
+    return evaluate_recorded(str(expr), where, fn, *args, error=GraphFileSchemaError)
 
 
 @dataclass(eq=False)
