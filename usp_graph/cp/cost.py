@@ -59,33 +59,45 @@ def bytes_sent(
         u = ulysses_degree
         g = _kv_heads_after_split(heads, kv_heads, u)
         uly = passes * (u - 1) * tl * (2 * heads + 2 * g) * k * e // u
-        if across == "halo":
-            if max_document_len is None:
-                raise ValueError("usp with across='halo' needs max_document_len")
-            r = p // u
-            ranks = range(r) if rank is None else [rank // u]
-            per = [_halo(i, r, max_document_len - 1, is_causal, batch, backward) for i in ranks]
-            return uly + sum(per) * 2 * (g // u) * k * e // len(per)
+        if across == "halo":  # halos between the P/U Ulysses groups, G/U heads each
+            member = None if rank is None else rank // u
+            halo = _halo(
+                member, p // u, max_document_len, is_causal, batch, backward, "usp with across='halo'"
+            )
+            return uly + halo * 2 * (g // u) * k * e
         return uly + _ring(p // u, tl * u, g // u, k, e, acc, backward)
     if strategy == "halo":
-        if max_document_len is None:
-            raise ValueError("strategy 'halo' needs max_document_len")
-        ranks = range(p) if rank is None else [rank]
-        per = [_halo(r, p, max_document_len - 1, is_causal, batch, backward) for r in ranks]
-        return sum(per) * 2 * kv_heads * k * e // len(per)  # K and V (dK and dV)
+        halo = _halo(rank, p, max_document_len, is_causal, batch, backward, "strategy 'halo'")
+        return halo * 2 * kv_heads * k * e  # K and V (dK and dV)
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
-def _halo(r: int, p: int, w: int, is_causal: bool, batch: int, backward: bool) -> int:
-    """Tokens (per row, summed over rows) of one tensor rank r sends: its tail to the next rank and,
-    bidirectional, its head to the previous one; backward sends the halo gradients the other way."""
-    after = 0 if is_causal else w
-    has_prev, has_next = (True, True) if batch > 1 else (r > 0, r < p - 1)
+def _halo(
+    rank: int | None,
+    p: int,
+    max_document_len: int | None,
+    is_causal: bool,
+    batch: int,
+    backward: bool,
+    what: str,
+) -> int:
+    """Tokens of one K/V tensor that `rank` of `p` sends (summed over rows; the mean over ranks,
+    rounded down, when `rank` is None): its tail to the next rank and, bidirectional, its head to
+    the previous one; backward sends the halo gradients the other way."""
+    if max_document_len is None:
+        raise ValueError(f"{what} needs max_document_len")
     if p == 1:
         return 0
-    fwd = w * has_next + after * has_prev
-    bwd = w * has_prev + after * has_next
-    return batch * (fwd + (bwd if backward else 0))
+    w = max_document_len - 1
+    after = 0 if is_causal else w
+    ranks = range(p) if rank is None else [rank]
+    total = 0
+    for r in ranks:
+        has_prev, has_next = (True, True) if batch > 1 else (r > 0, r < p - 1)
+        fwd = w * has_next + after * has_prev
+        bwd = w * has_prev + after * has_next
+        total += batch * (fwd + (bwd if backward else 0))
+    return total // len(ranks)
 
 
 def _ring(r: int, tl: int, g: int, k: int, e: int, acc: int, backward: bool) -> int:
