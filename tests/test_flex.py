@@ -68,3 +68,128 @@ def test_bad_arguments_name_the_fix():
         document_block_mask(cu, 4, is_causal=True, block_size=0)
     with pytest.raises(ValueError, match="total_tokens must be a positive int"):
         document_block_mask(cu, 0, is_causal=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# The flex kernel path of usp::varlen_fwd/bwd (usp_graph.ops.flex_kernel). Its compiled form needs
+# CUDA; here the same traced graphs run uncompiled (flex's reference implementation) against the
+# fp64 math path, which checks the block mask, the layouts, the base-2 lse and the backward wiring.
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("total", [256, 300])
+def test_q_blocks_equal_block_masks_transpose(causal, total):
+    from usp_graph.flex import blocks_of_documents
+
+    gen = torch.Generator().manual_seed(total + causal)
+    meta = AttentionMetadata.from_lengths(_lengths(gen, total), max_docs=10)
+    doc = document_ids(meta.cu_seqlens, total)
+    blocks = blocks_of_documents(doc, is_causal=causal, block_size=32, with_q_blocks=True)
+    ref = flex.BlockMask.from_kv_blocks(*blocks[:4], BLOCK_SIZE=32, seq_lengths=(total, total))
+    q_side = (ref.q_num_blocks, ref.q_indices, ref.full_q_num_blocks, ref.full_q_indices)
+    for got, want in zip(blocks[4:], q_side, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("total, heads, groups", [(256, 4, 2), (300, 2, 2)])
+def test_flex_kernel_graphs_equal_math_path(causal, total, heads, groups):
+    from usp_graph.ops import flex_kernel
+    from usp_graph.ops.varlen import _math_bwd, _math_fwd
+
+    gen = torch.Generator().manual_seed(7 * total + heads + causal)
+    meta = AttentionMetadata.from_lengths(_lengths(gen, total), max_docs=10)
+    cu, m = meta.cu_seqlens, meta.max_seqlen
+    q = torch.randn(total, heads, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(total, groups, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    scale = 0.3
+    doc = flex_kernel._doc_ids(cu, total)
+    fwd = flex_kernel.trace(flex_kernel._forward_graph(causal, scale, q.dtype), [q, k, v, doc])
+    out, lse = fwd(q, k, v, doc)
+    ref_out, ref_lse = _math_fwd(q, k, v, cu, cu, m, m, causal, scale)
+    assert out.shape == ref_out.shape and out.is_contiguous()
+    assert (out - ref_out).abs().max() <= 1e-12
+    assert (lse - ref_lse).abs().max() <= 1e-12  # natural log, as the op's contract says
+
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    inputs = [dout, q, k, v, out, lse, doc]
+    bwd = flex_kernel.trace(flex_kernel._backward_graph(causal, scale, q.dtype), inputs)
+    grads = bwd(*inputs)
+    for got, want in zip(
+        grads, _math_bwd(dout, q, k, v, ref_out, ref_lse, cu, cu, m, m, causal, scale), strict=True
+    ):
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-12
+
+
+def test_flex_kernel_build_failure_is_a_build_error(monkeypatch):
+    """A failed trace or compile arrives as BuildError with its cause (the varlen op then runs
+    flash varlen for that shape and warns once), and nothing is cached for the shape."""
+    from usp_graph.ops import flex_kernel
+
+    def broken(fn, inputs):
+        raise RuntimeError("an internal API moved")
+
+    monkeypatch.setattr(flex_kernel, "trace", broken)
+    q = torch.randn(128, 2, 16)
+    cu = torch.tensor([0, 100, 128], dtype=torch.int32)
+    with pytest.raises(flex_kernel.BuildError, match="cannot build the flex fwd kernel") as info:
+        flex_kernel.flex_fwd(q, q, q, cu, True, 0.25)
+    assert "an internal API moved" in str(info.value.__cause__)
+    assert not any(key[1:] == flex_kernel.plan_key(q, q, q, True, 0.25) for key in flex_kernel._plans)
+
+
+def test_kernel_choice_rules():
+    from usp_graph.ops import flex_kernel, varlen
+
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    twin = cu.clone()  # equal values, other memory: not known to be equal without a sync
+    bf = torch.zeros(256, 4, 128, dtype=torch.bfloat16)
+    assert varlen._flex_applies(bf, bf, bf, cu, cu)
+    assert not varlen._flex_applies(bf, bf, bf, cu, twin)
+    assert not varlen._flex_applies(bf[:200], bf[:200], bf[:200], cu, cu)  # not a whole block count
+    assert not varlen._flex_applies(bf.float(), bf.float(), bf.float(), cu, cu)
+    assert not varlen._flex_applies(bf[..., :96], bf[..., :96], bf[..., :96], cu, cu)  # K not a power of 2
+    assert varlen._same_boundaries(bf, bf, cu, cu) and not varlen._same_boundaries(bf, bf, cu, twin)
+
+    with varlen.cuda_kernel("flex"):
+        assert varlen._use_flex(bf, bf, bf, cu, cu, True, 0.1)
+        assert not varlen._use_flex(bf, bf, bf, cu, twin, True, 0.1)
+    with varlen.cuda_kernel("flash"):
+        assert not varlen._use_flex(bf, bf, bf, cu, cu, True, 0.1)
+    assert varlen._cuda_kernel == "auto"
+    # auto: shapes only, never boundary values
+    long = torch.zeros(varlen.FLEX_MIN_TOKENS, 4, 128, dtype=torch.bfloat16)
+    assert varlen._auto_kernel(long, long, True) == ("flex" if varlen.FLEX_IN_AUTO else "flash")
+    assert varlen._auto_kernel(bf, bf, True) == "flash"
+
+    # a shape whose flex build failed runs flash from then on, with one warning
+    key = flex_kernel.plan_key(bf, bf, bf, True, 0.1)
+    try:
+        with pytest.warns(RuntimeWarning, match="flash varlen runs this shape"):
+            varlen._flex_failed(bf, bf, bf, True, 0.1, flex_kernel.BuildError("cannot build"))
+        with varlen.cuda_kernel("flex"):
+            assert not varlen._use_flex(bf, bf, bf, cu, cu, True, 0.1)
+            assert varlen._use_flex(bf, bf, bf, cu, cu, False, 0.1)
+    finally:
+        varlen._flex_broken.discard(key)
+
+
+def test_kernel_setting_is_checked():
+    import subprocess
+    import sys
+
+    from usp_graph.ops import varlen
+
+    with pytest.raises(ValueError, match="cuda_kernel must be one of auto, flash, flex"):
+        with varlen.cuda_kernel("triton"):
+            pass
+    assert varlen._cuda_kernel == "auto"
+    env_bad = subprocess.run(
+        [sys.executable, "-c", "import usp_graph"],
+        env={**__import__("os").environ, "USP_CUDA_ATTENTION": "fast"},
+        capture_output=True,
+        text=True,
+    )
+    assert env_bad.returncode != 0
+    assert "USP_CUDA_ATTENTION must be one of auto, flash, flex, got 'fast'" in env_bad.stderr

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .metadata import AttentionMetadata
 
-__all__ = ["document_ids", "document_block_mask"]
+__all__ = ["document_ids", "document_blocks", "blocks_of_documents", "document_block_mask"]
 
 
 def document_ids(cu_seqlens: Tensor, total_tokens: int) -> Tensor:
@@ -39,6 +39,57 @@ def _sorted_blocks(keep: Tensor) -> tuple[Tensor, Tensor]:
     counts = keep.sum(-1, dtype=torch.int32)
     order = torch.argsort(keep.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
     return counts[None, None], order[None, None]
+
+
+def document_blocks(
+    cu_seqlens: Tensor, total_tokens: int, *, is_causal: bool, block_size: int = 128
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The block structure of attention within documents: ``(doc_T, kv_num, kv_idx, full_num,
+    full_idx)`` in `BlockMask.from_kv_blocks`' layout (partial blocks, then full blocks), from
+    `cu_seqlens` alone, in tensor ops on its device (traceable: shapes depend on `total_tokens`
+    and `block_size` only)."""
+    doc = document_ids(cu_seqlens, total_tokens)
+    return (doc, *blocks_of_documents(doc, is_causal=is_causal, block_size=block_size))
+
+
+def _block_matrices(doc: Tensor, is_causal: bool, block_size: int) -> tuple[Tensor, Tensor]:
+    """(partial, full): ``(Nb, Nb)`` bool, query block x key block."""
+    total = doc.shape[0]
+    nb = -(-total // block_size)
+    starts = torch.arange(nb, device=doc.device) * block_size
+    ends = (starts + block_size).clamp(max=total) - 1
+    first, last = doc[starts], doc[ends]
+    overlap = (first[:, None] <= last[None, :]) & (first[None, :] <= last[:, None])
+    single = first == last
+    # A block cut short by the end of the row is never "full": flex masks its missing tokens.
+    whole = (ends - starts + 1) == block_size
+    same = (
+        single[:, None]
+        & single[None, :]
+        & (first[:, None] == first[None, :])
+        & whole[:, None]
+        & whole[None, :]
+    )
+    if is_causal:
+        idx = torch.arange(nb, device=doc.device)
+        overlap &= idx[None, :] <= idx[:, None]
+        full = same & (idx[None, :] < idx[:, None])
+    else:
+        full = same
+    return overlap & ~full, full
+
+
+def blocks_of_documents(
+    doc: Tensor, *, is_causal: bool, block_size: int = 128, with_q_blocks: bool = False
+) -> tuple[Tensor, ...]:
+    """``(kv_num, kv_idx, full_num, full_idx)`` of `document_blocks` from the document slot of
+    every token (`document_ids`); `with_q_blocks` appends the same four for the transposed
+    (key block x query block) structure, the layout `BlockMask` keeps for the backward."""
+    partial, full = _block_matrices(doc, is_causal, block_size)
+    out = (*_sorted_blocks(partial), *_sorted_blocks(full))
+    if with_q_blocks:
+        out += (*_sorted_blocks(partial.transpose(0, 1)), *_sorted_blocks(full.transpose(0, 1)))
+    return out
 
 
 def document_block_mask(
@@ -68,32 +119,9 @@ def document_block_mask(
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:
         raise ValueError(f"total_tokens must be a positive int, got {total!r}")
-    doc = document_ids(cu, total)
-    nb = -(-total // block_size)
-    starts = torch.arange(nb, device=cu.device) * block_size
-    ends = (starts + block_size).clamp(max=total) - 1
-    first, last = doc[starts], doc[ends]
-    overlap = (first[:, None] <= last[None, :]) & (first[None, :] <= last[:, None])
-    single = first == last
-    # A block cut short by the end of the row is never "full": flex masks its missing tokens.
-    whole = (ends - starts + 1) == block_size
-    same = (
-        single[:, None]
-        & single[None, :]
-        & (first[:, None] == first[None, :])
-        & whole[:, None]
-        & whole[None, :]
+    doc, kv_num, kv_idx, full_num, full_idx = document_blocks(
+        cu, total, is_causal=is_causal, block_size=block_size
     )
-    if is_causal:
-        idx = torch.arange(nb, device=cu.device)
-        overlap &= idx[None, :] <= idx[:, None]
-        full = same & (idx[None, :] < idx[:, None])
-    else:
-        full = same
-    partial = overlap & ~full
-    kv_num, kv_idx = _sorted_blocks(partial)
-    full_num, full_idx = _sorted_blocks(full)
-
     if is_causal:
 
         def mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:

@@ -198,7 +198,8 @@ def sdpa_to_usp(
             )
         # arange(b + 1) * L, not arange(0, b*L + 1, L): a zero-length sequence is valid (step 0 is not).
         cu_q = torch.arange(b + 1, dtype=torch.int32, device=device) * seq_q
-        cu_k = torch.arange(b + 1, dtype=torch.int32, device=device) * seq_k
+        # Self-attention shares one boundary tensor (a kernel may then treat queries and keys alike).
+        cu_k = cu_q if seq_k == seq_q else torch.arange(b + 1, dtype=torch.int32, device=device) * seq_k
         max_q, max_k = seq_q, seq_k
     else:
         cu_q = cu_k = metadata.cu_seqlens

@@ -18,20 +18,31 @@ Kernels:
 - CPU: per document over ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward op),
   which was bitwise deterministic across runs and thread counts; GQA is native to it.
 - CUDA: ``aten._flash_attention_forward/backward`` in their varlen form (the kernel behind
-  ``torch.nn.attention.varlen.varlen_attn``; GQA native) for fp16/bf16; other dtypes and head dims
-  use a per-document math path in fp32 (fp64 for fp64).
+  ``torch.nn.attention.varlen.varlen_attn``; GQA native) for fp16/bf16; or flex_attention with a
+  document block mask (`flex_kernel`; deterministic backward, 4-19% faster for forward+backward at
+  16K-128K tokens on the H200) for self-attention: queries and keys share one ``cu_seqlens``
+  tensor and T is a multiple of 128. `cuda_kernel("flash" | "flex" | "auto")` or
+  ``USP_CUDA_ATTENTION`` picks; "auto" (the default) follows `_auto_kernel`. The choice depends on
+  shapes, dtype and settings only, never on boundary values, so a step runs the same kernels
+  wherever it runs. Other dtypes and head dims use a per-document math path in fp32 (fp64 for
+  fp64).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from .. import registry
+from . import flex_kernel
 
-__all__ = ["varlen_fwd", "varlen_bwd", "varlen_attn"]
+__all__ = ["varlen_fwd", "varlen_bwd", "varlen_attn", "cuda_kernel", "CUDA_KERNELS"]
 
 _aten = torch.ops.aten
 
@@ -204,9 +215,102 @@ def _flash_ok(q: Tensor, v: Tensor) -> bool:
     )
 
 
+CUDA_KERNELS = ("auto", "flash", "flex")
+_ENV = "USP_CUDA_ATTENTION"
+
+
+def _kernel_setting(value: str, where: str) -> str:
+    if value not in CUDA_KERNELS:
+        raise ValueError(f"{where} must be one of {', '.join(CUDA_KERNELS)}, got {value!r}")
+    return value
+
+
+_cuda_kernel = _kernel_setting(os.environ.get(_ENV, "auto"), _ENV)
+
+
+@contextlib.contextmanager
+def cuda_kernel(name: str) -> Iterator[None]:
+    """Run CUDA varlen attention with kernel `name` inside the block: ``"flash"`` (flash varlen),
+    ``"flex"`` (flex_attention with a document block mask, where it applies: self-attention in
+    fp16/bf16; flash elsewhere) or ``"auto"`` (the measured per-shape choice; the default). The
+    process-wide default comes from ``USP_CUDA_ATTENTION``. Outputs agree within rounding across
+    kernels; pick one for a run whose bits must match another run's."""
+    global _cuda_kernel
+    before, _cuda_kernel = _cuda_kernel, _kernel_setting(name, "cuda_kernel")
+    try:
+        yield
+    finally:
+        _cuda_kernel = before
+
+
+def _same_boundaries(q: Tensor, k: Tensor, cu_q: Tensor, cu_k: Tensor) -> bool:
+    """Self-attention: queries and keys share one boundary tensor (the same memory, so the same
+    values, known without a sync) and one token count; cu_q runs 0..T, so every key is in use."""
+    return q.shape[0] == k.shape[0] and cu_q.shape == cu_k.shape and cu_q.data_ptr() == cu_k.data_ptr()
+
+
+def _flex_applies(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -> bool:
+    """Self-attention flex can run: shared boundaries, fp16/bf16, K == Kv a power of 2, and a
+    token count that is a whole number of flex blocks (a ragged last block is not taken)."""
+    d = q.shape[-1]
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and d == v.shape[-1]
+        and 16 <= d <= 256
+        and d & (d - 1) == 0
+        and q.shape[0] > 0
+        and q.shape[0] % flex_kernel.BLOCK_SIZE == 0
+        and _same_boundaries(q, k, cu_q, cu_k)
+    )
+
+
+# Where flex measured faster than flash varlen for forward+backward: every shape of this range
+# (tools/bench_varlen_gpu.py on the H200, BENCHMARKS.md). "auto" takes it there only once
+# FLEX_IN_AUTO is on: off until a compiled train step with the flex kernel has passed on the GPU
+# (its backward build hung inside the autograd engine in the first try; fixed, not yet re-run).
+FLEX_MIN_TOKENS = 16384
+FLEX_HEAD_DIMS = (128,)
+FLEX_IN_AUTO = False
+
+
+def _auto_kernel(q: Tensor, k: Tensor, is_causal: bool) -> str:
+    """The kernel measured fastest for this shape, among those that apply."""
+    if FLEX_IN_AUTO and q.shape[0] >= FLEX_MIN_TOKENS and q.shape[-1] in FLEX_HEAD_DIMS:
+        return "flex"
+    return "flash"
+
+
+# Shapes whose flex graphs failed to build: flash varlen runs them (warned once per shape).
+_flex_broken: set[tuple[object, ...]] = set()
+
+
+def _use_flex(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, is_causal: bool, scale: float
+) -> bool:
+    if _cuda_kernel == "flash" or not _flex_applies(q, k, v, cu_q, cu_k):
+        return False
+    if flex_kernel.plan_key(q, k, v, is_causal, scale) in _flex_broken:
+        return False
+    return _cuda_kernel == "flex" or _auto_kernel(q, k, is_causal) == "flex"
+
+
+def _flex_failed(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, exc: Exception) -> None:
+    _flex_broken.add(flex_kernel.plan_key(q, k, v, is_causal, scale))
+    warnings.warn(
+        f"usp_graph: {exc} ({exc.__cause__!r}); flash varlen runs this shape instead",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def _cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
     if not _flash_ok(q, v):
         return _math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale)
+    if _use_flex(q, k, v, cu_q, cu_k, is_causal, scale):
+        try:
+            return flex_kernel.flex_fwd(q, k, v, cu_q, is_causal, scale)
+        except flex_kernel.BuildError as exc:
+            _flex_failed(q, k, v, is_causal, scale, exc)
     out, lse, *_ = _aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False, scale=scale
     )
@@ -217,6 +321,11 @@ def _cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
 def _cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale):
     if not _flash_ok(q, v):
         return _math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale)
+    if _use_flex(q, k, v, cu_q, cu_k, is_causal, scale):
+        try:
+            return flex_kernel.flex_bwd(dout, q, k, v, out, lse, cu_q, is_causal, scale)
+        except flex_kernel.BuildError as exc:
+            _flex_failed(q, k, v, is_causal, scale, exc)
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout is always 0
     unused = torch.empty(0, device=q.device)
     dq, dk, dv = _aten._flash_attention_backward(
@@ -236,6 +345,8 @@ def _cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scal
         unused,
         scale=scale,
     )
+    if _same_boundaries(q, k, cu_q, cu_k):
+        return dq, dk, dv  # self-attention: every key lies in a document
     # Keys outside every document (before cu_k[0], after cu_k[-1]) are never attended; the kernel
     # leaves their gradient unwritten, the contract says zero. No host sync: a mask on the device.
     pos = torch.arange(k.shape[0], device=k.device)
