@@ -4,7 +4,9 @@
 Every implementation is first checked against an fp32 reference (per-document SDPA, math
 backend) on a small check shape with the same document distribution, then timed on each shape:
 
-  usp           usp_graph.varlen_attn (this repo's public wrapper)
+  usp           usp_graph.varlen_attn (this repo's public wrapper; its per-shape kernel choice)
+  usp_flash     the same, flash varlen forced (usp_graph.ops.varlen.cuda_kernel("flash"))
+  usp_flex      the same, flex_attention with a document block mask forced ("flex")
   torch_varlen  torch.nn.attention.varlen.varlen_attn (flash varlen)
   flex          torch.compile(flex_attention) with a document BlockMask
   padded_sdpa   documents padded to the longest one, F.scaled_dot_product_attention; pack and
@@ -28,6 +30,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import inspect
@@ -58,7 +61,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-IMPLS = ("usp", "torch_varlen", "flex", "padded_sdpa")
+IMPLS = ("usp", "usp_flash", "usp_flex", "torch_varlen", "flex", "padded_sdpa")
 BASELINE = "torch_varlen"
 TOLERANCE = 2e-2  # bf16 relative error bound, ||x - ref|| / ||ref||
 FLOP_CONVENTION = (
@@ -175,7 +178,7 @@ def make_inputs(
 # Implementations: each builder returns (attention function on packed THK tensors, note)
 
 
-def build_usp(docs: Docs, causal: bool, device: torch.device) -> tuple[AttnFn, str]:
+def build_usp(docs: Docs, causal: bool, device: torch.device, kernel: str = "auto") -> tuple[AttnFn, str]:
     import usp_graph  # the package under test; may not exist yet, which reports FAIL
 
     varlen_attn = usp_graph.varlen_attn
@@ -185,7 +188,16 @@ def build_usp(docs: Docs, causal: bool, device: torch.device) -> tuple[AttnFn, s
         out = varlen_attn(q_THK, k_THK, v_THK, cu_N1, cu_N1, max_len, max_len, is_causal=causal)
         return out[0] if isinstance(out, tuple) else out
 
-    return run, ""
+    return run, "" if kernel == "auto" else f"kernel {kernel}"
+
+
+def kernel_scope(impl: str) -> contextlib.AbstractContextManager[None]:
+    """usp's CUDA kernel setting for `impl`, held over forward and backward alike."""
+    if not impl.startswith("usp"):
+        return contextlib.nullcontext()
+    from usp_graph.ops.varlen import cuda_kernel
+
+    return cuda_kernel(impl.partition("_")[2] or "auto")
 
 
 def build_torch_varlen(docs: Docs, causal: bool, device: torch.device) -> tuple[AttnFn, str]:
@@ -282,6 +294,8 @@ def build_padded_sdpa(docs: Docs, causal: bool, device: torch.device) -> tuple[A
 
 BUILDERS: dict[str, Callable[[Docs, bool, torch.device], tuple[AttnFn, str]]] = {
     "usp": build_usp,
+    "usp_flash": lambda docs, causal, device: build_usp(docs, causal, device, "flash"),
+    "usp_flex": lambda docs, causal, device: build_usp(docs, causal, device, "flex"),
     "torch_varlen": build_torch_varlen,
     "flex": build_flex,
     "padded_sdpa": build_padded_sdpa,
@@ -466,7 +480,8 @@ def run_checks(
     for impl in impls:
         try:
             fn, _ = BUILDERS[impl](docs, causal, device)
-            ok, errs = check_impl(fn, inputs, ref)
+            with kernel_scope(impl):
+                ok, errs = check_impl(fn, inputs, ref)
             status = "PASS" if ok else "FAIL"
             shown = " ".join(f"{k}={v:.2e}" for k, v in errs.items())
             log(f"  {impl}: {status} rel err {shown} (< {TOLERANCE:g})")
@@ -538,8 +553,9 @@ def bench_shape(
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
-            t_fb = time_ms(fwd_bwd, device, warmup=args.warmup, reps=args.reps)
-            t_f = time_ms(fwd, device, warmup=args.warmup, reps=args.reps)
+            with kernel_scope(impl):
+                t_fb = time_ms(fwd_bwd, device, warmup=args.warmup, reps=args.reps)
+                t_f = time_ms(fwd, device, warmup=args.warmup, reps=args.reps)
             if device.type == "cuda":
                 peak = torch.cuda.max_memory_allocated(device)
                 res.peak_mem_gib = peak / 2**30

@@ -6,8 +6,10 @@ Run on a CUDA machine from the repo root:
     PYTHONUNBUFFERED=1 python tools/check_varlen_gpu.py [--json OUT.json]
 Exits non-zero when any case fails. Cases: bf16/fp16 (flash kernel) and fp32 (math path),
 causal and bidirectional, GQA, unequal query/key lengths (bottom-right causal), empty and
-length-1 documents, rows that see no key, the lse gradient, determinism, keys outside every
-document (a padded key window: zero gradient), and a Llama-style model under attention_mode.
+length-1 documents, rows that see no key, the lse gradient, determinism (forward always; backward
+where the flex kernel runs), keys outside every document (a padded key window: zero gradient), and
+a Llama-style model under attention_mode. `--kernel flex` runs self-attention cases whose token
+count is a multiple of 128 on the flex kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import usp_graph  # noqa: E402
 from usp_graph import AttentionMetadata, varlen_attn  # noqa: E402
+from usp_graph.ops.varlen import CUDA_KERNELS, cuda_kernel  # noqa: E402
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 
@@ -58,6 +61,20 @@ def rel(x, ref):
     return (x - ref).norm().item() / (d if d > 0 else 1.0)
 
 
+# The --kernel setting of this run. The flex kernel's backward is bitwise repeatable and that is
+# required of it; flash varlen's backward accumulates dq with atomics (repeat reported, not required).
+KERNEL = "auto"
+
+
+def _flex_runs(lens_q, lens_k, dtype) -> bool:
+    return (
+        KERNEL == "flex"
+        and lens_q is lens_k
+        and sum(lens_q) % 128 == 0
+        and dtype in (torch.bfloat16, torch.float16)
+    )
+
+
 def check_case(name, dtype, lens_q, lens_k, h, g, dim, is_causal, gen, results):
     dev = "cuda"
     mq = AttentionMetadata.from_lengths(lens_q, max_docs=len(lens_q) + 3, device=dev)
@@ -67,7 +84,9 @@ def check_case(name, dtype, lens_q, lens_k, h, g, dim, is_causal, gen, results):
     k = torch.randn(tk, g, dim, generator=gen, device=dev).to(dtype).requires_grad_()
     v = torch.randn(tk, g, dim, generator=gen, device=dev).to(dtype).requires_grad_()
     scale = dim**-0.5
-    args = (mq.cu_seqlens, mk.cu_seqlens, mq.max_seqlen, mk.max_seqlen)
+    # Self-attention passes one boundary tensor twice, as sdpa_to_usp does (the flex kernel needs it).
+    cu_k = mq.cu_seqlens if lens_q is lens_k else mk.cu_seqlens
+    args = (mq.cu_seqlens, cu_k, mq.max_seqlen, mk.max_seqlen)
     out, lse = varlen_attn(q, k, v, *args, is_causal=is_causal, enable_gqa=True, return_lse=True)
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     ref_out, ref_lse = reference(q64, k64, v64, mq.cu_seqlens, mk.cu_seqlens, is_causal, scale)
@@ -90,18 +109,22 @@ def check_case(name, dtype, lens_q, lens_k, h, g, dim, is_causal, gen, results):
     # determinism: same inputs twice -> bitwise
     out2, lse2 = varlen_attn(q, k, v, *args, is_causal=is_causal, enable_gqa=True, return_lse=True)
     errs["fwd_bitwise_repeat"] = bool(torch.equal(out, out2) and torch.equal(lse, lse2))
+    loss2 = (out2.double() * go).sum() + (lse2.double().masked_fill(~finite, 0) * gl).sum()
+    grads2 = torch.autograd.grad(loss2, (q, k, v))
+    errs["bwd_bitwise_repeat"] = all(torch.equal(a, b) for a, b in zip(grads, grads2, strict=True))
     tol = TOL[dtype]
     ok = (
         all(errs[x] <= tol for x in ("out", "lse", "dq", "dk", "dv"))
         and errs["lse_inf_rows_match"]
         and errs["fwd_bitwise_repeat"]
+        and (errs["bwd_bitwise_repeat"] or not _flex_runs(lens_q, lens_k, dtype))
         and bool(out.isfinite().all())
     )
     results.append({"case": name, "dtype": str(dtype), "ok": ok, "tol": tol, **errs})
     print(
         f"{'PASS' if ok else 'FAIL'} {name:42s} {str(dtype):15s} out {errs['out']:.1e} lse {errs['lse']:.1e} "
         f"dq {errs['dq']:.1e} dk {errs['dk']:.1e} dv {errs['dv']:.1e} inf-rows {errs['lse_inf_rows_match']} "
-        f"bitwise {errs['fwd_bitwise_repeat']}"
+        f"bitwise fwd {errs['fwd_bitwise_repeat']} bwd {errs['bwd_bitwise_repeat']}"
     )
     return ok
 
@@ -179,13 +202,30 @@ def check_model(gen, results):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--kernel",
+        choices=CUDA_KERNELS,
+        default="auto",
+        help="CUDA kernel for self-attention cases (usp_graph.ops.varlen.cuda_kernel); default auto",
+    )
+    ap.add_argument(
+        "--dtypes", default="bfloat16,float16,float32", help="comma list of dtypes for the kernel cases"
+    )
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    global KERNEL
+    KERNEL = args.kernel
+    with cuda_kernel(args.kernel):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, kernel {args.kernel}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     results: list[dict] = []
     lens = [300, 0, 1, 1000, 37, 1, 512, 2048]
+    lens128 = [300, 0, 1, 1000, 37, 1, 512, 2245]
     ok = True
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         for causal in (False, True):
             tag = "causal" if causal else "bidir"
             ok &= check_case(
@@ -193,6 +233,31 @@ def main() -> int:
             )
             ok &= check_case(
                 f"equal q/k, GQA 8/2 K=64 {tag}", dtype, lens, lens, 8, 2, 64, causal, gen, results
+            )
+            # T a multiple of 128: the flex kernel runs these under --kernel flex
+            ok &= check_case(
+                f"equal q/k T=4096, MHA H=8 K=128 {tag}",
+                dtype,
+                lens128,
+                lens128,
+                8,
+                8,
+                128,
+                causal,
+                gen,
+                results,
+            )
+            ok &= check_case(
+                f"equal q/k T=4096, GQA 8/2 K=64 {tag}",
+                dtype,
+                lens128,
+                lens128,
+                8,
+                2,
+                64,
+                causal,
+                gen,
+                results,
             )
         ok &= check_case(
             "unequal q/k bottom-right causal GQA 4/1",
@@ -212,7 +277,12 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "results": results},
+                {
+                    "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(),
+                    "kernel": args.kernel,
+                    "results": results,
+                },
                 f,
                 indent=1,
             )
