@@ -8,8 +8,8 @@ Exits non-zero when any case fails. Cases: bf16/fp16 (flash kernel) and fp32 (ma
 causal and bidirectional, GQA, unequal query/key lengths (bottom-right causal), empty and
 length-1 documents, rows that see no key, the lse gradient, determinism (forward always; backward
 where the flex kernel runs), keys outside every document (a padded key window: zero gradient), and
-a Llama-style model under attention_mode. `--kernel flex` runs self-attention cases whose token
-count is a multiple of 128 on the flex kernel.
+a Llama-style model under attention_mode and under torch.compile(backend="usp"). `--kernel flex`
+runs self-attention cases whose token count is a multiple of 128 on the flex kernel.
 """
 
 from __future__ import annotations
@@ -199,6 +199,49 @@ def check_model(gen, results):
     return ok
 
 
+def check_compiled_model(results, device="cuda", inner="inductor", timeout_s=240.0):
+    """A Llama-style train step under torch.compile(backend="usp") vs an fp64 masked-SDPA reference.
+
+    Head dim 128 and T = 2048 (a multiple of 128), so under --kernel flex the flex kernel is built
+    from inside the compiled forward and, for the backward, from inside the autograd engine. A hang
+    there dumps every thread's stack and exits instead of running into the caller's time limit."""
+    import faulthandler
+
+    from usp_graph.models import Llama, LlamaConfig, llama_loss, make_llama_batch
+
+    config = LlamaConfig(dim=256, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=512)
+    torch.manual_seed(0)
+    model = Llama(config).to(device=device, dtype=torch.bfloat16)
+    lengths = [700, 0, 1, 1000, 1, 346]
+    batch = make_llama_batch(config, lengths, generator=torch.Generator().manual_seed(1), with_attn_mask=True)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    meta = AttentionMetadata.from_position_ids(batch["position_ids"], max_docs=10, device=device)
+    model_ref = Llama(config).to(device).double()
+    model_ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    ref = llama_loss(model_ref, batch)
+    ref.backward()
+    plain = {k: v for k, v in batch.items() if k != "attn_mask"}
+    compiled = torch.compile(model, backend="usp", options={"inner": inner})
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    try:
+        for _ in range(2):  # the second step runs the built kernels without building
+            model.zero_grad(set_to_none=True)
+            with usp_graph.documents(meta):
+                loss = llama_loss(compiled, plain)
+            loss.backward()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    worst = max(
+        rel(p.grad, pr.grad) for p, pr in zip(model.parameters(), model_ref.parameters(), strict=True)
+    )
+    loss_err = abs(loss.item() - ref.item()) / abs(ref.item())
+    ok = loss_err < 2e-2 and worst < 5e-2
+    name = f"llama bf16 compiled (usp, {inner}) vs fp64 masked SDPA"
+    results.append({"case": name, "ok": ok, "loss_rel": loss_err, "worst_grad_rel": worst})
+    print(f"{'PASS' if ok else 'FAIL'} {name}: loss {loss_err:.1e} worst grad {worst:.1e}")
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
@@ -274,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
     for causal in (False, True):
         ok &= check_padded_keys(torch.bfloat16, causal, gen, results)
     ok &= check_model(gen, results)
+    ok &= check_compiled_model(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
