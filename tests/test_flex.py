@@ -193,3 +193,43 @@ def test_kernel_setting_is_checked():
     )
     assert env_bad.returncode != 0
     assert "USP_CUDA_ATTENTION must be one of auto, flash, flex, got 'fast'" in env_bad.stderr
+
+
+def test_flex_entry_points_end_to_end(monkeypatch):
+    """flex_fwd/flex_bwd end to end (document ids, the build thread, the plan cache, layouts),
+    with compile_fx replaced by the traced graph itself (CPU inductor cannot compile flex with an
+    lse). The backward is called from inside an autograd backward, as the varlen op's rule does;
+    the second round reuses the cached plans."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    from usp_graph.ops import flex_kernel
+    from usp_graph.ops.varlen import _math_bwd, _math_fwd
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", lambda gm, inputs: gm)
+    monkeypatch.setattr(flex_kernel, "_plans", {})
+    gen = torch.Generator().manual_seed(3)
+    total, causal, scale = 256, True, 0.25
+    meta = AttentionMetadata.from_lengths(_lengths(gen, total), max_docs=10)
+    cu, m = meta.cu_seqlens, meta.max_seqlen
+    q, k, v, dout = (torch.randn(total, 2, 16, generator=gen, dtype=torch.float64) for _ in range(4))
+    ref_out, ref_lse = _math_fwd(q, k, v, cu, cu, m, m, causal, scale)
+    ref_grads = _math_bwd(dout, q, k, v, ref_out, ref_lse, cu, cu, m, m, causal, scale)
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            Probe.grads = flex_kernel.flex_bwd(dout, q, k, v, out, lse, cu, causal, scale)
+            return grad
+
+    for _ in range(2):
+        out, lse = flex_kernel.flex_fwd(q, k.requires_grad_(), v, cu, causal, scale)
+        assert (out - ref_out).abs().max() <= 1e-12 and (lse - ref_lse).abs().max() <= 1e-12
+        Probe.apply(torch.zeros(3, requires_grad=True)).sum().backward()
+        for got, want in zip(Probe.grads, ref_grads, strict=True):
+            assert (got - want).abs().max() <= 1e-12
+        k.requires_grad_(False)
+    assert sorted(key[0] for key in flex_kernel._plans) == ["bwd", "fwd"]
