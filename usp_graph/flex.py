@@ -28,9 +28,12 @@ from .metadata import AttentionMetadata
 __all__ = ["document_ids", "document_blocks", "blocks_of_documents", "document_block_mask"]
 
 
-def document_ids(cu_seqlens: Tensor, total_tokens: int) -> Tensor:
-    """The document slot of every packed token, ``(T,)`` int32 (empty documents hold no token)."""
-    pos = torch.arange(total_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+def document_ids(cu_seqlens: Tensor, total_tokens: int, *, positions: Tensor | None = None) -> Tensor:
+    """The document slot of every packed token, ``(T,)`` int32 (empty documents hold no token).
+    `positions`: ``arange(T)`` in `cu_seqlens`' dtype and device, if the caller keeps one."""
+    pos = positions
+    if pos is None:
+        pos = torch.arange(total_tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     return torch.searchsorted(cu_seqlens[1:].contiguous(), pos, right=True).to(torch.int32)
 
 

@@ -221,11 +221,13 @@ def _doc_ids(cu: Tensor, total: int) -> Tensor:
     """`usp_graph.flex.document_ids`, with the position vector cached per (device, T). Computed
     outside the compiled graph: a buffer of the mask function must be a graph input (inductor's
     flex lowering refuses one computed inside the graph)."""
+    from ..flex import document_ids
+
     key = (cu.device, cu.dtype, total)
     pos = _aranges.get(key)
     if pos is None:
         pos = _aranges[key] = torch.arange(total, device=cu.device, dtype=cu.dtype)
-    return torch.searchsorted(cu[1:], pos, right=True).to(torch.int32)
+    return document_ids(cu, total, positions=pos)
 
 
 def flex_fwd(

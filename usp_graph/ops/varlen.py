@@ -273,8 +273,8 @@ FLEX_HEAD_DIMS = (128,)
 FLEX_IN_AUTO = False
 
 
-def _auto_kernel(q: Tensor, k: Tensor, is_causal: bool) -> str:
-    """The kernel measured fastest for this shape, among those that apply."""
+def _auto_kernel(q: Tensor) -> str:
+    """The kernel measured fastest for this shape (token count, head dim), among those that apply."""
     if FLEX_IN_AUTO and q.shape[0] >= FLEX_MIN_TOKENS and q.shape[-1] in FLEX_HEAD_DIMS:
         return "flex"
     return "flash"
@@ -291,13 +291,13 @@ def _use_flex(
         return False
     if flex_kernel.plan_key(q, k, v, is_causal, scale) in _flex_broken:
         return False
-    return _cuda_kernel == "flex" or _auto_kernel(q, k, is_causal) == "flex"
+    return _cuda_kernel == "flex" or _auto_kernel(q) == "flex"
 
 
 def _flex_failed(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, exc: Exception) -> None:
     _flex_broken.add(flex_kernel.plan_key(q, k, v, is_causal, scale))
     warnings.warn(
-        f"usp_graph: {exc} ({exc.__cause__!r}); flash varlen runs this shape instead",
+        f"usp_graph: {exc}; flash varlen runs this shape instead",
         RuntimeWarning,
         stacklevel=3,
     )
