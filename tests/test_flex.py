@@ -160,7 +160,8 @@ def test_kernel_choice_rules():
     assert varlen._cuda_kernel == "auto"
     # auto: shapes only, never boundary values
     long = torch.zeros(varlen.FLEX_MIN_TOKENS, 4, 128, dtype=torch.bfloat16)
-    assert varlen._auto_kernel(long) == ("flex" if varlen.FLEX_IN_AUTO else "flash")
+    assert varlen._auto_kernel(long) == "flex"
+    assert varlen._auto_kernel(long[..., :64]) == "flash"  # head dim outside the measured range
     assert varlen._auto_kernel(bf) == "flash"
 
     # a shape whose flex build failed runs flash from then on, with one warning
