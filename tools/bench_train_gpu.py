@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import usp_graph  # noqa: E402
 from usp_graph import AttentionMetadata  # noqa: E402
 from usp_graph.models import Flux, FluxConfig, Llama, LlamaConfig, make_packed_flux_batch  # noqa: E402
+from usp_graph.ops import flex_kernel, varlen  # noqa: E402
 from usp_graph.ops.varlen import CUDA_KERNELS, cuda_kernel  # noqa: E402
 
 TOLERANCE = 2e-2
@@ -297,6 +298,28 @@ def _under_kernel(step: Callable[[], torch.Tensor], kernel: str) -> Callable[[],
     return run
 
 
+def kernel_calls(step: Callable[[], torch.Tensor]) -> dict[str, int]:
+    """Attention kernel calls of one run of `step`: all CUDA forward/backward calls of usp's varlen
+    op, and those of them that ran the flex kernel (so a table row says which kernel it timed)."""
+    counts = {"fwd": 0, "bwd": 0, "flex_fwd": 0, "flex_bwd": 0}
+    saved = varlen._cuda_fwd, varlen._cuda_bwd, flex_kernel.flex_fwd, flex_kernel.flex_bwd
+
+    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            counts[name] += 1
+            return fn(*args)
+
+        return run
+
+    varlen._cuda_fwd, varlen._cuda_bwd = counted("fwd", saved[0]), counted("bwd", saved[1])
+    flex_kernel.flex_fwd, flex_kernel.flex_bwd = counted("flex_fwd", saved[2]), counted("flex_bwd", saved[3])
+    try:
+        step()
+    finally:
+        varlen._cuda_fwd, varlen._cuda_bwd, flex_kernel.flex_fwd, flex_kernel.flex_bwd = saved
+    return counts
+
+
 # -- timing -----------------------------------------------------------------------------------------
 
 
@@ -394,14 +417,20 @@ def main() -> int:
 
     rows = {}
     for name, step in paths:
-        step()
+        calls: dict[str, int] = {}
+        if name == padded:
+            step()  # warm-up
+        else:
+            calls = kernel_calls(step)  # also the warm-up
+            print(f"{name}: attention calls fwd {calls['fwd']} (flex {calls['flex_fwd']}), "
+                  f"bwd {calls['bwd']} (flex {calls['flex_bwd']})", flush=True)  # fmt: skip
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         ms = timed(step, args.reps, device)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
         loss, compile_s = first[name]
         rows[name] = {"loss": loss, "ms": ms, "compile_s": compile_s, "peak_gib": peak,
-                      "tokens_per_s": setup.useful_tokens / ms * 1e3}  # fmt: skip
+                      "tokens_per_s": setup.useful_tokens / ms * 1e3, "kernel_calls": calls}  # fmt: skip
         print(f"{name}: loss {loss:.5f}, step {ms:.2f} ms, {rows[name]['tokens_per_s']:.0f} tok/s, "
               f"peak {peak:.2f} GiB, first step {compile_s:.1f} s", flush=True)  # fmt: skip
     b = rows[ref_name]
