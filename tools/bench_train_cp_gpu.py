@@ -23,6 +23,7 @@ rank during a step, above what was held before it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -41,6 +42,10 @@ import usp_graph  # noqa: E402
 from usp_graph import AttentionMetadata, ContextParallel  # noqa: E402
 from usp_graph.cp import balance_documents, shard_work  # noqa: E402
 from usp_graph.models import Llama, LlamaConfig, make_llama_batch  # noqa: E402
+from usp_graph.ops.varlen import CUDA_KERNELS, cuda_kernel  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_calls import kernel_calls  # noqa: E402
 
 STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo", "usp_halo")
 
@@ -87,6 +92,10 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
+def calls_text(calls: dict[str, int]) -> str:
+    return f"{calls['flex_fwd']}/{calls['fwd']}, {calls['flex_bwd']}/{calls['bwd']}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=131072, help="global packed tokens per step")
@@ -105,6 +114,8 @@ def main() -> int:
     )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--usp-kernel", choices=CUDA_KERNELS, default="auto",
+                    help="usp's CUDA attention kernel for every step (usp_graph.ops.varlen.cuda_kernel)")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -112,6 +123,8 @@ def main() -> int:
             256, 40, 64, 1, 4, 2, 2,
         )  # fmt: skip
 
+    scope = contextlib.ExitStack()  # the kernel choice holds for the whole run, closed at exit
+    scope.enter_context(cuda_kernel(args.usp_kernel))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     if args.device == "cuda":
@@ -146,7 +159,7 @@ def main() -> int:
     if rank == 0:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
         print(f"# torch {torch.__version__}, {world} x {name}, {dtype}, inner {inner}; Llama dim {args.dim} x "
-              f"{args.layers} layers, H={args.heads}, G={args.kv_heads}; {total} tokens in {len(lengths)} documents "
+              f"{args.layers} layers, H={args.heads}, G={args.kv_heads}, usp kernel {args.usp_kernel}; {total} tokens in {len(lengths)} documents "
               f"(max {max(lengths)})", flush=True)  # fmt: skip
 
     def loss_sum_of(logits, labels):
@@ -167,14 +180,16 @@ def main() -> int:
         return loss
 
     t0 = time.perf_counter()
-    ref_loss = single_step().detach()
+    ref_loss, calls = kernel_calls(single_step)
+    ref_loss = ref_loss.detach()
     compile_single = time.perf_counter() - t0
     ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     ms_single = timed(single_step, args.reps, device, barrier=False)
     gib_single = peak_extra_gib(single_step, device)
     model.zero_grad(set_to_none=True)
     rows = [{"strategy": "1 GPU", "world": 1, "ms": ms_single, "tokens_per_s": total / ms_single * 1e3,
-             "efficiency": 1.0, "peak_extra_gib": gib_single, "compile_s": compile_single}]  # fmt: skip
+             "efficiency": 1.0, "peak_extra_gib": gib_single, "compile_s": compile_single,
+             "kernel_calls": calls}]  # fmt: skip
     if rank == 0:
         print(json.dumps(rows[0]), flush=True)
     torch._dynamo.reset()
@@ -202,7 +217,7 @@ def main() -> int:
                 return loss
 
             t0 = time.perf_counter()
-            loss = cp_step()
+            loss, calls = kernel_calls(cp_step)
             compile_s = time.perf_counter() - t0
             loss_err = rel(cp.global_sum(loss), ref_loss)
             grad_err = max(rel(p.grad, ref_grads[n]) for n, p in model.named_parameters())
@@ -225,6 +240,7 @@ def main() -> int:
                 "efficiency": ms_single / (world * ms),
                 "peak_extra_gib": gib,
                 "compile_s": compile_s,
+                "kernel_calls": calls,
             }
             del compiled
         except Exception as e:  # report and go on with the other strategies
@@ -243,12 +259,13 @@ def main() -> int:
         print(f"\n{total} tokens, {len(lengths)} documents, {world} ranks, balanced order {args.balance}, "
               f"shard balance (mean/max attention work, causal) {balance:.2f}")  # fmt: skip
         print(
-            "| GPUs | strategy | check (loss, worst grad) | step ms | tokens/s | scaling efficiency | peak extra GiB/rank |"
+            "| GPUs | strategy | check (loss, worst grad) | step ms | tokens/s | scaling efficiency | peak extra GiB/rank "
+            "| flex / all attention calls (fwd, bwd) |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             if "error" in r:
-                print(f"| {r['world']} | {r['strategy']} | ERROR {r['error'][:80]} | | | | |")
+                print(f"| {r['world']} | {r['strategy']} | ERROR {r['error'][:80]} | | | | | |")
                 continue
             check = (
                 "-"
@@ -258,7 +275,7 @@ def main() -> int:
                 )
             )
             print(f"| {r['world']} | {r['strategy']} | {check} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} "
-                  f"| {r['efficiency']:.2f} | {r['peak_extra_gib']:.2f} |")  # fmt: skip
+                  f"| {r['efficiency']:.2f} | {r['peak_extra_gib']:.2f} | {calls_text(r['kernel_calls'])} |")  # fmt: skip
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(

@@ -50,8 +50,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import usp_graph  # noqa: E402
 from usp_graph import AttentionMetadata  # noqa: E402
 from usp_graph.models import Flux, FluxConfig, Llama, LlamaConfig, make_packed_flux_batch  # noqa: E402
-from usp_graph.ops import flex_kernel, varlen  # noqa: E402
 from usp_graph.ops.varlen import CUDA_KERNELS, cuda_kernel  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_calls import kernel_calls  # noqa: E402
 
 TOLERANCE = 2e-2
 
@@ -298,28 +300,6 @@ def _under_kernel(step: Callable[[], torch.Tensor], kernel: str) -> Callable[[],
     return run
 
 
-def kernel_calls(step: Callable[[], torch.Tensor]) -> dict[str, int]:
-    """Attention kernel calls of one run of `step`: all CUDA forward/backward calls of usp's varlen
-    op, and those of them that ran the flex kernel (so a table row says which kernel it timed)."""
-    counts = {"fwd": 0, "bwd": 0, "flex_fwd": 0, "flex_bwd": 0}
-    saved = varlen._cuda_fwd, varlen._cuda_bwd, flex_kernel.flex_fwd, flex_kernel.flex_bwd
-
-    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any) -> Any:
-            counts[name] += 1
-            return fn(*args)
-
-        return run
-
-    varlen._cuda_fwd, varlen._cuda_bwd = counted("fwd", saved[0]), counted("bwd", saved[1])
-    flex_kernel.flex_fwd, flex_kernel.flex_bwd = counted("flex_fwd", saved[2]), counted("flex_bwd", saved[3])
-    try:
-        step()
-    finally:
-        varlen._cuda_fwd, varlen._cuda_bwd, flex_kernel.flex_fwd, flex_kernel.flex_bwd = saved
-    return counts
-
-
 # -- timing -----------------------------------------------------------------------------------------
 
 
@@ -421,7 +401,7 @@ def main() -> int:
         if name == padded:
             step()  # warm-up
         else:
-            calls = kernel_calls(step)  # also the warm-up
+            _, calls = kernel_calls(step)  # also the warm-up
             print(f"{name}: attention calls fwd {calls['fwd']} (flex {calls['flex_fwd']}), "
                   f"bwd {calls['bwd']} (flex {calls['flex_bwd']})", flush=True)  # fmt: skip
         if device.type == "cuda":

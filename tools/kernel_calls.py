@@ -1,0 +1,31 @@
+"""Which CUDA attention kernel a step ran: a helper the GPU benchmarks share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from usp_graph.ops import flex_kernel, varlen
+
+
+def kernel_calls(step: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
+    """Run `step` once; return its result and the attention kernel calls it made: all CUDA
+    forward/backward calls of usp's varlen op, and those of them that ran the flex kernel (so a
+    table row says which kernel it timed)."""
+    counts = {"fwd": 0, "bwd": 0, "flex_fwd": 0, "flex_bwd": 0}
+    saved = varlen._cuda_fwd, varlen._cuda_bwd, flex_kernel.flex_fwd, flex_kernel.flex_bwd
+
+    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            counts[name] += 1
+            return fn(*args)
+
+        return run
+
+    varlen._cuda_fwd, varlen._cuda_bwd = counted("fwd", saved[0]), counted("bwd", saved[1])
+    flex_kernel.flex_fwd, flex_kernel.flex_bwd = counted("flex_fwd", saved[2]), counted("flex_bwd", saved[3])
+    try:
+        result = step()
+    finally:
+        varlen._cuda_fwd, varlen._cuda_bwd, flex_kernel.flex_fwd, flex_kernel.flex_bwd = saved
+    return result, counts
