@@ -234,3 +234,113 @@ def test_flex_entry_points_end_to_end(monkeypatch):
             assert (got - want).abs().max() <= 1e-12
         k.requires_grad_(False)
     assert sorted(key[0] for key in flex_kernel._plans) == ["bwd", "fwd"]
+
+
+def _first_call_setup(monkeypatch, flex_fwd_result, flex_bwd_result):
+    """`_cuda_fwd`/`_cuda_bwd` run on CPU: flash is the CPU kernel, flex returns what the test
+    gives (a function of flash's own result); calls are counted."""
+    from usp_graph.ops import flex_kernel, varlen
+
+    calls = {"flash_fwd": 0, "flash_bwd": 0, "flex_fwd": 0, "flex_bwd": 0}
+
+    def counted(name, fn):
+        def run(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(varlen, "_flash_fwd", counted("flash_fwd", varlen._cpu_fwd))
+    monkeypatch.setattr(varlen, "_flash_bwd", counted("flash_bwd", varlen._cpu_bwd))
+    monkeypatch.setattr(
+        flex_kernel,
+        "flex_fwd",
+        counted(
+            "flex_fwd",
+            lambda q, k, v, cu, c, s: flex_fwd_result(varlen._cpu_fwd(q, k, v, cu, cu, 256, 256, c, s)),
+        ),
+    )
+    monkeypatch.setattr(
+        flex_kernel,
+        "flex_bwd",
+        counted(
+            "flex_bwd",
+            lambda do, q, k, v, o, lse, cu, c, s: flex_bwd_result(
+                varlen._cpu_bwd(do, q, k, v, o, lse, cu, cu, 256, 256, c, s)
+            ),
+        ),
+    )
+    monkeypatch.setattr(varlen, "_flex_checked", set())
+    monkeypatch.setattr(varlen, "_flex_broken", set())
+    gen = torch.Generator().manual_seed(7)
+    lens = _lengths(gen, 256)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v, dout = (torch.randn(256, 4, 64, generator=gen).bfloat16() for _ in range(4))
+    fwd_args = (q, k, v, cu, cu, max(lens), max(lens), True, 0.125)
+    return varlen, calls, fwd_args, dout
+
+
+def _same(got, ref):
+    return all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
+def test_flex_first_call_agrees_then_runs_unchecked(monkeypatch):
+    # flex's result a little off (bf16 rounding scale): accepted, then no flash call again
+    def nudge(res):
+        return tuple(x * (1 + 2e-3) for x in res)
+
+    varlen, calls, args, dout = _first_call_setup(monkeypatch, nudge, nudge)
+    with varlen.cuda_kernel("flex"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            out, lse = varlen._cuda_fwd(*args)
+            grads = varlen._cuda_bwd(dout, *args[:3], out, lse, *args[3:])
+    flash = varlen._cpu_fwd(*args)
+    assert _same((out, lse), nudge(flash))  # flex's own result, not flash's
+    assert _same(grads, nudge(varlen._cpu_bwd(dout, *args[:3], out, lse, *args[3:])))
+    assert calls == {"flash_fwd": 1, "flash_bwd": 1, "flex_fwd": 2, "flex_bwd": 2}
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        pytest.param(lambda x: x * 1.1, id="scaled"),
+        pytest.param(lambda x: x.index_fill(0, torch.tensor([0]), float("nan")), id="nan-row"),
+        pytest.param(lambda x: x.index_fill(-1, torch.tensor([3]), float("-inf")), id="spurious-inf"),
+    ],
+)
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_flex_first_call_disagrees_falls_back_to_flash(monkeypatch, corrupt, where):
+    def bad(res):
+        return (corrupt(res[0]), *res[1:])
+
+    fine = tuple
+    varlen, calls, args, dout = _first_call_setup(
+        monkeypatch, bad if where == "forward" else fine, bad if where == "backward" else fine
+    )
+    with varlen.cuda_kernel("flex"):
+        with pytest.warns(RuntimeWarning, match=f"flex {where} kernel .* disagrees with flash varlen"):
+            out, lse = varlen._cuda_fwd(*args)
+            grads = varlen._cuda_bwd(dout, *args[:3], out, lse, *args[3:])
+        # what came back is flash's, exactly; the shape runs flash from then on, flex never again
+        assert _same((out, lse), varlen._cpu_fwd(*args))
+        assert _same(grads, varlen._cpu_bwd(dout, *args[:3], out, lse, *args[3:]))
+        seen = dict(calls)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            varlen._cuda_fwd(*args)
+            varlen._cuda_bwd(dout, *args[:3], out, lse, *args[3:])
+    assert calls["flex_fwd"] == seen["flex_fwd"] and calls["flex_bwd"] == seen["flex_bwd"]
+    assert calls["flash_fwd"] == seen["flash_fwd"] + 1 and calls["flash_bwd"] == seen["flash_bwd"] + 1
+
+
+def test_disagreement_compares_infinities_and_scale():
+    from usp_graph.ops.varlen import FLEX_CHECK_TOL, _disagreement
+
+    ref = torch.tensor([1.0, -2.0, float("-inf"), 3.0])
+    assert _disagreement(("x",), (ref.clone(),), (ref,)) is None
+    assert _disagreement(("x",), (ref * (1 + FLEX_CHECK_TOL / 2),), (ref,)) is None
+    assert "x rel err" in _disagreement(("x",), (ref * (1 + 2 * FLEX_CHECK_TOL),), (ref,))
+    assert "inf" in _disagreement(("x",), (torch.tensor([1.0, -2.0, 0.0, 3.0]),), (ref,))
+    assert "inf" in _disagreement(("x",), (torch.tensor([1.0, -2.0, float("inf"), 3.0]),), (ref,))
+    assert _disagreement(("a", "b"), (ref, ref.nan_to_num()), (ref, ref)).startswith("b ")

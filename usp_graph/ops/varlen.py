@@ -24,7 +24,8 @@ Kernels:
   tensor and T is a multiple of 128. `cuda_kernel("flash" | "flex" | "auto")` or
   ``USP_CUDA_ATTENTION`` picks; "auto" (the default) follows `_auto_kernel`. The choice depends on
   shapes, dtype and settings only, never on boundary values, so a step runs the same kernels
-  wherever it runs. Other dtypes and head dims use a per-document math path in fp32 (fp64 for
+  wherever it runs. flex's first forward and first backward per shape are checked against flash
+  varlen on the same inputs; a disagreement warns and moves that shape to flash for good. Other dtypes and head dims use a per-document math path in fp32 (fp64 for
   fp64).
 """
 
@@ -35,6 +36,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -292,23 +294,97 @@ def _use_flex(
     return _cuda_kernel == "flex" or _auto_kernel(q) == "flex"
 
 
-def _flex_failed(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, exc: Exception) -> None:
+def _flex_failed(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, reason: object) -> None:
     _flex_broken.add(flex_kernel.plan_key(q, k, v, is_causal, scale))
     warnings.warn(
-        f"usp_graph: {exc}; flash varlen runs this shape instead",
+        f"usp_graph: {reason}; flash varlen runs this shape instead",
         RuntimeWarning,
         stacklevel=3,
     )
 
 
+# flex's first forward and first backward of each shape are checked against flash varlen on the
+# same inputs (one sync, an extra output's memory, once per shape): a compiled flex kernel that
+# is wrong for a shape (torch 2.11's backward was, for a ragged last block) then costs a warning
+# and flash for that shape, never a wrong gradient, on whatever torch version runs it.
+# bf16/fp16 flex and flash each agree with fp32 to ~3e-3; a broken kernel was off by ~70.
+FLEX_CHECK_TOL = 2e-2
+_flex_checked: set[tuple[object, ...]] = set()
+
+
+def _disagreement(names: tuple[str, ...], got: tuple[Tensor, ...], ref: tuple[Tensor, ...]) -> str | None:
+    """None if every `got` matches its `ref` (the same infinities, finite entries within
+    FLEX_CHECK_TOL relative norm), else what differs."""
+    errs = []
+    for a, b in zip(got, ref, strict=True):
+        a, b = a.float(), b.float()
+        finite = torch.isfinite(b)
+        # NaN anywhere, or an infinity where the other has none or another one: no match
+        other_inf = (torch.isfinite(a) != finite) | (~finite & (a != b))
+        diff = torch.where(finite, a - b, 0).norm() / torch.where(finite, b, 0).norm().clamp_min(1e-30)
+        errs.append(torch.where(other_inf.any(), math.inf, diff))
+    values = torch.stack(errs).tolist()  # the one sync
+    bad = [f"{n} rel err {e:.1e}" for n, e in zip(names, values, strict=True) if not e <= FLEX_CHECK_TOL]
+    return ", ".join(bad) if bad else None
+
+
+def _flex_checked_or_flash(
+    kind: str, names: tuple[str, ...], got: tuple[Tensor, ...], flash: Any, q: Tensor, k: Tensor, v: Tensor,
+    is_causal: bool, scale: float,
+) -> tuple[Tensor, ...]:  # fmt: skip
+    """`got` (flex's result) if this shape's `kind` kernel was checked already or agrees with
+    `flash()` now; otherwise flash's result, with the shape moved to flash from then on."""
+    key = (kind, *flex_kernel.plan_key(q, k, v, is_causal, scale))
+    if key in _flex_checked:
+        return got
+    ref = flash()
+    bad = _disagreement(names, got, ref)
+    if bad is None:
+        _flex_checked.add(key)
+        return got
+    _flex_failed(
+        q, k, v, is_causal, scale, f"the flex {kind} kernel for {key[1:]} disagrees with flash varlen ({bad})"
+    )
+    return ref
+
+
 def _cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
     if not _flash_ok(q, v):
         return _math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale)
+
+    def flash() -> tuple[Tensor, Tensor]:
+        return _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale)
+
     if _use_flex(q, k, v, cu_q, cu_k, is_causal, scale):
         try:
-            return flex_kernel.flex_fwd(q, k, v, cu_q, is_causal, scale)
+            got = flex_kernel.flex_fwd(q, k, v, cu_q, is_causal, scale)
         except flex_kernel.BuildError as exc:
             _flex_failed(q, k, v, is_causal, scale, exc)
+        else:
+            return _flex_checked_or_flash("forward", ("out", "lse"), got, flash, q, k, v, is_causal, scale)
+    return flash()
+
+
+def _cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale):
+    if not _flash_ok(q, v):
+        return _math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale)
+
+    def flash() -> tuple[Tensor, Tensor, Tensor]:
+        return _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale)
+
+    if _use_flex(q, k, v, cu_q, cu_k, is_causal, scale):
+        try:
+            got = flex_kernel.flex_bwd(dout, q, k, v, out, lse, cu_q, is_causal, scale)
+        except flex_kernel.BuildError as exc:
+            _flex_failed(q, k, v, is_causal, scale, exc)
+        else:
+            return _flex_checked_or_flash(
+                "backward", ("dq", "dk", "dv"), got, flash, q, k, v, is_causal, scale
+            )
+    return flash()
+
+
+def _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
     out, lse, *_ = _aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False, scale=scale
     )
@@ -316,14 +392,7 @@ def _cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
     return out, lse.masked_fill(lse == float("inf"), float("-inf"))
 
 
-def _cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale):
-    if not _flash_ok(q, v):
-        return _math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale)
-    if _use_flex(q, k, v, cu_q, cu_k, is_causal, scale):
-        try:
-            return flex_kernel.flex_bwd(dout, q, k, v, out, lse, cu_q, is_causal, scale)
-        except flex_kernel.BuildError as exc:
-            _flex_failed(q, k, v, is_causal, scale, exc)
+def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale):
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout is always 0
     unused = torch.empty(0, device=q.device)
     dq, dk, dv = _aten._flash_attention_backward(
