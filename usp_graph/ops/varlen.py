@@ -25,8 +25,8 @@ Kernels:
   ``USP_CUDA_ATTENTION`` picks; "auto" (the default) follows `_auto_kernel`. The choice depends on
   shapes, dtype and settings only, never on boundary values, so a step runs the same kernels
   wherever it runs. flex's first forward and first backward per shape are checked against flash
-  varlen on the same inputs; a disagreement warns and moves that shape to flash for good. Other dtypes and head dims use a per-document math path in fp32 (fp64 for
-  fp64).
+  varlen on the same inputs; a disagreement warns and moves that shape to flash for good. Other
+  dtypes and head dims use a per-document math path in fp32 (fp64 for fp64).
 """
 
 from __future__ import annotations
