@@ -11,7 +11,6 @@ several builds, `create_block_mask` once (it takes seconds).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -25,14 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from usp_graph import AttentionMetadata  # noqa: E402
 from usp_graph.flex import document_block_mask, document_ids  # noqa: E402
 
-
-def lengths(total: int, mean: float, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    out: list[int] = []
-    while sum(out) < total:
-        n = int(torch.empty(1).log_normal_(math.log(mean) - 0.5, 1.0, generator=gen).clamp(min=1).item())
-        out.append(min(n, total - sum(out)))
-    return out
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from doc_lengths import lognormal_lengths  # noqa: E402
 
 
 def timed(fn, device: torch.device) -> float:
@@ -48,7 +41,7 @@ def timed(fn, device: torch.device) -> float:
 def row(total: int, causal: bool, device: torch.device, reps: int) -> str:
     from torch.nn.attention.flex_attention import create_block_mask
 
-    lens = lengths(total, 2048, total)
+    lens = lognormal_lengths(total, 2048, total)
     meta = AttentionMetadata.from_lengths(lens, device=device)
     doc = document_ids(meta.cu_seqlens, total)
 

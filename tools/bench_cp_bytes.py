@@ -14,7 +14,6 @@ documents that span ranks; `usp_graph.cp.cost.document_lower_bound`). Bytes are 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -27,14 +26,8 @@ from usp_graph import AttentionMetadata, ContextParallel, sdpa_to_usp  # noqa: E
 from usp_graph.cp.cost import bytes_sent, document_lower_bound  # noqa: E402
 from usp_graph.distributed import count_bytes_sent  # noqa: E402
 
-
-def lengths(total: int, mean: float, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    out: list[int] = []
-    while sum(out) < total:
-        n = int(torch.empty(1).log_normal_(math.log(mean) - 0.5, 1.0, generator=gen).clamp(min=1).item())
-        out.append(min(n, total - sum(out)))
-    return out
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from doc_lengths import lognormal_lengths  # noqa: E402
 
 
 def main() -> int:
@@ -48,7 +41,7 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    meta = AttentionMetadata.from_lengths(lengths(args.tokens, args.doc_mean, 0))
+    meta = AttentionMetadata.from_lengths(lognormal_lengths(args.tokens, args.doc_mean, 0))
     h, k, dtype = args.heads, args.head_dim, torch.bfloat16
     rows = []
     for g in (int(x) for x in args.kv_heads.split(",")):

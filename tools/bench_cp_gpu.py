@@ -27,7 +27,6 @@ import argparse
 import datetime
 import functools
 import json
-import math
 import os
 import statistics
 import sys
@@ -42,17 +41,10 @@ from usp_graph import AttentionMetadata, ContextParallel, sdpa_to_usp  # noqa: E
 from usp_graph.cp import balance_documents, shard_work  # noqa: E402
 from usp_graph.cp.cost import bytes_sent  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from doc_lengths import lognormal_lengths  # noqa: E402
+
 STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo", "usp_halo")
-
-
-def doc_lengths(total: int, mean: float, sigma: float, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    mu = math.log(mean) - sigma**2 / 2
-    lens: list[int] = []
-    while sum(lens) < total:
-        n = int(torch.empty(1).log_normal_(mu, sigma, generator=gen).clamp(min=1).item())
-        lens.append(min(n, total - sum(lens)))
-    return lens
 
 
 def useful_flops(lens: list[int], h: int, k: int, causal: bool) -> float:
@@ -146,7 +138,7 @@ def main() -> int:
             f"# CP attention: torch {torch.__version__}, {world} x {name}, {dtype}, H={h} K={k}", flush=True
         )
     for total in [int(x) for x in args.tokens.split(",")]:
-        lens = doc_lengths(total, args.doc_mean, 1.0, seed=total)
+        lens = lognormal_lengths(total, args.doc_mean, total)
         meta = AttentionMetadata.from_lengths(lens, max_docs=len(lens) + 8, device=device)
         for causal in [m == "causal" for m in args.modes.split(",")]:
             if args.balance:  # the same documents, packed so that contiguous shards carry equal work

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import statistics
 import sys
@@ -27,14 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from usp_graph import AttentionMetadata, sdpa_to_usp, varlen_attn  # noqa: E402
 
-
-def lengths(total: int, mean: float) -> list[int]:
-    gen = torch.Generator().manual_seed(0)
-    out: list[int] = []
-    while sum(out) < total:
-        n = int(torch.empty(1).log_normal_(math.log(mean) - 0.5, 1.0, generator=gen).clamp(min=1).item())
-        out.append(min(n, total - sum(out)))
-    return out
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from doc_lengths import lognormal_lengths  # noqa: E402
 
 
 def bare(packed, meta, causal):
@@ -84,7 +77,7 @@ def main() -> int:
     )
     print("|---|---|---|---|---|---|---|")
     for t in tokens:
-        meta = AttentionMetadata.from_lengths(lengths(t, mean), device=device)
+        meta = AttentionMetadata.from_lengths(lognormal_lengths(t, mean, 0), device=device)
         for causal in (True, False):
             x = [torch.randn(1, t, h, k, device=device, dtype=dtype) for _ in range(4)]
             packed = [v[0] for v in x]  # (T, H, K)

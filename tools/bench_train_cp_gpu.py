@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import math
 import os
 import statistics
 import sys
@@ -45,18 +44,10 @@ from usp_graph.models import Llama, LlamaConfig, make_llama_batch  # noqa: E402
 from usp_graph.ops.varlen import CUDA_KERNELS, cuda_kernel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from doc_lengths import lognormal_lengths  # noqa: E402
 from kernel_calls import kernel_calls  # noqa: E402
 
 STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo", "usp_halo")
-
-
-def doc_lengths(total: int, mean: float, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    out: list[int] = []
-    while sum(out) < total:
-        n = int(torch.empty(1).log_normal_(math.log(mean) - 0.5, 1.0, generator=gen).clamp(min=2).item())
-        out.append(min(n, total - sum(out)))
-    return out
 
 
 def sync(device: torch.device) -> None:
@@ -148,7 +139,7 @@ def main() -> int:
     )
     torch.manual_seed(0)
     model = Llama(config).to(device=device, dtype=dtype)
-    lengths = doc_lengths(args.tokens, args.doc_mean, 0)
+    lengths = lognormal_lengths(args.tokens, args.doc_mean, 0, shortest=2)
     if args.balance:  # the same documents, packed so that contiguous shards carry equal work
         lengths = [lengths[i] for i in balance_documents(lengths, world)]
     work = shard_work(lengths, world) if sum(lengths) % world == 0 else [1]

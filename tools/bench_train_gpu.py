@@ -53,6 +53,7 @@ from usp_graph.models import Flux, FluxConfig, Llama, LlamaConfig, make_packed_f
 from usp_graph.ops.varlen import CUDA_KERNELS, cuda_kernel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from doc_lengths import lognormal_lengths  # noqa: E402
 from kernel_calls import kernel_calls  # noqa: E402
 
 TOLERANCE = 2e-2
@@ -70,17 +71,6 @@ class Setup:
 
 
 # -- Llama ------------------------------------------------------------------------------------------
-
-
-def doc_lengths(total: int, mean: float, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    out: list[int] = []
-    while sum(out) < total:
-        n = int(torch.empty(1).log_normal_(math.log(mean) - 0.5, 1.0, generator=gen).clamp(min=2).item())
-        out.append(min(n, total - sum(out)))
-    if out[-1] < 2:
-        out[-2] += out.pop()
-    return out
 
 
 def packed_batch(lengths, vocab, device, gen):
@@ -123,7 +113,7 @@ def llama_setup(args, device: torch.device, dtype: torch.dtype) -> Setup:
     )
     torch.manual_seed(0)
     model = Llama(config).to(device=device, dtype=dtype)
-    lengths = doc_lengths(args.tokens, args.doc_mean, 0)
+    lengths = lognormal_lengths(args.tokens, args.doc_mean, 0, shortest=2)
     gen = torch.Generator().manual_seed(1)
     ids, pos, labels = packed_batch(lengths, config.vocab_size, device, gen)
     meta = AttentionMetadata.from_lengths(lengths, max_docs=len(lengths) + 16, device=device)
