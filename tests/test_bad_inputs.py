@@ -507,13 +507,15 @@ SDPA_CASES: list[Any] = [
     pytest.param(
         lambda s: sdpa_in_mode(s.meta, s.q, s.k, s.v, attn_mask=s.watch(_random_bool_mask())),
         ValueError,
-        r"attn_mask of shape \(2, 1, 4, 4\) is not the block-diagonal mask of the documents of the metadata",
+        r"attn_mask of shape \(2, 1, 4, 4\) is not a causal, bidirectional or sliding-window mask within the "
+        "documents of the metadata",
         id="random_bool_mask",
     ),
     pytest.param(
         lambda s: sdpa_in_mode(None, s.q, s.k, s.v, attn_mask=s.watch(_random_bool_mask())),
         ValueError,
-        r"attn_mask of shape \(2, 1, 4, 4\) is not the block-diagonal mask of one document per batch row",
+        r"attn_mask of shape \(2, 1, 4, 4\) is not a causal, bidirectional or sliding-window mask within its own "
+        "documents",
         id="random_bool_mask_without_metadata",
     ),
     pytest.param(

@@ -195,15 +195,18 @@ def test_sdpa_in_a_joint_graph_is_reported_not_rewritable():
     [
         (
             lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
-            "attn_mask cannot be proven document-diagonal",
+            "attn_mask is not a document mask: the mask depends on the values of input",
         ),
         (
             lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1),
             "dropout inside attention is not supported",
         ),
-        (lambda q, k, v, m: F.scaled_dot_product_attention(q, k[:, :, :5], v[:, :, :5]), "cross-attention"),
+        (
+            lambda q, k, v, m: F.scaled_dot_product_attention(q * 2, torch.cat([q, k], 2), torch.cat([v, v], 2)),
+            "a KV cache is not supported",
+        ),
     ],
-    ids=["float_mask", "dropout", "cross_attention"],
+    ids=["float_mask", "dropout", "longer_self_keys"],
 )
 def test_unrewritable_site_is_reported_and_left_as_sdpa(fn, reason):
     q, k, v = qkv(kv_heads=4)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from . import masks
 from .metadata import AttentionMetadata
 from .ops import varlen
 
@@ -61,60 +62,69 @@ def _document_ids(metadata: AttentionMetadata | None, batch: int, seq: int, devi
     return (torch.searchsorted(cu, tokens, right=True) - 1).reshape(batch, seq)
 
 
-def _mask_is_causal(
+def _read_mask(
     attn_mask: Tensor, metadata: AttentionMetadata | None, batch: int, heads: int, seq_q: int, seq_k: int
-) -> bool:
-    """Whether `attn_mask` is exactly the document-diagonal mask (True -> also causal, False -> not).
+) -> tuple[bool, tuple[int, int] | None, AttentionMetadata | None]:
+    """`(is_causal, window, metadata)` that attend exactly like `attn_mask`, a concrete mask that
+    is a band (causal, bidirectional or a sliding window) inside documents.
 
-    Raises ValueError when the mask is anything else: a varlen kernel cannot express it, and
-    dropping it silently would change the result.
+    With `metadata`, the documents are its documents. Without, they are read off the mask (the
+    finest runs it keeps apart, e.g. the packed sequences transformers finds in position ids), and
+    the metadata returned describes them (None when each row is one document). Raises ValueError
+    for any other mask: a varlen kernel cannot express it, and dropping it would change the result.
     """
     if _is_tracing(attn_mask):
         raise ValueError(
-            "attn_mask cannot be proven document-diagonal while tracing; drop the mask and pass the "
+            "attn_mask cannot be evaluated while tracing outside the usp rewrite; drop the mask and pass the "
             "document boundaries as usp_graph.AttentionMetadata instead"
         )
-    if attn_mask.dtype == torch.bool:
-        keep = attn_mask
-    elif attn_mask.is_floating_point():
-        finite = attn_mask == 0
-        if not bool((finite | (attn_mask == float("-inf"))).all()):
-            raise ValueError(
-                "attn_mask: a float mask is only rewritten when every entry is 0 or -inf (a document mask); "
-                "pass document boundaries as AttentionMetadata instead of an additive bias"
-            )
-        keep = finite
-    else:
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise ValueError(f"attn_mask must be bool or float, got {attn_mask.dtype}")
+    keep = masks.keep_of(attn_mask)
+    if keep is None:
+        raise ValueError(
+            "attn_mask: a float mask is only rewritten when every entry is 0 or -inf (a document mask); "
+            "pass document boundaries as AttentionMetadata instead of an additive bias"
+        )
     if seq_q != seq_k:
         raise ValueError(
             f"attn_mask with query length {seq_q} != key length {seq_k} cannot be rewritten to varlen attention"
         )
-    doc_BL = _document_ids(metadata, batch, seq_q, attn_mask.device)
-    if batch > 1 and seq_q > 0 and bool((doc_BL[1:, 0] == doc_BL[:-1, -1]).any()):
-        raise ValueError(
-            "attn_mask: a document of the metadata spans two batch rows, which a per-row SDPA mask cannot "
-            "express; drop the mask (the metadata alone defines the documents) or split documents at rows"
-        )
-    same_B1LL = (doc_BL.unsqueeze(-1) == doc_BL.unsqueeze(-2)).unsqueeze(1)
-    causal_LL = torch.ones(seq_q, seq_k, dtype=torch.bool, device=attn_mask.device).tril()
     try:
-        keep_B_LL = torch.broadcast_to(keep, (batch, heads, seq_q, seq_k))
+        keep_BHLL = torch.broadcast_to(keep, (batch, heads, seq_q, seq_k))
     except RuntimeError:
         raise ValueError(
             f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, L, L) = "
             f"({batch}, {heads}, {seq_q}, {seq_k})"
         ) from None
-    if torch.equal(keep_B_LL, (same_B1LL & causal_LL).expand_as(keep_B_LL)):
-        return True
-    if torch.equal(keep_B_LL, same_B1LL.expand_as(keep_B_LL)):
-        return False
-    what = "the documents of the metadata" if metadata is not None else "one document per batch row"
-    raise ValueError(
-        f"attn_mask of shape {tuple(attn_mask.shape)} is not the block-diagonal mask of {what} (with or "
-        "without causality); usp_graph rewrites only document masks. Pass the document boundaries as "
-        "usp_graph.AttentionMetadata and no mask"
-    )
+    if heads > 1 and not torch.equal(keep_BHLL, keep_BHLL[:, :1].expand_as(keep_BHLL)):
+        raise ValueError("attn_mask differs between heads; usp_graph rewrites only document masks")
+    keep_BLL = keep_BHLL[:, 0] if heads else keep_BHLL.new_ones(batch, seq_q, seq_k)
+    derived = None
+    if metadata is not None:
+        doc_BL = _document_ids(metadata, batch, seq_q, attn_mask.device)
+        if batch > 1 and seq_q > 0 and bool((doc_BL[1:, 0] == doc_BL[:-1, -1]).any()):
+            raise ValueError(
+                "attn_mask: a document of the metadata spans two batch rows, which a per-row SDPA mask cannot "
+                "express; drop the mask (the metadata alone defines the documents) or split documents at rows"
+            )
+    else:
+        doc_BL = masks.documents_of_mask(keep_BLL)
+        if seq_q > 0 and bool((doc_BL[:, -1] > 0).any()):  # more than one document in some row
+            rows = doc_BL + (doc_BL[:, -1:] + 1).cumsum(0) - (doc_BL[:, -1:] + 1)
+            derived = AttentionMetadata.from_document_ids(rows.reshape(-1), max_seqlen=seq_q)
+    window = masks.band_of(keep_BLL, doc_BL)
+    if window is None:
+        what = "the documents of the metadata" if metadata is not None else "its own documents"
+        raise ValueError(
+            f"attn_mask of shape {tuple(attn_mask.shape)} is not a causal, bidirectional or sliding-window mask "
+            f"within {what}; usp_graph rewrites only document masks. Pass the document boundaries as "
+            "usp_graph.AttentionMetadata and no mask"
+        )
+    left, right = window
+    is_causal = right == 0
+    extra = None if left == masks.UNBOUNDED and right in (masks.UNBOUNDED, 0) else (left, -1 if is_causal else right)
+    return is_causal, extra, derived
 
 
 def sdpa_to_usp(
@@ -129,14 +139,22 @@ def sdpa_to_usp(
     *,
     metadata: AttentionMetadata | None = None,
     cp: ContextParallel | None = None,
+    window: tuple[int, int] | None = None,
+    kv_metadata: AttentionMetadata | None = None,
 ) -> Tensor:
     """One SDPA call as pack -> ``usp::varlen_fwd`` -> unpack, with `metadata`'s document boundaries.
 
     Arguments are SDPA's. `metadata=None` means one document per batch row (exactly SDPA's
     semantics); otherwise the `B * L` tokens of the call, read row-major, are the packed stream the
     metadata describes, and no attention crosses a document boundary. `attn_mask` is accepted only
-    when it is provably that block-diagonal mask (checked in eager; refused while tracing);
-    `dropout_p > 0` is refused.
+    when it is a causal, bidirectional or sliding-window mask inside documents (those of
+    `metadata`, or, without metadata, the ones the mask itself keeps apart; checked in eager);
+    `dropout_p > 0` is refused. `window=(left, right)`: a sliding window inside each document in
+    flash-attention's convention (-1 unbounded).
+
+    Cross-attention: `kv_metadata` describes the documents of the key/value stream (document i
+    of the queries attends document i of the keys); without it, keys share the queries' metadata
+    (self-attention), or, without any metadata, each batch row is one document of both.
 
     With `cp` (a `usp_graph.ContextParallel`), `query/key/value` are this rank's sequence shards
     and `metadata` (or one document per row) describes the GLOBAL packed stream of `B * L * P`
@@ -174,20 +192,43 @@ def sdpa_to_usp(
                 "attn_mask is not supported under context parallelism; pass AttentionMetadata instead"
             )
         world = cp.world
+    if kv_metadata is not None:
+        if not isinstance(kv_metadata, AttentionMetadata):
+            raise TypeError(
+                f"kv_metadata must be a usp_graph.AttentionMetadata or None, got {type(kv_metadata).__name__}"
+            )
+        if metadata is None:
+            raise ValueError("kv_metadata needs metadata for the queries too")
+        if attn_mask is not None:
+            raise ValueError("attn_mask with kv_metadata: the two metadata define the documents; drop the mask")
+        if kv_metadata.cu_seqlens.shape != metadata.cu_seqlens.shape:
+            raise ValueError(
+                f"query metadata has {metadata.cu_seqlens.numel() - 1} document slots but kv_metadata has "
+                f"{kv_metadata.cu_seqlens.numel() - 1}; build both with the same max_docs (document i of the "
+                "queries attends document i of the keys)"
+            )
     if metadata is not None:
-        for name, x, n in (("query", query, b * seq_q * world), ("key", key, b * seq_k * world)):
-            if not (isinstance(n, int) and isinstance(metadata.total_tokens, int)):
+        kv_meta = kv_metadata if kv_metadata is not None else metadata
+        for name, x, n, meta_n in (
+            ("query", query, b * seq_q * world, metadata),
+            ("key", key, b * seq_k * world, kv_meta),
+        ):
+            if not (isinstance(n, int) and isinstance(meta_n.total_tokens, int)):
                 continue  # symbolic sizes: the graph's input checks own this
-            if n != metadata.total_tokens:
+            if n != meta_n.total_tokens:
                 across = f" x {world} CP ranks" if world > 1 else ""
+                which = "kv_metadata" if name == "key" and kv_metadata is not None else "the metadata"
                 raise ValueError(
                     f"SDPA call with {name} of shape {tuple(x.shape)} has {n} tokens (batch * length{across}) but "
-                    f"the metadata describes {metadata.total_tokens}; give metadata for this call's packed tokens"
+                    f"{which} describes {meta_n.total_tokens}; give metadata for this call's packed tokens"
                 )
     if attn_mask is not None:
         if is_causal:
             raise ValueError("attn_mask and is_causal=True were both given; SDPA accepts only one of them")
-        is_causal = _mask_is_causal(attn_mask, metadata, b, h, seq_q, seq_k)
+        is_causal, mask_window, derived = _read_mask(attn_mask, metadata, b, h, seq_q, seq_k)
+        if mask_window is not None:
+            window = mask_window
+        metadata = metadata if metadata is not None else derived
 
     device = q_BHLK.device
     if metadata is None:
@@ -206,6 +247,10 @@ def sdpa_to_usp(
         if cu_q.device != device:
             cu_q = cu_k = cu_q.to(device, non_blocking=True)
         max_q = max_k = metadata.max_seqlen
+        if kv_metadata is not None:
+            cu_k, max_k = kv_metadata.cu_seqlens, kv_metadata.max_seqlen
+            if cu_k.device != device:
+                cu_k = cu_k.to(device, non_blocking=True)
 
     if dim == 0:
         raise ValueError(f"query head dim must be positive, got query of shape {tuple(query.shape)}")
@@ -224,6 +269,7 @@ def sdpa_to_usp(
             max_seqlen=max_q if metadata is not None else seq_q * world,
             is_causal=is_causal,
             scale=float(scale),
+            window=window,
         )
         return out_BHLK.squeeze(1) if query.dim() == 3 else out_BHLK
     out_THK = varlen.varlen_attn(
@@ -237,6 +283,7 @@ def sdpa_to_usp(
         is_causal=is_causal,
         scale=scale,
         enable_gqa=g != h,
+        **({} if window is None else {"window": window}),
     )
     out_BHLK = unpack(out_THK, b)
     return out_BHLK.squeeze(1) if query.dim() == 3 else out_BHLK

@@ -28,6 +28,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .masks import MaskForm, mask_form
+
 __all__ = ["AttentionSite", "find_sites", "source_location", "node_value", "SDPA_FORMS"]
 
 _aten = torch.ops.aten
@@ -103,6 +105,9 @@ class AttentionSite:
     reason: str | None = None
     source: str | None = None
     extra_outputs: tuple[fx.Node, ...] = field(default=(), repr=False)
+    window: tuple[int, int] | None = None
+    mask_form: MaskForm | None = None
+    cross: bool = False
 
     @property
     def name(self) -> str:
@@ -117,6 +122,12 @@ class AttentionSite:
         """One line: name, form, shapes, flags, where it comes from and, if kept, why."""
         shapes = "x".join(str(tuple(s)) for s in (self.q_shape, self.k_shape, self.v_shape) if s is not None)
         flags = f"causal={self.is_causal} gqa={self.enable_gqa} scale={self.scale}"
+        if self.window is not None:
+            flags += f" window={self.window}"
+        if self.mask_form is not None:
+            flags += f" mask={self.mask_form.kind}"
+        if self.cross:
+            flags += " cross"
         where = f" at {self.source}" if self.source else ""
         why = "" if self.rewritable else f" [not rewritten: {self.reason}]"
         return f"{self.name} ({self.form}) {shapes} {flags}{where}{why}"
@@ -198,11 +209,6 @@ def _why_not(site: AttentionSite, bound: dict[str, Any]) -> str | None:
         return f"dropout_p={site.dropout_p}: dropout inside attention is not supported"
     if bound.get("return_debug_mask"):
         return "return_debug_mask=True: the debug mask has no varlen equivalent"
-    if site.attn_mask is not None:
-        return (
-            "attn_mask cannot be proven document-diagonal while tracing; pass document boundaries "
-            "as usp_graph.AttentionMetadata and drop the mask"
-        )
     if site.extra_outputs:
         used = ", ".join(u.name for u in site.extra_outputs)
         return (
@@ -218,11 +224,16 @@ def _why_not(site: AttentionSite, bound: dict[str, Any]) -> str | None:
         return f"query, key, value ranks differ: {site.q_shape}, {site.k_shape}, {site.v_shape}"
     if site.dtype is not None and not site.dtype.is_floating_point:
         return f"query dtype {site.dtype} is not floating point"
-    if not _known_equal(site.q_shape[-2], site.k_shape[-2]):
+    site.cross = is_cross_attention(site.query, site.key)
+    if not site.cross and not _known_equal(site.q_shape[-2], site.k_shape[-2]):
         return (
-            f"query length {site.q_shape[-2]} is not provably the key length {site.k_shape[-2]} "
-            "(cross-attention); document metadata describes one packed stream"
+            f"query length {site.q_shape[-2]} is not provably the key length {site.k_shape[-2]}, and the "
+            "keys come from the query's own inputs (not cross-attention): a KV cache is not supported"
         )
+    if site.attn_mask is not None:
+        why = _mask_why_not(site)
+        if why is not None:
+            return why
     if len(site.q_shape) == 4:
         h, g = site.q_shape[1], site.k_shape[1]
         if not _known_equal(h, g):
@@ -231,6 +242,110 @@ def _why_not(site: AttentionSite, bound: dict[str, Any]) -> str | None:
             if isinstance(h, int) and isinstance(g, int) and (g == 0 or h % g):
                 return f"enable_gqa needs query heads ({h}) divisible by key/value heads ({g})"
     return None
+
+
+def _mask_why_not(site: AttentionSite) -> str | None:
+    """Read the site's mask as a band inside documents (`masks.mask_form`), or say why not."""
+    assert site.q_shape is not None and site.k_shape is not None
+    if site.is_causal:
+        return "attn_mask and is_causal=True were both given"
+    if site.cross:
+        return "attn_mask on cross-attention (e.g. a padding mask of the conditioning); pass kv document metadata instead"
+    if not isinstance(site.attn_mask, fx.Node):
+        return f"attn_mask is the constant {site.attn_mask!r}"
+    b, length = _int(site.q_shape[0]), _int(site.q_shape[-2])
+    if b is None or length is None:
+        return "attn_mask on a call whose batch or length has no example value"
+    form = mask_form(site.attn_mask, batch=b, length=length)
+    if isinstance(form, str):
+        return f"attn_mask is not a document mask: {form}"
+    site.mask_form = form
+    site.is_causal = form.is_causal
+    site.window = form.extra_window
+    return None
+
+
+def _int(x: Any) -> int | None:
+    if isinstance(x, torch.SymInt):
+        hint = x.node.hint
+        return int(hint) if hint is not None else None
+    return int(x)
+
+
+# Ops that move a tensor without mixing its tokens with anything: a key that is one of the graph's
+# inputs through these alone belongs to no stream the graph can see.
+_LAYOUT = {
+    "view", "reshape", "transpose", "permute", "contiguous", "expand", "unsqueeze", "squeeze", "clone",
+    "slice", "getitem", "to", "_to_copy", "flatten", "unflatten", "alias", "t",
+}
+
+
+def _strip_layout(node: Any) -> Any:
+    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method"):
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if isinstance(node.target, torch._ops.OpOverload):
+            name = node.target._opname
+        if name not in _LAYOUT or not node.args or not isinstance(node.args[0], fx.Node):
+            break
+        node = node.args[0]
+    return node
+
+
+def is_weight(node: fx.Node) -> bool:
+    """A placeholder that holds a parameter or buffer (Dynamo's sources, make_fx's input tags)."""
+    tag = node.meta.get("usp_input", {}).get("kind")
+    if tag is not None:
+        return tag in ("param", "buffer")
+    source = getattr(node, "_dynamo_source", None)
+    text = getattr(source, "name", None)
+    text = text() if callable(text) else (text or "")
+    if "._parameters[" in text or "._buffers[" in text:
+        return True
+    return isinstance(node_value(node), torch.nn.Parameter)
+
+
+def stream_inputs(node: fx.Node) -> frozenset[fx.Node]:
+    """The tensor inputs of the graph (not weights, not sizes) that `node` is computed from.
+
+    Through the body of a higher-order op (activation checkpointing) the body's placeholders stand
+    for the outer call's arguments (``meta["usp_outer"]``, set by `find_sites`)."""
+    seen: set[fx.Node] = set()
+    found: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            outer = n.meta.get("usp_outer")
+            if isinstance(outer, fx.Node):
+                stack.append(outer)
+            elif isinstance(node_value(n), torch.Tensor) and not is_weight(n):
+                found.add(n)
+            continue
+        stack.extend(n.all_input_nodes)
+    return frozenset(found)
+
+
+def is_cross_attention(query: Any, key: Any) -> bool:
+    """Whether the keys come from another token stream than the queries, by data flow.
+
+    Self-attention computes its keys from every input its queries come from (the token stream,
+    and what modulates it); keys computed from only part of them (a text encoder's states feeding
+    a video model's queries) are cross-attention, whatever the lengths. Keys handed to the graph
+    as an input (through layout ops only) say nothing: they count as self-attention when the
+    lengths are equal, the reading SDPA's caller gives them."""
+    if not isinstance(query, fx.Node) or not isinstance(key, fx.Node):
+        return False
+    q0, k0 = _strip_layout(query), _strip_layout(key)
+    k_ins = stream_inputs(key)
+    if q0.op == "placeholder" or k0.op == "placeholder":
+        qv, kv = node_value(query), node_value(key)
+        if isinstance(qv, torch.Tensor) and isinstance(kv, torch.Tensor):
+            return not _known_equal(qv.shape[-2], kv.shape[-2])
+        return False
+    return not stream_inputs(query) <= k_ins
 
 
 def find_sites(gm: fx.GraphModule | fx.Graph) -> list[AttentionSite]:

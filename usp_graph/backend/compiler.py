@@ -198,6 +198,14 @@ class _Compile:
 
         rows = shared_rows(todo) if todo else None
         mode = "none" if not todo else ("inputs" if rows is not None else "per_row")
+        positions = _positions_input(gm, todo, opts, self.name)
+        if positions is not None and mode == "per_row":
+            raise ValueError(
+                f"graph {self.name}: its attention calls differ in batch size or length, so the documents of "
+                f"{positions.name} cannot describe them all; call them with equal shapes or drop option 'documents'"
+            )
+        cross = [s for s in todo if s.cross]
+        kv_length = _kv_length(cross, self.name) if cross and mode == "inputs" else None
         extra: list[Any] = []
         symbols: frozenset = frozenset()
         device = node_value(todo[0].query).device if todo else None
@@ -210,15 +218,15 @@ class _Compile:
                 device=device,
                 capacity=capacity,
                 max_seqlen=max_seqlen,
+                kv_max_seqlen=_hint(kv_length) if kv_length is not None else None,
             )
-            extra = [meta_in.cu_value, meta_in.max_value]
+            extra = meta_in.values
             symbols = meta_in.symbols
-        result = rewrite_sdpa(gm, cp=opts.cp)
+        result = rewrite_sdpa(gm, cp=opts.cp, positions=positions)
         assert result.matches == len(todo), (result.matches, len(todo))
+        names = ["cu_seqlens", "max_seqlen", "cu_seqlens_kv", "max_seqlen_kv"][: len(extra)]
         if self.dump is not None:
-            self.dump.update(
-                metadata={"mode": mode, "inputs": ["cu_seqlens_N1", "max_seqlen"] if extra else []}
-            )
+            self.dump.update(metadata={"mode": mode, "inputs": names})
             self.dump.graph("rewritten", gm)
         if opts.verify:
             verify(gm)
@@ -226,10 +234,7 @@ class _Compile:
         inputs = self.example_inputs + extra
         self.input_info = (
             _input_info(self.dynamo_gm, self.example_inputs)
-            + [
-                {"name": "cu_seqlens", "role": "metadata"},
-                {"name": "max_seqlen", "role": "metadata"},
-            ][: len(extra)]
+            + [{"name": name, "role": "metadata"} for name in names]
         )
         # Primal i of the joint graph is input i (no parameters are lifted: Dynamo makes them inputs).
         self.requires_grad = input_requires_grad(inputs)
@@ -245,6 +250,13 @@ class _Compile:
             world=world,
             device=device,
             kept=kept,
+            positions=_placeholder_index(self.dynamo_gm, positions),
+            positions_by=(
+                f"option documents={opts.documents!r}" if opts.documents is not None else "the mask built from them"
+            ),
+            capacity=opts.max_docs + 1 if opts.max_docs is not None else None,
+            kv_length=kv_length,
+            cross=[s.name for s in cross],
         )
         seconds = time.perf_counter() - start
         report = CompileReport(
@@ -264,6 +276,74 @@ class _Compile:
         if opts.on_compile is not None:
             opts.on_compile(report)
         return _with_metadata(compiled, feed)
+
+
+def _positions_input(gm: fx.GraphModule, sites: Sequence[Any], opts: UspOptions, name: str) -> fx.Node | None:
+    """The placeholder whose position ids define documents outside `documents(...)`: the input
+    that recognised masks are built from, or the argument named by option ``documents``."""
+    from_masks = {s.mask_form.positions for s in sites if s.mask_form is not None and s.mask_form.kind == "positions"}
+    named = None
+    if opts.documents is not None and sites:
+        named = _argument(gm, opts.documents)
+        if named is None:
+            raise ValueError(
+                f"option documents={opts.documents!r}: graph {name} has attention calls but no argument "
+                f"{opts.documents!r} (arguments: {[_local_name(p) for p in gm.graph.find_nodes(op='placeholder')]}); "
+                "pass the position ids to the compiled function on every call, by that name"
+            )
+        val = node_value(named)
+        if not isinstance(val, torch.Tensor) or val.is_floating_point() or val.dim() not in (1, 2):
+            raise ValueError(
+                f"option documents={opts.documents!r}: that argument must be integer position ids of shape (B, L) "
+                f"or (L,), got {getattr(val, 'dtype', type(val).__name__)} {tuple(getattr(val, 'shape', ()))}"
+            )
+    found = from_masks | ({named} if named is not None else set())
+    if len(found) > 1:
+        raise ValueError(
+            f"graph {name}: documents would come from several inputs ({sorted(n.name for n in found)}); usp_graph "
+            "reads them from one position-ids input"
+        )
+    return next(iter(found), None)
+
+
+def _local_name(p: fx.Node) -> str:
+    source = getattr(p, "_dynamo_source", None)
+    text = getattr(source, "name", None)
+    text = text() if callable(text) else (text or p.name)
+    keys = re.findall(r"\['([^']+)'\]", text)
+    return keys[-1] if keys else p.name
+
+
+def _argument(gm: fx.GraphModule, name: str) -> fx.Node | None:
+    for p in gm.graph.find_nodes(op="placeholder"):
+        if _local_name(p) == name and "._parameters[" not in str(getattr(p, "_dynamo_source", "")):
+            return p
+    return None
+
+
+def _placeholder_index(gm: fx.GraphModule, node: fx.Node | None) -> int | None:
+    if node is None:
+        return None
+    names = [p.name for p in gm.graph.find_nodes(op="placeholder")]
+    return names.index(node.name)
+
+
+def _hint(x: Any) -> int:
+    return int(x.node.hint) if isinstance(x, torch.SymInt) else int(x)
+
+
+def _kv_length(cross: Sequence[Any], name: str) -> Any:
+    """The key length every cross-attention site shares (one conditioning stream)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    length = cross[0].k_shape[-2]
+    for site in cross[1:]:
+        if not statically_known_true(site.k_shape[-2] == length):
+            raise ValueError(
+                f"graph {name}: cross-attention calls read key streams of different lengths ({length} and "
+                f"{site.k_shape[-2]}); usp_graph takes one key/value document set per graph (documents(meta, kv=...))"
+            )
+    return length
 
 
 _PATH = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")

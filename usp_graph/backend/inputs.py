@@ -30,7 +30,7 @@ from ..metadata import AttentionMetadata
 from ..passes.base import PASS_META
 from ..passes.rewrite import INPUT_META
 from ..sites import AttentionSite
-from .documents import current_documents
+from .documents import current_documents, current_kv_documents
 
 __all__ = ["MetadataInputs", "MetadataFeed", "add_metadata_inputs", "shared_rows", "check_not_guarded"]
 
@@ -62,13 +62,19 @@ def _hint(x: Any) -> int:
 
 @dataclass
 class MetadataInputs:
-    """The two placeholders `add_metadata_inputs` made, their fake values and their symbols."""
+    """The placeholders `add_metadata_inputs` made, their fake values and their symbols (the key
+    documents' pair only with cross-attention)."""
 
     cu_seqlens: fx.Node
     max_seqlen: fx.Node
     cu_value: torch.Tensor
     max_value: torch.SymInt
     symbols: frozenset[sympy.Symbol]
+    kv_values: tuple[torch.Tensor, torch.SymInt] | None = None
+
+    @property
+    def values(self) -> list[Any]:
+        return [self.cu_value, self.max_value, *(self.kv_values or ())]
 
 
 def add_metadata_inputs(
@@ -79,10 +85,13 @@ def add_metadata_inputs(
     device: torch.device,
     capacity: int,
     max_seqlen: int,
+    kv_max_seqlen: int | None = None,
 ) -> MetadataInputs:
-    """Append ``cu_seqlens_N1`` / ``max_seqlen`` placeholders, tagged as the rewrite pass expects.
+    """Append ``cu_seqlens_N1`` / ``max_seqlen`` placeholders, tagged as the rewrite pass expects;
+    with `kv_max_seqlen`, also ``cu_seqlens_kv_N1`` / ``max_seqlen_kv`` (cross-attention key
+    documents, the same capacity: document i of the queries attends document i of the keys).
 
-    `capacity` (cu_seqlens entries) and `max_seqlen` are only hints for the fresh symbols.
+    `capacity` (cu_seqlens entries) and the max_seqlens are only hints for the fresh symbols.
     """
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic
@@ -99,19 +108,33 @@ def add_metadata_inputs(
     ms_int = shape_env.create_symintnode(ms, hint=max_seqlen, source=ms_src)
     with fake_mode:
         cu_val = torch.empty(n1_int, dtype=torch.int32, device=device)
+    wanted = [("cu_seqlens_N1", cu_val, "cu_seqlens"), ("max_seqlen", ms_int, "max_seqlen")]
+    symbols = {n1, ms}
+    kv_values = None
+    if kv_max_seqlen is not None:
+        kv_src = ConstantSource("usp_max_seqlen_kv")
+        kv_ms = shape_env.create_symbol(
+            kv_max_seqlen, kv_src, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True
+        )
+        kv_ms_int = shape_env.create_symintnode(kv_ms, hint=kv_max_seqlen, source=kv_src)
+        with fake_mode:
+            kv_cu_val = torch.empty(n1_int, dtype=torch.int32, device=device)
+        wanted += [("cu_seqlens_kv_N1", kv_cu_val, "cu_seqlens_kv"), ("max_seqlen_kv", kv_ms_int, "max_seqlen_kv")]
+        symbols.add(kv_ms)
+        kv_values = (kv_cu_val, kv_ms_int)
     last = list(gm.graph.find_nodes(op="placeholder"))[-1]
-    with gm.graph.inserting_after(last):
-        cu = gm.graph.placeholder("cu_seqlens_N1")
-    with gm.graph.inserting_after(cu):
-        msn = gm.graph.placeholder("max_seqlen")
-    for node, val, kind in ((cu, cu_val, "cu_seqlens"), (msn, ms_int, "max_seqlen")):
+    made = []
+    for name, val, kind in wanted:
+        with gm.graph.inserting_after(last):
+            node = last = gm.graph.placeholder(name)
         node._rename(node.target)  # FX lower-cases placeholder names; keep the _N1 suffix
         node.meta.update({"val": val, "example_value": val, INPUT_META: {"kind": kind, "name": kind}})
         node.meta[PASS_META] = PASS_NAME
         # AOTAutograd asks every placeholder of a Dynamo graph for its source; these have none
         # (like the intermediate inputs of DDPOptimizer's split graphs).
         node._dynamo_source = None
-    return MetadataInputs(cu, msn, cu_val, ms_int, frozenset({n1, ms}))
+        made.append(node)
+    return MetadataInputs(made[0], made[1], cu_val, ms_int, frozenset(symbols), kv_values)
 
 
 _INT32_MAX = 2**31 - 1
@@ -222,6 +245,11 @@ class MetadataFeed:
         world: int,
         device: torch.device | None,
         kept: Sequence[AttentionSite],
+        positions: int | None = None,
+        positions_by: str = "mask",
+        capacity: int | None = None,
+        kv_length: Any = None,
+        cross: Sequence[str] = (),
     ) -> None:
         self.graph = graph
         self.mode = mode
@@ -229,12 +257,20 @@ class MetadataFeed:
         self.device = device
         self.kept = [f"{s.name} ({s.reason})" for s in kept]
         self._per_row: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
-        self.batch = self.length = None
+        self.batch = self.length = self.kv_length = None
+        # positions: the index of the argument whose position ids define the documents outside
+        # any `documents` block (a mask built from them, or the "documents" option), else None.
+        self.positions = positions
+        self.positions_by = positions_by
+        self.capacity = capacity
+        self.cross = list(cross)
         if mode == "inputs":
             assert rows is not None
             sizes = _SizeEval(values, shape_env)
             self.batch = sizes.compile(rows[0], "batch size")
             self.length = sizes.compile(rows[1], "sequence length")
+            if kv_length is not None:
+                self.kv_length = sizes.compile(kv_length, "key/value length of cross-attention")
 
     def __call__(self, args: Sequence[Any]) -> tuple[Any, ...]:
         meta = current_documents()
@@ -254,6 +290,35 @@ class MetadataFeed:
         if self.mode != "inputs":
             return ()
         b, length = self.batch(args), self.length(args)
+        kv = current_kv_documents() if meta is not None else None
+        if self.kv_length is not None:
+            if meta is not None and kv is None:
+                raise ValueError(
+                    f"documents(...) is active, but compiled graph {self.graph} has cross-attention call(s) "
+                    f"({', '.join(self.cross)}) whose keys come from another stream; give that stream's documents "
+                    "too: documents(meta, kv=kv_meta)"
+                )
+            kv_fed = self._kv_fed(args, b, kv)
+        else:
+            kv_fed = ()
+        if meta is None and self.positions is not None:
+            if self.world > 1:
+                raise ValueError(
+                    f"compiled graph {self.graph} reads its documents from position ids ({self.positions_by}); under "
+                    "context parallelism each rank holds a shard of them, so give the global documents with "
+                    "usp_graph.documents(AttentionMetadata.from_position_ids(global_position_ids))"
+                )
+            if kv_fed:
+                raise ValueError(
+                    f"compiled graph {self.graph} reads its query documents from position ids and has cross-attention; "
+                    "give both streams' documents with documents(meta, kv=kv_meta)"
+                )
+            from ..masks import cu_seqlens_from_positions
+
+            pos = args[self.positions]
+            pos = pos.expand(b, length)
+            cu = cu_seqlens_from_positions(pos, self.capacity)
+            return (cu.to(self.device) if self.device is not None else cu, length)
         if meta is None:
             key = (b, length)
             fed = self._per_row.get(key)
@@ -263,7 +328,7 @@ class MetadataFeed:
                 span = length * self.world
                 cu = torch.arange(b + 1, dtype=torch.int32, device=self.device) * span
                 fed = self._per_row[key] = (cu, span)
-            return fed
+            return (*fed, *kv_fed)
         tokens = b * length * self.world
         if isinstance(meta.total_tokens, int) and meta.total_tokens != tokens:
             across = f" x {self.world} CP ranks" if self.world > 1 else ""
@@ -275,7 +340,25 @@ class MetadataFeed:
         cu = meta.cu_seqlens
         if self.device is not None and cu.device != self.device:
             cu = cu.to(self.device, non_blocking=True)
-        return cu, meta.max_seqlen
+        return (cu, meta.max_seqlen, *kv_fed)
+
+    def _kv_fed(self, args: Sequence[Any], b: int, kv: AttentionMetadata | None) -> tuple[Any, ...]:
+        """Key documents of the cross-attention calls: `kv`, or one document per row."""
+        assert self.kv_length is not None
+        length = self.kv_length(args)
+        if kv is None:
+            cu = torch.arange(b + 1, dtype=torch.int32, device=self.device) * length
+            return (cu, length)
+        tokens = b * length
+        if isinstance(kv.total_tokens, int) and kv.total_tokens != tokens:
+            raise ValueError(
+                f"documents(..., kv=...) describes {kv.total_tokens} key/value tokens, but the cross-attention calls "
+                f"of compiled graph {self.graph} see {tokens} (batch {b} x length {length})"
+            )
+        cu = kv.cu_seqlens
+        if self.device is not None and cu.device != self.device:
+            cu = cu.to(self.device, non_blocking=True)
+        return (cu, kv.max_seqlen)
 
 
 def metadata_hints(rows: tuple[Any, Any], world: int) -> tuple[int, int]:

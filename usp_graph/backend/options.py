@@ -43,6 +43,16 @@ class UspOptions:
         forward collective its adjoint in the backward.
     on_compile: called with a `usp_graph.backend.CompileReport` after each graph is compiled
         (sites rewritten and kept, metadata inputs, timings); None: nothing is called.
+    documents: the name of the model argument holding position ids (e.g. ``"position_ids"``) that
+        define the documents when no `usp_graph.documents(...)` block is active: a document starts
+        at each row start and wherever a position is not its predecessor + 1 (positions restarting
+        at 0 per document, the padding-free convention of transformers and TRL). `cu_seqlens` is
+        then computed from that argument on its device, with no host sync and no recompile when
+        boundaries change. None (default): no argument defines documents (a mask the model
+        builds from its position ids still does).
+    max_docs: the document capacity of `documents`-derived metadata (default: one slot per
+        token, always enough; a smaller capacity saves kernel work on CUDA, and a step with more
+        documents fails with an error, never a wrong result).
     """
 
     cp: Any = None
@@ -50,6 +60,8 @@ class UspOptions:
     dump_dir: Path | None = None
     verify: bool = True
     on_compile: Callable[[Any], None] | None = None
+    documents: str | None = None
+    max_docs: int | None = None
 
     def __post_init__(self) -> None:
         from ..cp import ContextParallel
@@ -76,6 +88,18 @@ class UspOptions:
             raise TypeError(
                 f"option 'on_compile' must be callable or None, got {type(self.on_compile).__name__}"
             )
+        if self.documents is not None and (not isinstance(self.documents, str) or not self.documents.isidentifier()):
+            raise TypeError(
+                f"option 'documents' must be the name of the model argument holding position ids (e.g. "
+                f"'position_ids') or None, got {self.documents!r}"
+            )
+        if self.max_docs is not None:
+            if isinstance(self.max_docs, bool) or not isinstance(self.max_docs, int):
+                raise TypeError(f"option 'max_docs' must be an int or None, got {type(self.max_docs).__name__}")
+            if self.max_docs < 1:
+                raise ValueError(f"option 'max_docs' must be >= 1, got {self.max_docs}")
+            if self.documents is None:
+                raise ValueError("option 'max_docs' sizes documents derived with option 'documents'; set that too")
         if self.cp is not None:
             check_cp_matches_process_group(self.cp)
 

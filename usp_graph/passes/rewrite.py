@@ -10,12 +10,14 @@ the same function, which is why a replayed graph equals eager bit for bit.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .. import masks
 from ..metadata import AttentionMetadata
 from ..sdpa import sdpa_to_usp
 from ..sites import AttentionSite, find_sites, node_value
@@ -44,19 +46,40 @@ def _usp_call(
     scale: float | None,
     enable_gqa: bool,
     cp: Any,
+    window: tuple[int, int] | None = None,
+    positions_BL: torch.Tensor | None = None,
+    check_positions: bool = False,
+    cu_seqlens_kv_N1: torch.Tensor | None = None,
+    max_seqlen_kv: Any = None,
 ) -> torch.Tensor:
-    metadata = None
+    world = getattr(cp, "world", 1)
+    metadata = kv_metadata = None
+    if cu_seqlens_N1 is None and positions_BL is not None:
+        # The mask says: documents are the runs of these position ids. Derive them in the graph.
+        b, length = q.shape[0], q.shape[-2]
+        cu_seqlens_N1 = masks.cu_seqlens_from_positions(positions_BL.expand(b, length))
+        max_seqlen = length
+    elif check_positions:
+        b, length = q.shape[0], q.shape[-2]
+        masks.check_positions_match(cu_seqlens_N1, positions_BL.expand(b, length))
     if cu_seqlens_N1 is not None:
         # Metadata is global: under CP this call holds one of `cp.world` shards of the stream.
-        metadata = AttentionMetadata(cu_seqlens_N1, max_seqlen, _tokens(q) * getattr(cp, "world", 1))
+        metadata = AttentionMetadata(cu_seqlens_N1, max_seqlen, _tokens(q) * world)
+    if cu_seqlens_kv_N1 is not None:
+        kv_metadata = AttentionMetadata(cu_seqlens_kv_N1, max_seqlen_kv, _tokens(k) * world)
     kwargs: dict[str, Any] = {
         "is_causal": is_causal,
         "scale": scale,
         "enable_gqa": enable_gqa,
         "metadata": metadata,
     }
-    if cp is not None:  # sdpa_to_usp grows `cp`; a single-process rewrite must not depend on it
+    # Keywords only when used: a graph made before they existed traces the same call.
+    if cp is not None:
         kwargs["cp"] = cp
+    if window is not None:
+        kwargs["window"] = window
+    if kv_metadata is not None:
+        kwargs["kv_metadata"] = kv_metadata
     return sdpa_to_usp(q, k, v, **kwargs)
 
 
@@ -129,27 +152,69 @@ def metadata_inputs(
     return cu, ms
 
 
-def _key(site: AttentionSite, cu: fx.Node | None, cp: Any) -> tuple:
-    vals = [node_value(n) for n in (site.query, site.key, site.value)]
-    shape = tuple((str(v.shape), str(v.stride()), v.dtype, str(v.device)) for v in vals)
-    return (shape, site.is_causal, site.scale, site.enable_gqa, cu is not None, id(cp))
+def kv_metadata_inputs(gm: fx.GraphModule) -> tuple[fx.Node | None, fx.Node | None]:
+    """The graph's ``cu_seqlens_kv_N1`` / ``max_seqlen_kv`` placeholders (cross-attention key
+    documents), or (None, None)."""
+    found = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        kind = node.meta.get(INPUT_META, {}).get("kind")
+        if kind in ("cu_seqlens_kv", "max_seqlen_kv"):
+            found[kind] = node
+    return found.get("cu_seqlens_kv"), found.get("max_seqlen_kv")
 
 
-def _trace_site(site: AttentionSite, cu: fx.Node | None, ms: fx.Node | None, cp: Any) -> fx.GraphModule:
+@dataclass
+class _SiteInputs:
+    """The graph nodes one rewritten site reads besides q, k, v (each None when unused)."""
+
+    cu: fx.Node | None = None
+    ms: fx.Node | None = None
+    positions: fx.Node | None = None
+    cu_kv: fx.Node | None = None
+    ms_kv: fx.Node | None = None
+    check_positions: bool = False
+
+    def nodes(self) -> list[fx.Node]:
+        return [n for n in (self.cu, self.ms, self.positions, self.cu_kv, self.ms_kv) if n is not None]
+
+
+def _key(site: AttentionSite, inputs: _SiteInputs, cp: Any) -> tuple:
+    vals = [node_value(n) for n in (site.query, site.key, site.value, *inputs.nodes())]
+    shape = tuple(
+        (str(v.shape), str(v.stride()), v.dtype, str(v.device)) if isinstance(v, torch.Tensor) else str(v)
+        for v in vals
+    )
+    present = tuple(n is not None for n in (inputs.cu, inputs.positions, inputs.cu_kv))
+    return (shape, site.is_causal, site.scale, site.enable_gqa, site.window, present, inputs.check_positions, id(cp))
+
+
+def _trace_site(site: AttentionSite, inputs: _SiteInputs, cp: Any) -> fx.GraphModule:
     kwargs = {
         "is_causal": bool(site.is_causal),
         "scale": site.scale,
         "enable_gqa": bool(site.enable_gqa),
         "cp": cp,
+        "window": site.window,
+        "check_positions": inputs.check_positions,
     }
-    vals = [node_value(n) for n in (site.query, site.key, site.value)]
-    if cu is None:
-        fn = lambda q, k, v: _usp_call(q, k, v, None, None, **kwargs)
-    else:
-        fn = lambda q, k, v, cu_seqlens_N1, max_seqlen: _usp_call(
-            q, k, v, cu_seqlens_N1, max_seqlen, **kwargs
+    names = ["cu", "ms", "positions", "cu_kv", "ms_kv"]
+    present = [name for name in names if getattr(inputs, name) is not None]
+
+    def fn(q, k, v, *extra):
+        got = dict(zip(present, extra, strict=True))
+        return _usp_call(
+            q,
+            k,
+            v,
+            got.get("cu"),
+            got.get("ms"),
+            positions_BL=got.get("positions"),
+            cu_seqlens_kv_N1=got.get("cu_kv"),
+            max_seqlen_kv=got.get("ms_kv"),
+            **kwargs,
         )
-        vals += [node_value(cu), node_value(ms)]
+
+    vals = [node_value(n) for n in (site.query, site.key, site.value, *inputs.nodes())]
     return make_fx(fn, tracing_mode="symbolic", pre_dispatch=True)(*vals)
 
 
@@ -193,7 +258,11 @@ def _replace_site(graph: fx.Graph, site: AttentionSite, out: fx.Node) -> None:
 
 
 def rewrite_sdpa(
-    gm: fx.GraphModule, *, metadata: AttentionMetadata | None = None, cp: Any = None
+    gm: fx.GraphModule,
+    *,
+    metadata: AttentionMetadata | None = None,
+    cp: Any = None,
+    positions: fx.Node | None = None,
 ) -> PassResult:
     """SDPA(q_BHLK, k_BGLK, v_BGLK, is_causal, scale, enable_gqa)
     -> unpack(usp::varlen_fwd(pack(q), pack(k), pack(v), cu_seqlens_N1, cu_seqlens_N1, max_seqlen, max_seqlen))
@@ -206,21 +275,46 @@ def rewrite_sdpa(
     Why: varlen skips cross-document and padding work, its metadata is a graph input (boundaries
     change without retracing), and the ops it emits carry registered backward rules.
 
+    A site whose mask is the band inside the documents of position ids (`masks.mask_form`) checks,
+    in the graph, that the metadata describes those documents, or without metadata derives it from
+    them. `positions` (a position-ids input of the graph) does the same for every self-attention site.
+
     matches: the number of sites rewritten.
     """
     sites = find_sites(gm)
     todo = [s for s in sites if s.rewritable]
-    skipped = tuple(s for s in sites if not s.rewritable)
     cu = ms = None
     if todo:
         cu, ms = metadata_inputs(gm, metadata=metadata, like=node_value(todo[0].query))
-    cache: dict[tuple, fx.GraphModule] = {}
+    cu_kv, ms_kv = kv_metadata_inputs(gm)
     for site in todo:
-        key = _key(site, cu, cp)
+        if site.cross and cu is not None and cu_kv is None:
+            site.rewritable = False
+            site.reason = (
+                "cross-attention under document metadata needs the key/value stream's documents too "
+                "(documents(meta, kv=kv_meta)); a graph input cu_seqlens_kv_N1 is missing"
+            )
+    todo = [s for s in sites if s.rewritable]
+    skipped = tuple(s for s in sites if not s.rewritable)
+    cache: dict[tuple, fx.GraphModule] = {}
+    checked: set[fx.Node] = set()
+    for site in todo:
+        inputs = _SiteInputs(cu=cu, ms=ms)
+        form = site.mask_form
+        pos = form.positions if form is not None and form.kind == "positions" else None
+        if pos is None and positions is not None and not site.cross:
+            pos = positions
+        if pos is not None:
+            inputs.positions = pos
+            # One check per graph and position-ids input: every site reads the same metadata.
+            inputs.check_positions = cu is not None and cp is None and pos not in checked
+            checked.add(pos)
+        if site.cross and cu is not None:
+            inputs.cu_kv, inputs.ms_kv = cu_kv, ms_kv
+        key = _key(site, inputs, cp)
         if key not in cache:
-            cache[key] = _trace_site(site, cu, ms, cp)
-        inputs = [site.query, site.key, site.value] + ([] if cu is None else [cu, ms])
-        out = _inline(gm.graph, cache[key], inputs, site)
+            cache[key] = _trace_site(site, inputs, cp)
+        out = _inline(gm.graph, cache[key], [site.query, site.key, site.value, *inputs.nodes()], site)
         _replace_site(gm.graph, site, out)
     gm.graph.lint()
     gm.recompile()

@@ -1,0 +1,378 @@
+"""Document masks: what an SDPA ``attn_mask`` means, decided by what the graph computes.
+
+# B batch, H heads, L sequence (queries = keys), T packed tokens (B * L), N document slots
+
+Libraries build the document mask themselves. transformers, in its training path
+(``use_cache=False``), derives a packed-sequence mask from ``position_ids`` (a new document starts
+where a position is not its predecessor + 1), ANDs it with causal or a sliding window, and hands
+SDPA a ``(B, 1, L, L)`` boolean mask. usp_graph cannot rewrite "some mask"; it can rewrite a band
+inside documents: ``window = (left, right)`` in flash-attention's convention (query q sees key k
+of its own document iff ``q - left <= k <= q + right``, -1 meaning unbounded; causal is right 0).
+
+`mask_form` decides, for a mask node of an FX graph, which of these it is:
+
+- ``rows``: the mask does not depend on any input's values and is the band of one document per
+  batch row (a causal or sliding-window mask built from ``arange``): the site is SDPA with
+  ``is_causal``/a window, and the active document metadata applies, as for a mask-free call;
+- ``positions``: the mask is the band inside the documents of an integer input (the position ids):
+  documents are where positions count up by one. The rewrite uses the active metadata and checks,
+  inside the graph, that it describes the same documents (`check_positions_match`); outside any
+  `documents(...)` block the metadata is derived from the positions themselves
+  (`cu_seqlens_from_positions`), on their device, with no host sync.
+
+The decision evaluates the mask's own subgraph (everything it computes from, nothing else) on
+probe inputs: one document per row (which fixes the band), then random document layouts with
+length-1 documents and positions that restart at 0 or elsewhere. A mask that depends on anything
+else (a padding mask, a float tensor, a learned bias) or that matches neither form on every probe
+is refused with the reason, never reinterpreted.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+__all__ = [
+    "MaskForm",
+    "mask_form",
+    "keep_of",
+    "band_of",
+    "band_mask",
+    "segments_of_positions",
+    "cu_seqlens_from_positions",
+    "check_positions_match",
+    "documents_of_mask",
+]
+
+UNBOUNDED = -1
+_FORM_META = "usp_mask_form"
+
+
+@dataclass(frozen=True)
+class MaskForm:
+    """What a mask computes: a band ``window`` inside the documents of ``kind``.
+
+    kind: ``"rows"`` (one document per batch row whatever the inputs) or ``"positions"``
+    (documents are the runs of `positions` that count up by one). window: (left, right), -1
+    unbounded. positions: the graph input the documents come from (``"positions"`` only).
+    """
+
+    kind: str
+    window: tuple[int, int]
+    positions: fx.Node | None = None
+
+    @property
+    def is_causal(self) -> bool:
+        return self.window[1] == 0
+
+    @property
+    def extra_window(self) -> tuple[int, int] | None:
+        """The window beyond plain causal/bidirectional attention, or None when there is none."""
+        left, right = self.window
+        if left == UNBOUNDED and right in (UNBOUNDED, 0):
+            return None
+        return (left, UNBOUNDED if right == 0 else right)
+
+
+# ------------------------------------------------------------------------------------------------
+# Masks as tensors: bands inside documents.
+
+
+def keep_of(mask: Tensor) -> Tensor | None:
+    """The boolean "may attend" of an SDPA mask, or None when it is not a pure mask.
+
+    A float mask qualifies when every entry is 0 (attend) or -inf / the dtype's lowest value
+    (transformers' eager masks): such a bias removes the key exactly, as long as every query row
+    keeps one key, which a band that contains the diagonal guarantees."""
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        return None
+    zero = mask == 0
+    dropped = (mask == float("-inf")) | (mask == torch.finfo(mask.dtype).min)
+    if not bool((zero | dropped).all()):
+        return None
+    return zero
+
+
+def segments_of_positions(pos_BL: Tensor) -> Tensor:
+    """Document index of every token, (B, L): a document starts at each row start and wherever a
+    position is not its predecessor + 1 (transformers' `find_packed_sequence_indices` rule)."""
+    b, length = pos_BL.shape
+    if length == 0:
+        return pos_BL.new_zeros(b, 0, dtype=torch.int64)
+    step = pos_BL[:, 1:] != pos_BL[:, :-1] + 1
+    start = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=pos_BL.device), step], 1)
+    return start.long().cumsum(1) - 1
+
+
+def band_mask(doc_BL: Tensor, window: tuple[int, int]) -> Tensor:
+    """(B, L, L) keep-mask of the band `window` inside the documents `doc_BL` (contiguous runs)."""
+    length = doc_BL.shape[-1]
+    idx = torch.arange(length, device=doc_BL.device)
+    diff_LL = idx.view(-1, 1) - idx.view(1, -1)  # q - k
+    left, right = window
+    keep = doc_BL.unsqueeze(-1) == doc_BL.unsqueeze(-2)
+    if left != UNBOUNDED:
+        keep = keep & (diff_LL <= left)
+    if right != UNBOUNDED:
+        keep = keep & (-diff_LL <= right)
+    return keep
+
+
+def band_of(keep_BLL: Tensor, doc_BL: Tensor | None = None) -> tuple[int, int] | None:
+    """The window of a keep-mask inside the documents `doc_BL` (default: one per row), or None
+    when the mask is no band inside them.
+
+    Bounds that reach every document's ends are unbounded: in a document of n tokens a window of
+    n - 1 or more cannot be told from none, and attends the same keys."""
+    length = keep_BLL.shape[-1]
+    if doc_BL is None:
+        doc_BL = torch.zeros(keep_BLL.shape[:-1], dtype=torch.long, device=keep_BLL.device)
+    if length == 0 or keep_BLL.numel() == 0:
+        return (UNBOUNDED, UNBOUNDED)
+    if not bool(keep_BLL.diagonal(dim1=-2, dim2=-1).all()):
+        return None  # a band always holds the diagonal; anything else is some other mask
+    idx = torch.arange(length, device=keep_BLL.device)
+    diff = (idx.view(-1, 1) - idx.view(1, -1)).expand_as(keep_BLL)
+    left = int(torch.where(keep_BLL, diff, 0).max())
+    right = int(torch.where(keep_BLL, -diff, 0).max())
+    same = doc_BL.unsqueeze(-1) == doc_BL.unsqueeze(-2)
+    longest = int(torch.where(same, diff.abs(), 0).max())  # the longest document, minus one
+    window = (UNBOUNDED if left >= longest else left, UNBOUNDED if right >= longest else right)
+    if not torch.equal(keep_BLL, band_mask(doc_BL, window).expand_as(keep_BLL)):
+        return None
+    return window
+
+
+def documents_of_mask(keep_BLL: Tensor) -> Tensor:
+    """The finest contiguous documents a (B, L, L) keep-mask respects: token t starts one when no
+    query before t sees a key from t on and no query from t on sees a key before t."""
+    b, length, _ = keep_BLL.shape
+    k = keep_BLL.long()
+    # block sums through a 2-D prefix sum: S[i, j] = sum k[:i, :j]
+    s = torch.nn.functional.pad(k.cumsum(1).cumsum(2), (1, 0, 1, 0))
+    t = torch.arange(length, device=keep_BLL.device)
+    upper_right = s[:, t, length] - s[:, t, t]  # queries < t, keys >= t
+    lower_left = s[:, length, t] - s[:, t, t]  # queries >= t, keys < t
+    start = (upper_right == 0) & (lower_left == 0)
+    start[:, :1] = True
+    return start.long().cumsum(1) - 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Documents from position ids, inside a graph (fixed shapes, no host sync).
+
+
+def _starts(pos_BL: Tensor) -> Tensor:
+    """(T,) bool: token t starts a document (a row start, or a position that does not count up)."""
+    b, length = pos_BL.shape
+    flat = pos_BL.reshape(-1)
+    idx = torch.arange(flat.shape[0], device=flat.device)
+    prev = torch.cat([flat[:1] - 1, flat[:-1]])
+    return (flat != prev + 1) | (idx % length == 0)
+
+
+def cu_seqlens_from_positions(pos_BL: Tensor, capacity: int | None = None) -> Tensor:
+    """int32 `cu_seqlens` of the documents of `pos_BL`, with `capacity` entries (default T + 1,
+    always enough); unused slots repeat T. Fixed shape, computed on `pos_BL`'s device.
+
+    A capacity below the document count leaves the last documents out of the result;
+    `check_positions_match` in the graph then fails the step."""
+    b, length = pos_BL.shape
+    tokens = b * length
+    cap = tokens + 1 if capacity is None else capacity
+    if tokens == 0:
+        return torch.zeros(cap, dtype=torch.int32, device=pos_BL.device)
+    doc = _starts(pos_BL).long().cumsum(0) - 1
+    slots = torch.arange(cap, device=pos_BL.device)
+    return torch.searchsorted(doc, slots).to(torch.int32)
+
+
+def check_positions_match(cu_seqlens_N1: Tensor, pos_BL: Tensor) -> None:
+    """Fail the step (an async assert: no host sync on an accelerator) unless the documents of
+    `cu_seqlens_N1` are exactly those `pos_BL` counts: the mask the model built from its position
+    ids and the metadata usp_graph attends with must agree."""
+    b, length = pos_BL.shape
+    tokens = b * length
+    meta_start = torch.zeros(tokens + 1, dtype=torch.bool, device=pos_BL.device)
+    meta_start = meta_start.scatter(0, cu_seqlens_N1.to(pos_BL.device).long().clamp(0, tokens), True)
+    ok = torch.eq(meta_start[:tokens], _starts(pos_BL)).all()
+    torch._assert_async(
+        ok,
+        "usp_graph: the document metadata does not describe the documents the model's position ids "
+        "count (a new document where a position is not its predecessor + 1, and at each row start); "
+        "build the metadata with AttentionMetadata.from_position_ids(position_ids) or fix the position ids",
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Mask nodes of an FX graph.
+
+
+def _node_value(node: Any) -> Any:
+    if not isinstance(node, fx.Node):
+        return node
+    return node.meta["val"] if "val" in node.meta else node.meta.get("example_value")
+
+
+def _slice(out: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | str:
+    """(nodes in graph order, leaf placeholders) of everything `out` is computed from."""
+    seen: set[fx.Node] = set()
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "call_module":
+            return f"the mask is computed by a submodule call ({node.target})"
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            return f"the mask is computed inside {node.target}"
+        stack.extend(node.all_input_nodes)
+    order = [n for n in out.graph.nodes if n in seen]
+    return order, [n for n in order if n.op == "placeholder"]
+
+
+def _evaluator(gm: fx.GraphModule, nodes: list[fx.Node], leaves: list[fx.Node], out: fx.Node):
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for leaf in leaves:
+        env[leaf] = graph.placeholder(leaf.name)
+    for node in nodes:
+        if node.op == "placeholder":
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[out])
+    return fx.GraphModule(gm, graph)
+
+
+def _probe_positions(b: int, length: int, device: torch.device, dtype: torch.dtype, seed: int) -> Tensor:
+    """Positions of random documents per row: lengths 1.. (many 1s), restarting at 0 or elsewhere."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(b):
+        row: list[int] = []
+        while len(row) < length:
+            n = int(torch.randint(1, max(2, length // 3) + 1, (1,), generator=gen))
+            if bool(torch.rand((), generator=gen) < 0.3):
+                n = 1
+            start = 0 if seed % 2 == 0 else int(torch.randint(0, 7, (1,), generator=gen))
+            row.extend(range(start, start + n))
+        rows.append(row[:length])
+    return torch.tensor(rows, dtype=dtype).to(device)
+
+
+def _as_keep_BLL(value: Any, b: int, length: int) -> Tensor | None:
+    if not isinstance(value, Tensor):
+        return None
+    keep = keep_of(value)
+    if keep is None:
+        return None
+    if keep.dim() == 2:
+        keep = keep.unsqueeze(0)
+    if keep.dim() == 4:
+        if not bool((keep == keep[:, :1]).all()):
+            return None  # differs per head: not a document mask
+        keep = keep[:, 0]
+    if keep.dim() != 3 or keep.shape[-2:] != (length, length):
+        return None
+    return keep.expand(b, length, length)
+
+
+def mask_form(mask: fx.Node, *, batch: int, length: int) -> MaskForm | str:
+    """What `mask` (an SDPA ``attn_mask`` node of a graph owned by a GraphModule) computes, for a
+    call of `batch` rows of `length` queries and keys; a string says why it is no document mask.
+
+    The result is cached on the node (one probe run per mask, however many layers share it)."""
+    cached = mask.meta.get(_FORM_META)
+    if cached is not None and cached[0] == (batch, length):
+        return cached[1]
+    form = _mask_form(mask, batch, length)
+    mask.meta[_FORM_META] = ((batch, length), form)
+    return form
+
+
+def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    gm = mask.graph.owning_module
+    if gm is None:
+        return "the mask's graph has no module to evaluate it with"
+    sliced = _slice(mask)
+    if isinstance(sliced, str):
+        return sliced
+    nodes, leaves = sliced
+    if any(n.op == "call_function" and n.target is operator.setitem for n in nodes):
+        return "the mask is built by in-place assignment, which usp_graph does not evaluate"
+    positions: fx.Node | None = None
+    fixed: dict[fx.Node, Any] = {}
+    for leaf in leaves:
+        val = _node_value(leaf)
+        if isinstance(val, torch.SymInt):
+            fixed[leaf] = int(val.node.hint) if val.node.hint is not None else None
+            if fixed[leaf] is None:
+                return f"the mask depends on the size {leaf.name}, which has no example value"
+        elif isinstance(val, (int, float, bool)):
+            fixed[leaf] = val
+        elif isinstance(val, Tensor):
+            if val.is_floating_point() or val.is_complex() or val.dtype == torch.bool:
+                return (
+                    f"the mask depends on the values of input {leaf.name} ({val.dtype}), e.g. a padding mask or "
+                    "a learned bias; usp_graph rewrites masks that come from position ids only (drop the "
+                    "attention_mask argument when packing documents)"
+                )
+            if positions is not None:
+                return f"the mask depends on two integer inputs ({positions.name}, {leaf.name})"
+            if val.dim() != 2 or val.shape[-1] != length or val.shape[0] not in (1, batch):
+                return f"the mask depends on input {leaf.name} of shape {tuple(val.shape)}, not (B, L) position ids"
+            positions = leaf
+        else:
+            return f"the mask depends on input {leaf.name}, which has no example value"
+    evaluate = _evaluator(gm, nodes, leaves, mask)
+
+    def run(pos: Tensor | None) -> Tensor | None:
+        args = [pos if leaf is positions else fixed[leaf] for leaf in leaves]
+        with unset_fake_temporarily(), torch.no_grad():
+            try:
+                return _as_keep_BLL(evaluate(*args), batch, length)
+            except Exception:  # noqa: BLE001 - any failure means: not a mask we can evaluate
+                return None
+
+    pval = _node_value(positions) if positions is not None else None
+    device = pval.device if pval is not None else torch.device("cpu")
+    rows = pval.shape[0] if pval is not None else batch
+    dtype = pval.dtype if pval is not None else torch.int64
+    base = torch.arange(length, dtype=dtype).expand(rows, length).to(device)
+    keep = run(base if positions is not None else None)
+    if keep is None:
+        return "the mask could not be evaluated as a 0/-inf or boolean (B, 1, L, L) mask"
+    window = band_of(keep)
+    if window is None:
+        return "the mask is not causal, bidirectional or a sliding window within each row"
+    if positions is None:
+        return MaskForm("rows", window)
+    probes = 4 if batch * length * length <= 1 << 26 else 2
+    as_rows = as_docs = True
+    row_band = band_mask(torch.zeros(batch, length, dtype=torch.long, device=device), window)
+    for seed in range(probes):
+        pos = _probe_positions(rows, length, device, dtype, seed)
+        keep = run(pos)
+        if keep is None:
+            return "the mask could not be evaluated on probe position ids"
+        doc_band = band_mask(segments_of_positions(pos.expand(batch, length)), window)
+        as_rows = as_rows and torch.equal(keep, row_band)
+        as_docs = as_docs and torch.equal(keep, doc_band)
+    if as_rows:
+        return MaskForm("rows", window)
+    if as_docs:
+        return MaskForm("positions", window, positions)
+    return (
+        f"the mask computed from {positions.name} is neither a {window} band per row nor inside the documents "
+        "those position ids count"
+    )
