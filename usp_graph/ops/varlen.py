@@ -13,6 +13,9 @@ Semantics (the flash-attention varlen convention):
 - lse is `(H, T)`, float32 (float64 for float64 inputs);
 - cu_q runs from 0 to the query count; cu_k may start after 0 and end before the key count: keys
   outside every document are never attended and get zero gradient (a key window with padding).
+- an optional sliding window ``(window_left, window_right)``, flash-attention's ``window_size``:
+  query r attends key c iff ``r + lk - lq - left <= c <= r + lk - lq + right`` (-1: unbounded
+  side); causal is right = 0. (-1, -1), the default, runs the windowless kernels bit for bit.
 
 Kernels:
 - CPU: per document over ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward op),
@@ -27,6 +30,10 @@ Kernels:
   wherever it runs. flex's first forward and first backward per shape are checked against flash
   varlen on the same inputs; a disagreement warns and moves that shape to flash for good. Other
   dtypes and head dims use a per-document math path in fp32 (fp64 for fp64).
+- Windows: on CPU a document the window cuts runs in blocks of query rows, each over the keys its
+  rows can see with an additive mask (memory rows x (rows + window), not lq x lk); a document it
+  does not cut runs the windowless call. On CUDA windows run on flash's local-attention kernels
+  (flex is windowless only), or the math path.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from torch import Tensor
 
 from .. import registry
 from . import flex_kernel
+from .window import NO_WINDOW, bounds, check_window, doc_plan, flash_window, keep_mask
 
 __all__ = ["varlen_fwd", "varlen_bwd", "varlen_attn", "cuda_kernel", "CUDA_KERNELS"]
 
@@ -100,7 +108,58 @@ def _bhlk(x: Tensor) -> Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-def _cpu_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
+def _doc_mode(lq: int, lk: int, is_causal: bool, left: int, right: int) -> tuple[str, int, int]:
+    """("plain" | "causal" | "window", left, right) of one document; without a window exactly
+    today's choice, so windowless calls run the same kernel calls bit for bit."""
+    if (left, right) == NO_WINDOW:
+        return ("causal" if is_causal else "plain"), -1, -1
+    return doc_plan(lq, lk, is_causal, left, right)
+
+
+# Query rows per kernel call of a windowed document: the additive mask of a call is rows x (rows +
+# window), never the document's lq x lk (a 32K-token document with a 4K window would need 4 GB).
+_WINDOW_ROWS = 512
+
+
+def _window_blocks(lq: int, lk: int, left: int, right: int) -> list[tuple[range, range]]:
+    """(query rows, keys) of each kernel call of a windowed document: rows in blocks of
+    `_WINDOW_ROWS`, keys cut to the span the block's rows can see; blocks that see no key are
+    left out (their rows keep out = 0, lse = -inf)."""
+    blocks = []
+    for r0 in range(0, lq, _WINDOW_ROWS):
+        r1 = min(lq, r0 + _WINDOW_ROWS)
+        lo = max(0, r0 + lk - lq - left) if left >= 0 else 0
+        hi = min(lk, r1 + lk - lq + right) if right >= 0 else lk
+        if hi > lo:
+            blocks.append((range(r0, r1), range(lo, hi)))
+    return blocks
+
+
+def _window_mask(rows: range, lq: int, lk: int, keys: range, left: int, right: int, dtype: torch.dtype):
+    """(additive mask or None when the block sees every key, rows that see no key or None)."""
+    keep = keep_mask(rows, lq, lk, keys, left, right)
+    if bool(keep.all()):
+        return None, None
+    blind = ~keep.any(1)
+    mask = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))
+    return mask, (blind if bool(blind.any()) else None)
+
+
+def _cpu_window_fwd(out, lse, q, k, v, sq, sk, lq, lk, left, right, scale):
+    for rows, keys in _window_blocks(lq, lk, left, right):
+        mask, blind = _window_mask(rows, lq, lk, keys, left, right, q.dtype)
+        qs, ks = slice(sq + rows.start, sq + rows.stop), slice(sk + keys.start, sk + keys.stop)
+        o_blk, lse_blk = _aten._scaled_dot_product_flash_attention_for_cpu(
+            _bhlk(q[qs]), _bhlk(k[ks]), _bhlk(v[ks]), 0.0, False, attn_mask=mask, scale=scale
+        )
+        out[qs] = o_blk[0].transpose(0, 1)
+        lse_blk = lse_blk[0]
+        if blind is not None:  # the kernel gives such rows out 0 and lse 0; the contract says -inf
+            lse_blk = lse_blk.masked_fill(blind, float("-inf"))
+        lse[:, qs] = lse_blk
+
+
+def _cpu_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
     t_q, h, _ = q.shape
     out = q.new_zeros(t_q, h, v.shape[-1])
     lse = torch.full((h, t_q), float("-inf"), dtype=_lse_dtype(q.dtype), device=q.device)
@@ -108,7 +167,11 @@ def _cpu_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
         lq, lk = eq - sq, ek - sk
         if lq == 0 or lk == 0:  # the kernel crashes on empty inputs; the answer is out 0, lse -inf
             continue
-        causal, mask = _causal_args(lq, lk, is_causal, q.dtype)
+        mode, w_left, w_right = _doc_mode(lq, lk, is_causal, left, right)
+        if mode == "window":
+            _cpu_window_fwd(out, lse, q, k, v, sq, sk, lq, lk, w_left, w_right, scale)
+            continue
+        causal, mask = _causal_args(lq, lk, mode == "causal", q.dtype)
         o_doc, lse_doc = _aten._scaled_dot_product_flash_attention_for_cpu(
             _bhlk(q[sq:eq]), _bhlk(k[sk:ek]), _bhlk(v[sk:ek]), 0.0, causal, attn_mask=mask, scale=scale
         )
@@ -119,13 +182,45 @@ def _cpu_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
     return out, lse
 
 
-def _cpu_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale):
+def _cpu_window_bwd(dq, dk, dv, dout, q, k, v, out, lse, sq, sk, lq, lk, left, right, scale):
+    blocks = _window_blocks(lq, lk, left, right)
+    # Keys seen by several row blocks sum their blocks' gradients (in block order, in the lse
+    # dtype); a document of one block writes them directly.
+    acc = None
+    if len(blocks) > 1:
+        acc = [torch.zeros((lk, *x.shape[1:]), dtype=_lse_dtype(x.dtype)) for x in (k, v)]
+    for rows, keys in blocks:
+        mask, _ = _window_mask(rows, lq, lk, keys, left, right, q.dtype)
+        qs, ks = slice(sq + rows.start, sq + rows.stop), slice(sk + keys.start, sk + keys.stop)
+        l_blk = lse[:, qs]
+        l_blk = l_blk.masked_fill(l_blk == float("-inf"), 0.0)  # back to the kernel's convention
+        g_q, g_k, g_v = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _bhlk(dout[qs]), _bhlk(q[qs]), _bhlk(k[ks]), _bhlk(v[ks]), _bhlk(out[qs]),
+            l_blk.unsqueeze(0), 0.0, False, attn_mask=mask, scale=scale,
+        )  # fmt: skip
+        dq[qs] = g_q[0].transpose(0, 1)
+        if acc is None:
+            dk[ks] = g_k[0].transpose(0, 1)
+            dv[ks] = g_v[0].transpose(0, 1)
+        else:
+            acc[0][keys.start : keys.stop] += g_k[0].transpose(0, 1)
+            acc[1][keys.start : keys.stop] += g_v[0].transpose(0, 1)
+    if acc is not None:
+        dk[sk : sk + lk] = acc[0]
+        dv[sk : sk + lk] = acc[1]
+
+
+def _cpu_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for sq, eq, sk, ek in _doc_bounds(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k):
         lq, lk = eq - sq, ek - sk
         if lq == 0 or lk == 0:
             continue
-        causal, mask = _causal_args(lq, lk, is_causal, q.dtype)
+        mode, w_left, w_right = _doc_mode(lq, lk, is_causal, left, right)
+        if mode == "window":
+            _cpu_window_bwd(dq, dk, dv, dout, q, k, v, out, lse, sq, sk, lq, lk, w_left, w_right, scale)
+            continue
+        causal, mask = _causal_args(lq, lk, mode == "causal", q.dtype)
         l_doc = lse[:, sq:eq]
         if mask is not None and lq > lk:
             l_doc = l_doc.masked_fill(l_doc == float("-inf"), 0.0)  # back to the kernel's convention
@@ -151,19 +246,28 @@ def _cpu_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale
 # Math path: any device and dtype (CUDA fp32/fp64, head dims flash does not take).
 
 
-def _math_doc_probs(q_d, k_d, lq, lk, is_causal, scale, acc):
+def _math_doc_scores(q_d, k_d, lq, lk, is_causal, scale, acc, left, right):
+    """Masked scores `s_HQK` of one document, in `acc`."""
     h, g = q_d.shape[1], k_d.shape[1]
     k_rep = k_d.to(acc).repeat_interleave(h // g, dim=1)
     s_HQK = torch.einsum("qhd,khd->hqk", q_d.to(acc), k_rep) * scale
-    if is_causal:
+    if (left, right) != NO_WINDOW:
+        w_left, w_right = bounds((left, right), is_causal)
+        keep = keep_mask(range(lq), lq, lk, range(lk), w_left, w_right, q_d.device)
+        s_HQK = s_HQK.masked_fill(~keep, float("-inf"))
+    elif is_causal:
         keep = torch.ones(lq, lk, dtype=torch.bool, device=q_d.device).tril(lk - lq)
         s_HQK = s_HQK.masked_fill(~keep, float("-inf"))
-    lse_HQ = torch.logsumexp(s_HQK, dim=-1)
-    p_HQK = torch.exp(s_HQK - lse_HQ.masked_fill(lse_HQ == float("-inf"), 0.0).unsqueeze(-1))
-    return p_HQK, lse_HQ
+    return s_HQK
 
 
-def _math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
+def _probs(s_HQK: Tensor, lse_HQ: Tensor) -> Tensor:
+    # Rows that see no key (lse -inf) get p = 0, as do rows whose lse is +inf (a CP caller's
+    # rows that must not contribute).
+    return torch.exp(s_HQK - lse_HQ.masked_fill(lse_HQ == float("-inf"), 0.0).unsqueeze(-1))
+
+
+def _math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
     t_q, h, _ = q.shape
     acc = _lse_dtype(q.dtype)
     out = q.new_zeros(t_q, h, v.shape[-1])
@@ -173,14 +277,16 @@ def _math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
         lq, lk = eq - sq, ek - sk
         if lq == 0 or lk == 0:
             continue
-        p_HQK, lse_HQ = _math_doc_probs(q[sq:eq], k[sk:ek], lq, lk, is_causal, scale, acc)
+        s_HQK = _math_doc_scores(q[sq:eq], k[sk:ek], lq, lk, is_causal, scale, acc, left, right)
+        lse_HQ = torch.logsumexp(s_HQK, dim=-1)
+        p_HQK = _probs(s_HQK, lse_HQ)
         v_rep = v[sk:ek].to(acc).repeat_interleave(h // g, dim=1)
         out[sq:eq] = torch.einsum("hqk,khd->qhd", p_HQK, v_rep).to(q.dtype)
         lse[:, sq:eq] = lse_HQ
     return out, lse
 
 
-def _math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale):
+def _math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
     t_q, h, _ = q.shape
     g = k.shape[1]
     acc = _lse_dtype(q.dtype)
@@ -189,7 +295,10 @@ def _math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scal
         lq, lk = eq - sq, ek - sk
         if lq == 0 or lk == 0:
             continue
-        p_HQK, _ = _math_doc_probs(q[sq:eq], k[sk:ek], lq, lk, is_causal, scale, acc)
+        s_HQK = _math_doc_scores(q[sq:eq], k[sk:ek], lq, lk, is_causal, scale, acc, left, right)
+        # The given lse, not this document's own: ring attention passes the lse of the whole row,
+        # merged over key chunks (for a plain call the two are the same bits).
+        p_HQK = _probs(s_HQK, lse[:, sq:eq].to(acc))
         do_ = dout[sq:eq].to(acc)
         v_rep = v[sk:ek].to(acc).repeat_interleave(h // g, dim=1)
         k_rep = k[sk:ek].to(acc).repeat_interleave(h // g, dim=1)
@@ -348,14 +457,16 @@ def _flex_checked_or_flash(
     return ref
 
 
-def _cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
+def _cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
     if not _flash_ok(q, v):
-        return _math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale)
+        return _math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
 
     def flash() -> tuple[Tensor, Tensor]:
-        return _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale)
+        return _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
 
-    if _use_flex(q, k, v, cu_q, cu_k, is_causal, scale):
+    # A window runs on flash: its local-attention kernels take (left, right) as they are, and the
+    # flex path's block masks know documents only.
+    if (left, right) == NO_WINDOW and _use_flex(q, k, v, cu_q, cu_k, is_causal, scale):
         try:
             got = flex_kernel.flex_fwd(q, k, v, cu_q, is_causal, scale)
         except flex_kernel.BuildError as exc:
@@ -365,14 +476,14 @@ def _cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
     return flash()
 
 
-def _cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale):
+def _cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
     if not _flash_ok(q, v):
-        return _math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale)
+        return _math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
 
     def flash() -> tuple[Tensor, Tensor, Tensor]:
-        return _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale)
+        return _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
 
-    if _use_flex(q, k, v, cu_q, cu_k, is_causal, scale):
+    if (left, right) == NO_WINDOW and _use_flex(q, k, v, cu_q, cu_k, is_causal, scale):
         try:
             got = flex_kernel.flex_bwd(dout, q, k, v, out, lse, cu_q, is_causal, scale)
         except flex_kernel.BuildError as exc:
@@ -384,15 +495,17 @@ def _cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scal
     return flash()
 
 
-def _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale):
+def _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
+    max_k, win = flash_window(max_q, max_k, is_causal, left, right)  # no window: max_k, {}
     out, lse, *_ = _aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False, scale=scale
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False, scale=scale, **win
     )
     # flash marks rows that see no key with lse = +inf; the contract says -inf (log of an empty sum).
     return out, lse.masked_fill(lse == float("inf"), float("-inf"))
 
 
-def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale):
+def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
+    max_k, win = flash_window(max_q, max_k, is_causal, left, right)  # no window: max_k, {}
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout is always 0
     unused = torch.empty(0, device=q.device)
     dq, dk, dv = _aten._flash_attention_backward(
@@ -411,6 +524,7 @@ def _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, sca
         rng_state,
         unused,
         scale=scale,
+        **win,
     )
     if _same_boundaries(q, k, cu_q, cu_k):
         return dq, dk, dv  # self-attention: every key lies in a document
@@ -436,12 +550,18 @@ def varlen_fwd(
     max_seqlen_k: int,
     is_causal: bool,
     scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor]:
     """Packed-document attention forward: `(out_THKv, lse_HT)`. See the module docstring.
 
+    `window_left/right`: flash-attention's sliding window (`usp_graph.ops.window`), -1 unbounded;
+    appended with defaults, so graphs saved before they existed still load and replay.
     Outputs are contiguous whatever the inputs' strides (the flash kernel would hand back q's
     layout): the fake impl promises that, and a compiler checks it."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
+    if (window_left, window_right) != NO_WINDOW:
+        args += (window_left, window_right)
     if q.device.type == "cpu":
         out, lse = _cpu_fwd(*args)
     elif q.device.type == "cuda":
@@ -452,7 +572,8 @@ def varlen_fwd(
 
 
 @varlen_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, window_left=-1,
+      window_right=-1):  # fmt: skip
     t_q, h, _ = q.shape
     return q.new_empty(t_q, h, v.shape[-1]), q.new_empty(h, t_q, dtype=_lse_dtype(q.dtype))
 
@@ -471,9 +592,11 @@ def varlen_bwd(
     max_seqlen_k: int,
     is_causal: bool,
     scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Packed-document attention backward: `(dq, dk, dv)` given the forward's `out` and `lse`;
-    contiguous, like the forward's outputs."""
+    contiguous, like the forward's outputs. `lse` may hold +inf for rows that must add nothing."""
     args = (
         grad_out,
         q,
@@ -488,6 +611,8 @@ def varlen_bwd(
         is_causal,
         scale,
     )
+    if (window_left, window_right) != NO_WINDOW:
+        args += (window_left, window_right)
     if q.device.type == "cpu":
         grads = _cpu_bwd(*args)
     elif q.device.type == "cuda":
@@ -498,7 +623,8 @@ def varlen_bwd(
 
 
 @varlen_bwd.register_fake
-def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale):
+def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+      window_left=-1, window_right=-1):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -506,18 +632,25 @@ def _(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 # Backward rule.
 
 
+def _window_args(left: int, right: int) -> tuple[int, ...]:
+    """The trailing window arguments of a varlen op call: none for no window, so windowless calls
+    (and the graphs traced from them) are exactly what they were before windows existed."""
+    return () if (left, right) == NO_WINDOW else (left, right)
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, *win = inputs  # defaults filled in
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.max_q, ctx.max_k, ctx.is_causal, ctx.scale = max_q, max_k, is_causal, scale
+    ctx.window = _window_args(*win) if win else ()
     # An unused lse (the common case) then arrives as None and costs nothing in backward.
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    meta = (cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.is_causal, ctx.scale)
+    meta = (cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.is_causal, ctx.scale, *ctx.window)
     if grad_out is None:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     else:
@@ -531,7 +664,7 @@ def _backward(ctx, grad_out, grad_lse):
         dq = dq + (ctx.scale * w_TH1 * pk).to(dq.dtype)
         _, _, pt_wq = torch.ops.usp.varlen_bwd((w_TH1 * q).to(q.dtype), q, k, k, pk, lse_k, *meta)
         dk = dk + (ctx.scale * pt_wq).to(dk.dtype)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 registry.register_rule(
@@ -568,6 +701,7 @@ def varlen_attn(
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
+    window: tuple[int, int] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention within documents of packed `(T, H, K)` tensors.
 
@@ -575,6 +709,11 @@ def varlen_attn(
     repeat the total); `max_seqlen_q/k` upper bounds on document lengths. Causal is bottom-right
     aligned within each document. With `enable_gqa`, G may divide H. Returns `out_THKv`, and
     `lse_HT` when `return_lse` (differentiable too).
+
+    `window=(left, right)`: sliding-window attention exactly as flash-attention's `window_size`:
+    within a document, query r (at key position d = r + lk - lq) attends key c iff
+    ``d - left <= c <= d + right``; -1 leaves a side unbounded. With `is_causal`, right is 0.
+    None or (-1, -1): no window (the windowless kernels, bit for bit).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -628,7 +767,8 @@ def varlen_attn(
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    win = _window_args(*check_window(window))
     out, lse = torch.ops.usp.varlen_fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, float(scale)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, float(scale), *win
     )
     return (out, lse) if return_lse else out
