@@ -160,13 +160,31 @@ def decode_arg(data: Any, node: Callable[[str], fx.Node], where: str, depth: int
 
 
 def encode_tensor_data(t: torch.Tensor) -> dict[str, Any]:
-    """A real tensor's values: dtype, shape, device and little-endian bytes in base64."""
+    """A real tensor's values: dtype, shape, device and little-endian bytes in base64.
+
+    Callable while a FakeTensorMode is active (a torch.compile backend's hooks run inside
+    AOTAutograd's): the real data is read with fake mode switched off. A fake tensor is encoded
+    from the real constant it wraps (``FakeTensor.constant``); one without is refused.
+    """
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
     if sys.byteorder != "little":
         raise ValueError(
             "graph files store tensor data little-endian; saving on a big-endian host is not supported"
         )
-    cpu = t.detach().to("cpu").contiguous()
-    raw = cpu.view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
+    if is_fake(t):
+        real = getattr(t, "constant", None)
+        if real is None:
+            raise ValueError(
+                f"a fake tensor ({dtype_name(t.dtype)}{list(t.shape)}) has no data to save; give the graph a real "
+                "tensor (e.g. the module attribute's value, not its fake copy)"
+            )
+        t = real
+    if t.device.type == "meta":
+        raise ValueError(f"a meta tensor ({dtype_name(t.dtype)}{list(t.shape)}) has no data to save")
+    with unset_fake_temporarily():
+        cpu = t.detach().to("cpu").contiguous()
+        raw = cpu.view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
     return {
         "dtype": dtype_name(t.dtype),
         "shape": list(t.shape),

@@ -220,7 +220,10 @@ def _encode_node(node: fx.Node, namer: _Namer, constants: dict[str, Any], root: 
         key = str(node.target).replace(".", "__")
         if not IDENT.fullmatch(key) or keyword.iskeyword(key):
             raise ValueError(f"{where} reads attribute {node.target!r}, whose name is not an identifier")
-        constants[key] = encode_tensor_data(value)
+        try:
+            constants[key] = encode_tensor_data(value)
+        except ValueError as e:
+            raise ValueError(f"{where} reads constant {node.target!r}: {e}") from None
         out["target"] = key
     elif node.op == "placeholder" and node.target != node.name:
         out["target"] = node.target
