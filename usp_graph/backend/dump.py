@@ -8,11 +8,15 @@ compiles in this process; F/C is Dynamo's compile id), holding:
 - ``joint.txt`` (training), ``forward.txt``, ``backward.txt`` or ``inference.txt``: AOTAutograd's
   graphs (the joint carries ``usp_phase`` / ``usp_fwd_node`` tags); ``backward.txt`` appears when
   AOTAutograd compiles the backward, which may be at the first backward call;
-- ``<name>.graph``: the same graphs as graph files, when usp_graph can write graph files
-  (``save_graph_module``); otherwise ``summary.json`` says why not;
-- ``summary.json`` (``"format": "usp_graph.compile_dump"``, ``"version": 1``): attention sites
-  (rewritten or kept, with the reason), metadata inputs, CP plan, op and collective counts per
-  graph and phase, the files above. It is rewritten whenever a graph arrives.
+- ``<name>.uspg``: the AOTAutograd graphs as graph files (``save_graph_module``; the metadata
+  symbols named ``N1`` and ``max_seqlen``); ``forward.uspg``'s nodes are named as in the joint, and
+  ``backward.uspg``'s ``usp_fwd_node`` tags name them, which is how ``usp-graph inspect`` pairs a
+  forward site with its backward across the two files;
+- ``summary.json`` (``"format": "usp_graph.compile_dump"``, ``"version": 1``), the manifest:
+  attention sites (rewritten or kept, with the reason), metadata inputs, CP plan, op and collective
+  counts per graph and phase, the files above, and ``"failed"``: each file that could not be
+  written, with the error (the compile goes on; ``usp-graph inspect`` then exits non-zero). It is
+  rewritten whenever a graph arrives.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -116,7 +121,12 @@ def _label(compile_id: Any) -> str:
 
 
 class GraphDump:
-    """The dump directory of one compiled graph."""
+    """The dump directory of one compiled graph.
+
+    Writing a file never fails the compile: a file that cannot be written is named, with the
+    error, in summary.json's ``"failed"`` (``{file name: "Error: message"}``) and warned about;
+    ``usp-graph inspect`` exits non-zero on such a dump and says which file.
+    """
 
     def __init__(self, root: Path, compile_id: Any, summary: dict[str, Any]) -> None:
         self.dir = Path(root) / _label(compile_id)
@@ -124,6 +134,7 @@ class GraphDump:
         self.summary: dict[str, Any] = {"format": FORMAT, "version": VERSION, **summary}
         self.summary.setdefault("graphs", {})
         self.summary.setdefault("graph_files", {})
+        self.summary.setdefault("failed", {})
 
     def graph(self, name: str, gm: fx.GraphModule, inputs: list[dict[str, Any]] | None = None) -> None:
         """Write `gm` as ``<name>.txt`` (and, for AOTAutograd graphs, a graph file) and refresh summary.json.
@@ -131,13 +142,26 @@ class GraphDump:
         inputs: one ``{"name", "role"[, "trainable"]}`` per placeholder (roles as graph files name
         them: parameter, buffer, batch, metadata, tangent, input), for AOTAutograd graphs.
         """
-        (self.dir / f"{name}.txt").write_text(graph_text(gm))
+        try:
+            self.summary["graphs"][name] = self._entry(name, gm, inputs)
+        except Exception as e:
+            self._fail(f"{name} (summary.json entry)", e)
+            self.summary["graphs"][name] = {"text": f"{name}.txt", "error": _error(e)}
+        try:
+            (self.dir / f"{name}.txt").write_text(graph_text(gm))
+        except Exception as e:
+            self._fail(f"{name}.txt", e)
+        if name in AOT_GRAPHS:
+            self.summary["graph_files"][name] = self._graph_file(name, gm, inputs)
+        self.write()
+
+    def _entry(self, name: str, gm: fx.GraphModule, inputs: list[dict[str, Any]] | None) -> dict[str, Any]:
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         described = [
             {"node": p.name, **(inputs[i] if inputs else {}), "value": _describe(node_value(p))}
             for i, p in enumerate(placeholders)
         ]
-        entry: dict[str, Any] = {
+        return {
             "text": f"{name}.txt",
             "nodes": len(gm.graph.nodes),
             # Only the joint graph is split by phase; forward/backward graphs keep the joint's tags.
@@ -145,10 +169,6 @@ class GraphDump:
             "collectives": _collectives(gm, name == "joint"),
             "inputs": described,
         }
-        self.summary["graphs"][name] = entry
-        if name in AOT_GRAPHS:
-            self.summary["graph_files"][name] = self._graph_file(name, gm, inputs)
-        self.write()
 
     def _graph_file(
         self, name: str, gm: fx.GraphModule, inputs: list[dict[str, Any]] | None
@@ -158,26 +178,63 @@ class GraphDump:
 
         path = self.dir / f"{name}.uspg"
         try:
-            specs = None
+            specs = symbols = None
             if inputs is not None:
-                specs = [
-                    _spec(input_spec, p, i)
-                    for p, i in zip(gm.graph.find_nodes(op="placeholder"), inputs, strict=True)
-                ]
-            save(gm, path, inputs=specs, meta={"compile_dump": self.summary.get("graph"), "graph": name})
-        except Exception as e:  # a dump must never fail the compile; it says why the file is missing
-            warnings.warn(
-                f"usp backend: could not write graph file {path}: {type(e).__name__}: {e}", stacklevel=2
+                placeholders = list(gm.graph.find_nodes(op="placeholder"))
+                specs = [_spec(input_spec, p, i) for p, i in zip(placeholders, inputs, strict=True)]
+                symbols = _metadata_symbols(placeholders, inputs)
+            save(
+                gm,
+                path,
+                inputs=specs,
+                symbols=symbols,
+                meta={"compile_dump": self.summary.get("graph"), "graph": name},
             )
-            return {"file": None, "error": f"{type(e).__name__}: {e}"}
+        except Exception as e:  # a dump must never fail the compile; it says why the file is missing
+            self._fail(path.name, e)
+            return {"file": None, "error": _error(e)}
+        self.summary["failed"].pop(path.name, None)
         return {"file": path.name, "error": None}
+
+    def _fail(self, what: str, e: Exception) -> None:
+        self.summary["failed"][what] = _error(e)
+        warnings.warn(f"usp backend: could not write {self.dir / what}: {_error(e)}", stacklevel=3)
 
     def update(self, **fields: Any) -> None:
         self.summary.update(fields)
         self.write()
 
     def write(self) -> None:
-        (self.dir / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str) + "\n")
+        from ..graphfile.document import write_atomic
+
+        # Atomic: `usp-graph inspect` may read the manifest while a lazily compiled backward rewrites it.
+        try:
+            write_atomic(self.dir / "summary.json", json.dumps(self.summary, indent=1, default=str) + "\n")
+        except Exception as e:
+            warnings.warn(
+                f"usp backend: could not write {self.dir / 'summary.json'}: {_error(e)}", stacklevel=2
+            )
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _metadata_symbols(placeholders: list[fx.Node], inputs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Readable names for the metadata symbols (``N1``: cu_seqlens entries, ``max_seqlen``), so a
+    graph file says ``N1 - 1`` documents rather than ``$s99 - 1``."""
+    out: dict[str, Any] = {}
+    for p, info in zip(placeholders, inputs, strict=True):
+        if info.get("role") != "metadata":
+            continue
+        v = node_value(p)
+        if info.get("name") == "cu_seqlens" and isinstance(v, torch.Tensor) and v.dim() == 1:
+            v, name = v.shape[0], "N1"
+        else:
+            name = info.get("name")
+        if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Symbol) and name not in out:
+            out[name] = v
+    return out
 
 
 def _spec(input_spec: Any, node: fx.Node, info: dict[str, Any]) -> Any:
