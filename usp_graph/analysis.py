@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import networkx as nx
@@ -191,36 +192,50 @@ def summarize(
     sites: Any = None,
     symbols: dict[str, Any] | None = None,
     values: dict[str, int] | None = None,
+    inputs: Sequence[Any] | None = None,
+    backward: fx.GraphModule | None = None,
+    forward_only: bool = False,
 ) -> dict[str, Any]:
     """Everything inspect shows, as JSON-able data.
 
     sites: the tracer's `AttentionSite`s (for source locations and not-rewritten reasons).
     symbols: {readable name: SymInt} to print symbolic sizes as e.g. ``T`` instead of ``s27``.
     values: {readable name: int} to evaluate symbolic byte counts (e.g. ``{"T": 4096}``).
+    inputs: a graph file's `InputSpec`s, one per placeholder: names and roles for placeholders
+    without a ``usp_input`` tag (a torch.compile dump's ``primals_N``).
+    backward: the graph holding `gm`'s backward when it is another graph (a compile dump's
+    backward.uspg next to its forward.uspg): its nodes' ``usp_fwd_node`` tags name `gm`'s nodes,
+    and pairing looks there. forward_only: `gm` is a forward graph whose backward is not given;
+    pairing is not checked (``pairing_checked`` False) rather than reported missing.
     """
     names = {str(v): k for k, v in (symbols or {}).items()}
     g = to_networkx(gm)
 
-    inputs = []
-    for n in gm.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        info = n.meta.get("usp_input") or {}
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    specs = (
+        list(inputs)
+        if inputs is not None and len(inputs) == len(placeholders)
+        else [None] * len(placeholders)
+    )
+    inputs_out = []
+    capacity = capacity_hint = None
+    for n, spec in zip(placeholders, specs, strict=True):
+        name, role = _input_role(n, spec)
         vals = _vals(n)
         v = vals[0] if vals else None
-        inputs.append(
+        inputs_out.append(
             {
-                "name": info.get("name", n.name),
+                "name": name,
                 "node": n.name,
-                "role": info.get("kind", "input"),
+                "role": role,
                 "shape": [_fmt(d, names) for d in _shape(v)] if isinstance(v, torch.Tensor) else None,
                 "dtype": str(v.dtype).removeprefix("torch.") if isinstance(v, torch.Tensor) else "SymInt",
             }
         )
+        if role == "cu_seqlens" and capacity is None and isinstance(v, torch.Tensor) and v.dim() == 1:
+            capacity, capacity_hint = _capacity(v.shape[0], names, values)
+    inputs = inputs_out
     meta_inputs = [i for i in inputs if i["role"] in ("cu_seqlens", "max_seqlen")]
-    capacity = next(
-        (i["shape"][0] - 1 for i in meta_inputs if i["role"] == "cu_seqlens" and i["shape"]), None
-    )
 
     attention = []
     for n in gm.graph.nodes:
@@ -285,21 +300,52 @@ def summarize(
                 "forward_node": n.meta.get("usp_fwd_node"),
             }
         )
-    pairing, unpaired = _pairing(gm)
+    pairing, unpaired = _pairing(gm, backward) if not (forward_only and backward is None) else ([], [])
     counts = Counter(_target_name(n) for n in gm.graph.nodes if n.op == "call_function")
     passes = Counter(n.meta.get("usp_pass", "?") for n in gm.graph.nodes)
     return {
         "inputs": inputs,
-        "metadata": {"inputs": meta_inputs, "capacity": capacity},
+        # capacity: documents cu_seqlens holds (an int, or an expression such as "N1 - 1" when the
+        # graph takes any capacity); capacity_hint: its value in the example the graph was made with
+        "metadata": {"inputs": meta_inputs, "capacity": capacity, "capacity_hint": capacity_hint},
         "attention": attention,
         "collectives": collectives,
         "pairing": pairing,
         "unpaired": unpaired,
+        "pairing_checked": not (forward_only and backward is None),
         "critical_path_comm": _critical_comm(g, gm, names),
         "op_counts": dict(sorted(counts.items())),
         "created_by_pass": dict(sorted(passes.items())),
         "nodes": len(gm.graph.nodes),
     }
+
+
+# usp_input tag kinds (traced train steps) for graph-file input roles (compile dumps)
+_ROLE_KIND = {"parameter": "param", "buffer": "buffer", "batch": "batch", "tangent": "tangent"}
+
+
+def _input_role(node: fx.Node, spec: Any) -> tuple[str, str]:
+    """(name, role) of a placeholder: its ``usp_input`` tag, else its graph file `InputSpec`."""
+    info = node.meta.get("usp_input")
+    if info:
+        return info.get("name", node.name), info.get("kind", "input")
+    if spec is None:
+        return node.name, "input"
+    role = _ROLE_KIND.get(spec.role, "input")
+    if spec.role == "metadata" and spec.name in ("cu_seqlens", "max_seqlen"):
+        role = spec.name
+    return spec.name, role
+
+
+def _capacity(entries: Any, names: dict[str, str], values: dict[str, int] | None) -> tuple[Any, int | None]:
+    """(capacity, its example value) from the number of cu_seqlens entries (capacity + 1)."""
+    if isinstance(entries, int):
+        return entries - 1, entries - 1
+    capacity = _fmt(entries - 1, names, values)
+    if isinstance(capacity, int):
+        return capacity, capacity
+    hint = entries.node.hint if isinstance(entries, torch.SymInt) else None
+    return capacity, None if hint is None else int(hint) - 1
 
 
 def _site_name(site: Any) -> str | None:
@@ -321,13 +367,17 @@ def _source(node: fx.Node, sites: Any) -> str:
     return lines[-1] if lines else ""
 
 
-def _pairing(gm: fx.GraphModule) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Forward usp ops with a rule whose backward op (or adjoint collective) is in the backward."""
+def _pairing(
+    gm: fx.GraphModule, backward: fx.GraphModule | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Forward usp ops with a rule whose backward op (or adjoint collective) is in the backward:
+    in `gm` itself, and in `backward` when the backward is another graph."""
     backward_by_fwd: dict[str, list[fx.Node]] = {}
-    for n in gm.graph.nodes:
+    backward_nodes = [n for m in (gm, backward) if m is not None for n in m.graph.nodes]
+    for n in backward_nodes:
         if n.meta.get("usp_phase") == "backward" and n.meta.get("usp_fwd_node"):
             backward_by_fwd.setdefault(n.meta["usp_fwd_node"], []).append(n)
-    has_backward = any(n.meta.get("usp_phase") == "backward" for n in gm.graph.nodes)
+    has_backward = any(n.meta.get("usp_phase") == "backward" for n in backward_nodes)
     pairs, unpaired = [], []
     for n in gm.graph.nodes:
         if n.meta.get("usp_phase") != "forward" or _usp_name(n) is None:

@@ -1,7 +1,7 @@
 """The ``usp-graph`` command line (also ``python -m usp_graph``).
 
-Exit codes: 0 success; 1 a check failed (verify found a problem, demo saw a mismatch);
-2 bad usage or an unreadable file.
+Exit codes: 0 success; 1 a check failed (verify found a problem, demo saw a mismatch, a
+compile dump's manifest records a file it could not write); 2 bad usage or an unreadable file.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 EXAMPLES = """examples:
@@ -32,41 +33,150 @@ class _Unreadable(Exception):
     """A path that is not a readable graph file or dump directory (exit code 2)."""
 
 
-def _graph_files(path: str) -> list[str]:
-    """The graph file itself, or every *.uspg under a directory (a compile dump_dir)."""
+_DUMP_FORMAT = "usp_graph.compile_dump"  # backend.dump.FORMAT, without importing torch for --help
+
+
+def _graph_files(path: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """(graph files, files a compile dump failed to write): the graph file itself, or every *.uspg
+    under a directory (a compile dump_dir), with each (path, error) its manifests record."""
     if os.path.isdir(path):
-        files = sorted(
-            os.path.join(root, f) for root, _, names in os.walk(path) for f in names if f.endswith(".uspg")
-        )
-        if not files:
+        files, failed = [], []
+        for root, _, names in sorted(os.walk(path)):
+            files += sorted(os.path.join(root, f) for f in names if f.endswith(".uspg"))
+            if "summary.json" in names:
+                failed += _failed_files(root)
+        if not files and not failed:
             raise _Unreadable(f"{path}: directory holds no graph files (*.uspg)")
-        return files
+        return files, failed
     if not os.path.exists(path):
         raise _Unreadable(f"{path}: no such file")
-    return [path]
+    return [path], []
 
 
-def _load(path: str) -> Any:
+def _manifest(folder: str) -> dict[str, Any] | None:
+    """The summary.json of one compiled graph's dump in `folder`, or None where there is none."""
+    path = os.path.join(folder, "summary.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as fh:
+            manifest = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise _Unreadable(f"{path}: {e}") from e
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == _DUMP_FORMAT else None
+
+
+def _failed_files(folder: str) -> list[tuple[str, str]]:
+    """What the manifest (summary.json) of one compiled graph's dump says was not written."""
+    manifest = _manifest(folder)
+    if manifest is None:
+        return []
+    out: dict[str, str] = {}
+    failed = manifest.get("failed")
+    for what, error in (failed if isinstance(failed, dict) else {}).items():
+        out[str(what)] = str(error)
+    graph_files = manifest.get("graph_files")
+    for name, entry in (graph_files if isinstance(graph_files, dict) else {}).items():
+        if not isinstance(entry, dict):
+            continue
+        if entry.get("error"):
+            out.setdefault(f"{name}.uspg", str(entry["error"]))
+        elif isinstance(entry.get("file"), str) and not os.path.exists(os.path.join(folder, entry["file"])):
+            out.setdefault(entry["file"], "summary.json lists it as written, but it is not in the directory")
+    return [(os.path.join(folder, what), error) for what, error in out.items()]
+
+
+def _load(path: str, cache: dict[str, Any] | None = None) -> Any:
     """Any graph file (train step or compile dump) as a `GraphFile`; nothing in it is executed."""
     from .graphfile import load_graph_module
 
+    if cache is not None and path in cache:
+        return cache[path]
     try:
-        return load_graph_module(path)
+        g = load_graph_module(path)
     except (OSError, ValueError) as e:
         raise _Unreadable(f"{path}: {e}") from e
+    if cache is not None:
+        cache[path] = g
+    return g
 
 
-def _summary(path: str, values: dict[str, int] | None = None, graph: Any = None) -> dict[str, Any]:
+def _backward_file(path: str, g: Any, cache: dict[str, Any] | None) -> tuple[bool, Any, str | None]:
+    """(is a compile dump's forward graph, its backward `GraphFile` or None, that file's path).
+
+    A dump writes one compiled graph's forward and backward as forward.uspg and backward.uspg in
+    one directory; the backward's nodes name the forward nodes they differentiate."""
+    if g.kind != "graph_module" or g.meta.get("graph") != "forward" or "compile_dump" not in g.meta:
+        return False, None, None
+    other = os.path.join(os.path.dirname(path), "backward.uspg")
+    if not os.path.exists(other):
+        return True, None, None
+    b = _load(other, cache)
+    if b.meta.get("graph") != "backward" or b.meta.get("compile_dump") != g.meta["compile_dump"]:
+        return True, None, None
+    return True, b, other
+
+
+def _summary(
+    path: str, values: dict[str, int] | None = None, graph: Any = None, cache: dict[str, Any] | None = None
+) -> dict[str, Any]:
     from .analysis import summarize
 
-    g = graph if graph is not None else _load(path)
-    return summarize(g.graph_module, symbols=g.symbols, values=values)
+    g = graph if graph is not None else _load(path, cache)
+    forward, b, b_path = _backward_file(path, g, cache)
+    s = summarize(
+        g.graph_module,
+        sites=_dump_sites(path, g),
+        symbols=g.symbols,
+        values=values,
+        inputs=g.inputs,
+        backward=b.graph_module if b is not None else None,
+        forward_only=forward,
+    )
+    if "compile_dump" in g.meta:
+        s["compile_dump"] = {
+            "graph": g.meta["compile_dump"],
+            "file": g.meta.get("graph"),
+            "backward_file": b_path,
+        }
+        forward_file = os.path.join(os.path.dirname(path), "forward.uspg")
+        if g.meta.get("graph") == "backward" and os.path.exists(forward_file):
+            s["compile_dump"]["forward_file"] = forward_file
+    return s
+
+
+def _dump_sites(path: str, g: Any) -> list[Any] | None:
+    """The attention sites a compile dump's manifest records (rewritten or kept, with the reason),
+    for the graphs that run the forward: an SDPA kept as SDPA may leave no SDPA op in AOTAutograd's
+    graphs (with dropout it decomposes), so only the manifest still says it was there and why."""
+    if g.meta.get("graph") not in ("joint", "forward", "inference") or "compile_dump" not in g.meta:
+        return None
+    manifest = _manifest(os.path.dirname(path))
+    if manifest is None or manifest.get("graph") != g.meta["compile_dump"]:
+        return None
+    return [
+        SimpleNamespace(
+            name=r.get("name"),
+            source=r.get("source") or "",
+            reason=r.get("reason"),
+            rewritable=bool(r.get("rewritten")),
+            q_shape=r.get("q_shape"),
+            is_causal=r.get("is_causal"),
+        )
+        for r in manifest.get("sites") or ()
+        if isinstance(r, dict)
+    ]
 
 
 def inspect_text(path: str, values: dict[str, int] | None = None) -> str:
     from . import report
 
     return report.text(_summary(path, values), title=path)
+
+
+def _report_failed(failed: list[tuple[str, str]]) -> None:
+    for path, error in failed:
+        print(f"usp-graph: the compile dump could not write {path}: {error}", file=sys.stderr)
 
 
 def _parse_values(items: Sequence[str] | None) -> dict[str, int]:
@@ -83,32 +193,41 @@ def _inspect(args: argparse.Namespace) -> int:
     from . import analysis, report
 
     values = _parse_values(args.values)
-    files = _graph_files(args.path)
-    summaries = {f: _summary(f, values) for f in files}
+    files, failed = _graph_files(args.path)
+    cache: dict[str, Any] = {}
+    summaries = {f: _summary(f, values, cache=cache) for f in files}
     if args.json:
-        print(json.dumps(summaries if len(files) > 1 else summaries[files[0]], indent=1, default=str))
+        if summaries:
+            print(json.dumps(summaries if len(files) > 1 else summaries[files[0]], indent=1, default=str))
     else:
         for f, s in summaries.items():
             print(report.text(s, title=f))
+        if failed:
+            print("FAILED: files the compile dump could not write (summary.json):")
+            for path, error in failed:
+                print(f"  {path}: {error}")
     if args.html:
         page = "\n".join(report.to_html(s, title=f) for f, s in summaries.items())
         with open(args.html, "w") as fh:
             fh.write(page)
         print(f"wrote {args.html}", file=sys.stderr)
-    if args.dot:
+    if args.dot and files:
         with open(args.dot, "w") as fh:
-            fh.write(analysis.to_dot(_load(files[0]).graph_module))
+            fh.write(analysis.to_dot(_load(files[0], cache).graph_module))
         print(f"wrote {args.dot}", file=sys.stderr)
-    return 0
+    _report_failed(failed)
+    return 1 if failed else 0
 
 
 def _verify(args: argparse.Namespace) -> int:
     from .passes.verify import VerifyError, verify
 
-    status = 0
-    for f in _graph_files(args.path):
-        g = _load(f)
-        s = _summary(f, graph=g)
+    files, failed = _graph_files(args.path)
+    status = 1 if failed else 0
+    cache: dict[str, Any] = {}
+    for f in files:
+        g = _load(f, cache)
+        s = _summary(f, graph=g, cache=cache)
         problems = [f"{u['node']} ({u['op']}): {u['missing']}" for u in s["unpaired"]]
         if g.kind == "train_step":
             try:  # the package's own verify pass: SDPA left, rules, adjoints, a grad per parameter
@@ -125,19 +244,28 @@ def _verify(args: argparse.Namespace) -> int:
                 f"{f}: ok ({len(s['pairing'])} forward ops paired with their backward, "
                 f"{len(s['collectives'])} collectives)"
             )
+    for path, error in failed:
+        print(f"{path}: FAILED (the compile dump could not write it: {error})")
     return status
 
 
 def _diff(args: argparse.Namespace) -> int:
     from . import analysis, report
 
-    a, b = (_summary(_graph_files(p)[0]) for p in (args.a, args.b))
+    a, b = (_summary(_first_file(p)) for p in (args.a, args.b))
     d = analysis.diff(a, b)
     print(
         json.dumps(d, indent=1, default=str) if args.json else report.diff_text(d),
         end="" if not args.json else "\n",
     )
     return 0
+
+
+def _first_file(path: str) -> str:
+    files, failed = _graph_files(path)
+    if not files:
+        raise _Unreadable(f"{path}: no graph file was written ({'; '.join(f'{p}: {e}' for p, e in failed)})")
+    return files[0]
 
 
 def _demo(args: argparse.Namespace) -> int:

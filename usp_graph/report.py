@@ -69,14 +69,14 @@ def _sections(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[A
     meta_rows = [[m["name"], _shape(m["shape"]), m["dtype"]] for m in meta["inputs"]]
     return [
         ("Inputs by role", ["role", "name", "shape", "dtype"], input_rows),
-        (f"Metadata inputs (capacity {meta['capacity']} documents)", ["name", "shape", "dtype"], meta_rows),
+        (f"Metadata inputs{_capacity(meta)}", ["name", "shape", "dtype"], meta_rows),
         ("Attention sites", ["node", "source", "q", "k", "causal", "gqa", "strategy"], attn),
         (
             "Collectives (bytes sent per rank per step)",
             ["node", "op", "phase", "group", "ranks", "bytes", "forward node"],
             coll,
         ),
-        ("Forward/backward pairing", ["forward", "op", "backward", "status"], pairs),
+        (_pairing_title(summary), ["forward", "op", "backward", "status"], pairs),
         ("Op counts", ["op", "count"], [[k, v] for k, v in counts]),
         (
             "Nodes by creating pass",
@@ -84,6 +84,28 @@ def _sections(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[A
             [[k, v] for k, v in summary["created_by_pass"].items()],
         ),
     ]
+
+
+def _capacity(meta: dict[str, Any]) -> str:
+    cap, hint = meta["capacity"], meta.get("capacity_hint")
+    if cap is None:
+        return ""
+    if isinstance(cap, int):
+        return f" (capacity {cap} documents)"
+    # a compiled graph takes any capacity (cu_seqlens' length is a symbol): say what it was made with
+    example = f"; {hint} in the example it was compiled with" if hint is not None else ""
+    return f" (capacity {cap} documents: any, without recompiling{example})"
+
+
+def _pairing_title(summary: dict[str, Any]) -> str:
+    if not summary.get("pairing_checked", True):
+        return "Forward/backward pairing (not checked: this forward graph's backward is in no file given)"
+    dump = summary.get("compile_dump") or {}
+    if dump.get("backward_file"):
+        return f"Forward/backward pairing (backward in {dump['backward_file']})"
+    if dump.get("forward_file"):  # a backward graph: its forward's ops are paired in the forward's file
+        return f"Forward/backward pairing (the forward's ops: see {dump['forward_file']})"
+    return "Forward/backward pairing"
 
 
 def text(summary: dict[str, Any], *, title: str = "") -> str:
