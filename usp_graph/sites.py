@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .masks import MaskForm, mask_form
 
-__all__ = ["AttentionSite", "find_sites", "source_location", "node_value", "SDPA_FORMS"]
+__all__ = ["AttentionSite", "find_sites", "source_location", "node_value", "SDPA_FORMS", "body_call"]
 
 _aten = torch.ops.aten
 
@@ -108,6 +108,7 @@ class AttentionSite:
     window: tuple[int, int] | None = None
     mask_form: MaskForm | None = None
     cross: bool = False
+    regions: tuple[fx.Node, ...] = field(default=(), repr=False)
 
     @property
     def name(self) -> str:
@@ -256,7 +257,10 @@ def _mask_why_not(site: AttentionSite) -> str | None:
     b, length = _int(site.q_shape[0]), _int(site.q_shape[-2])
     if b is None or length is None:
         return "attn_mask on a call whose batch or length has no example value"
-    form = mask_form(site.attn_mask, batch=b, length=length)
+    mask = site.attn_mask
+    while mask.op == "placeholder" and isinstance(mask.meta.get("usp_outer"), fx.Node):
+        mask = mask.meta["usp_outer"]  # a checkpointed region's input: read the mask where it is made
+    form = mask_form(mask, batch=b, length=length)
     if isinstance(form, str):
         return f"attn_mask is not a document mask: {form}"
     site.mask_form = form
@@ -348,12 +352,40 @@ def is_cross_attention(query: Any, key: Any) -> bool:
     return not stream_inputs(query) <= k_ins
 
 
+# Higher-order ops whose first argument is a body graph called with the remaining arguments
+# (activation checkpointing as Dynamo traces `torch.utils.checkpoint`, and plain wrapping). Sites in
+# their bodies are found and rewritten like any other; what they read is threaded in as operands.
+_BODY_OPS = ("tag_activation_checkpoint", "wrap")
+
+
+def body_call(node: fx.Node) -> fx.GraphModule | None:
+    """The body GraphModule `node` calls with ``node.args[1:]``, when it is such a higher-order op."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None
+    if node.target.name() not in _BODY_OPS or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    body_ref = node.args[0]
+    root = node.graph.owning_module
+    if body_ref.op != "get_attr" or root is None:
+        return None
+    body = getattr(root, body_ref.target, None)
+    return body if isinstance(body, fx.GraphModule) else None
+
+
 def find_sites(gm: fx.GraphModule | fx.Graph) -> list[AttentionSite]:
-    """Every SDPA call of the graph, in graph order, as `AttentionSite` records."""
+    """Every SDPA call of the graph, in graph order, as `AttentionSite` records; the calls inside
+    the bodies of checkpointed regions too (after the region's other sites, in body order)."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     sites = []
     for node in graph.nodes:
         if node.op != "call_function":
+            continue
+        body = body_call(node)
+        if body is not None:
+            sites.extend(_body_sites(node, body))
+            continue
+        if isinstance(node.target, torch._ops.HigherOrderOperator) and _has_sdpa(node):
+            sites.append(_hidden_site(node))
             continue
         try:
             form = SDPA_FORMS.get(node.target)
@@ -362,6 +394,55 @@ def find_sites(gm: fx.GraphModule | fx.Graph) -> list[AttentionSite]:
         if form is not None:
             sites.append(_site(node, form))
     return sites
+
+
+def _body_sites(call: fx.Node, body: fx.GraphModule) -> list[AttentionSite]:
+    placeholders = list(body.graph.find_nodes(op="placeholder"))
+    operands = list(call.args[1:])
+    for p, arg in zip(placeholders, operands, strict=False):
+        p.meta["usp_outer"] = arg if isinstance(arg, fx.Node) else None
+    sites = find_sites(body)
+    if len(placeholders) != len(operands):
+        for site in sites:
+            site.rewritable = False
+            site.reason = f"inside {call.name}, whose body takes {len(placeholders)} inputs for {len(operands)} operands"
+    for site in sites:
+        site.regions = (call, *site.regions)
+    return sites
+
+
+def _has_sdpa(node: fx.Node) -> bool:
+    root = node.graph.owning_module
+    for arg in node.args:
+        if isinstance(arg, fx.Node) and arg.op == "get_attr" and root is not None:
+            sub = getattr(root, arg.target, None)
+            if isinstance(sub, fx.GraphModule) and find_sites(sub):
+                return True
+    return False
+
+
+def _hidden_site(node: fx.Node) -> AttentionSite:
+    """A higher-order op usp_graph does not enter, with SDPA inside: reported, never ignored."""
+    val = node_value(node)
+    return AttentionSite(
+        node=node,
+        form="hidden",
+        query=node,
+        key=node,
+        value=node,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+        q_shape=None,
+        k_shape=None,
+        v_shape=None,
+        dtype=getattr(val, "dtype", None),
+        rewritable=False,
+        reason=f"attention inside the higher-order op {node.target.name()}, which usp_graph does not rewrite into",
+        source=source_location(node),
+    )
 
 
 def describe_sites(sites: Sequence[AttentionSite]) -> str:

@@ -102,6 +102,10 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
             new._dynamo_source = getattr(old, "_dynamo_source", None)
     copy = fx.GraphModule(gm, graph)
     copy.meta.update(gm.meta)
+    # Bodies of checkpointed regions are rewritten in place: give the copy its own.
+    for name, sub in list(copy.named_children()):
+        if isinstance(sub, fx.GraphModule):
+            setattr(copy, name, _copy(sub))
     if hasattr(gm, "_param_name_to_source"):
         copy._param_name_to_source = gm._param_name_to_source
     return copy

@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .. import masks
 from ..metadata import AttentionMetadata
 from ..sdpa import sdpa_to_usp
-from ..sites import AttentionSite, find_sites, node_value
+from ..sites import AttentionSite, body_call, find_sites, node_value
 from .base import PASS_META, PassContext, PassResult
 
 __all__ = ["rewrite_sdpa", "metadata_inputs", "INPUT_META", "PASS_NAME"]
@@ -245,6 +245,33 @@ def _inline(graph: fx.Graph, sub: fx.GraphModule, inputs: list[fx.Node], site: A
     return out
 
 
+def _thread(node: fx.Node, regions: tuple[fx.Node, ...], done: dict[tuple[fx.Node, fx.Node], fx.Node]) -> fx.Node:
+    """`node` (of the outer graph) as seen inside the checkpointed regions `regions` (outermost
+    first): appended to each region call's operands and to its body's placeholders, once."""
+    for call in regions:
+        if (call, node) in done:
+            node = done[(call, node)]
+            continue
+        body = body_call(call)
+        assert body is not None, call
+        call.args = (*call.args, node)
+        placeholders = list(body.graph.find_nodes(op="placeholder"))
+        where = (
+            body.graph.inserting_after(placeholders[-1])
+            if placeholders
+            else body.graph.inserting_before(next(iter(body.graph.nodes)))
+        )
+        with where:
+            inner = body.graph.placeholder(node.name)
+        for k in ("val", "example_value", INPUT_META):
+            if k in node.meta:
+                inner.meta[k] = node.meta[k]
+        inner.meta["usp_outer"] = node
+        inner.meta[PASS_META] = PASS_NAME
+        done[(call, node)] = node = inner
+    return node
+
+
 def _replace_site(graph: fx.Graph, site: AttentionSite, out: fx.Node) -> None:
     node = site.node
     if site.output_is_tuple:
@@ -298,6 +325,7 @@ def rewrite_sdpa(
     skipped = tuple(s for s in sites if not s.rewritable)
     cache: dict[tuple, fx.GraphModule] = {}
     checked: set[fx.Node] = set()
+    threaded: dict[tuple[fx.Node, fx.Node], fx.Node] = {}
     for site in todo:
         inputs = _SiteInputs(cu=cu, ms=ms)
         form = site.mask_form
@@ -314,8 +342,13 @@ def rewrite_sdpa(
         key = _key(site, inputs, cp)
         if key not in cache:
             cache[key] = _trace_site(site, inputs, cp)
-        out = _inline(gm.graph, cache[key], [site.query, site.key, site.value, *inputs.nodes()], site)
-        _replace_site(gm.graph, site, out)
+        extra = [_thread(n, site.regions, threaded) for n in inputs.nodes()]
+        graph = site.node.graph
+        out = _inline(graph, cache[key], [site.query, site.key, site.value, *extra], site)
+        _replace_site(graph, site, out)
+    for body in {id(b): b for b in (body_call(c) for s in todo for c in s.regions) if b is not None}.values():
+        body.graph.lint()
+        body.recompile()
     gm.graph.lint()
     gm.recompile()
     gm.meta["usp_sites"] = [(s.name, s.source) for s in todo]
