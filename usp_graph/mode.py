@@ -19,29 +19,97 @@ __all__ = ["attention_mode"]
 _SDPA_FUNCS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 
 
+# Attribute on tensors made inside the mode: the inputs they are computed from (see `_roots`).
+_ROOTS = "_usp_stream_roots"
+
+
+def _roots(t: torch.Tensor) -> frozenset[int] | None:
+    """The tensors from outside the mode (not parameters) `t` is computed from, by id; None for a
+    tensor from outside itself."""
+    return getattr(t, _ROOTS, None)
+
+
+def _input_roots(values) -> frozenset[int]:
+    found: set[int] = set()
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            r = _roots(x)
+            if r is not None:
+                found |= r
+            elif not isinstance(x, torch.nn.Parameter):
+                found.add(id(x))
+        elif isinstance(x, (list, tuple)):
+            found |= _input_roots(x)
+    return frozenset(found)
+
+
 class _SDPAToUSP(TorchFunctionMode):
-    def __init__(self, metadata: AttentionMetadata | None, cp) -> None:
+    def __init__(self, metadata: AttentionMetadata | None, cp, kv: AttentionMetadata | None = None) -> None:
         super().__init__()
         self.metadata = metadata
+        self.kv = kv
         self.cp = cp
         self.calls = 0
+        # With documents, whether a call is cross-attention matters (its keys take other
+        # documents), and eager has no graph to read it from: follow the data flow op by op.
+        self.track = metadata is not None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _SDPA_FUNCS:
             self.calls += 1
-            return sdpa_to_usp(*args, **kwargs, metadata=self.metadata, cp=self.cp)
-        return func(*args, **kwargs)
+            return self._attention(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.track:
+            roots = _input_roots(args) | _input_roots(kwargs.values())
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+                    try:
+                        setattr(t, _ROOTS, roots | (_roots(t) or frozenset()))
+                    except (AttributeError, RuntimeError):  # a tensor type without a __dict__
+                        pass
+        return out
+
+    def _attention(self, query, key, value, *args, **kwargs):
+        extra = {}
+        if self.track and self._is_cross(query, key):
+            if self.kv is None:
+                raise ValueError(
+                    "attention_mode(metadata): this SDPA call is cross-attention (its keys are not computed from "
+                    "everything its queries are), so the query documents cannot apply to its keys; give the "
+                    "key/value stream's documents too: attention_mode(metadata, kv=kv_metadata)"
+                )
+            extra["kv_metadata"] = self.kv
+        out = sdpa_to_usp(query, key, value, *args, **kwargs, metadata=self.metadata, cp=self.cp, **extra)
+        if self.track:
+            setattr(out, _ROOTS, _input_roots((query, key, value)))
+        return out
+
+    @staticmethod
+    def _is_cross(query, key) -> bool:
+        """The eager reading of `sites.is_cross_attention`: keys computed from only part of what
+        the queries come from; keys or queries handed in from outside say nothing (lengths decide)."""
+        q_roots, k_roots = _roots(query), _roots(key)
+        if q_roots is None or k_roots is None:
+            return query.shape[-2] != key.shape[-2]
+        return not q_roots <= k_roots
 
 
 @contextlib.contextmanager
-def attention_mode(metadata: AttentionMetadata | None = None, *, cp=None) -> Iterator[_SDPAToUSP]:
+def attention_mode(
+    metadata: AttentionMetadata | None = None, *, cp=None, kv: AttentionMetadata | None = None
+) -> Iterator[_SDPAToUSP]:
     """Run every `F.scaled_dot_product_attention` call inside through `sdpa_to_usp`.
 
     `metadata=None`: one document per batch row (SDPA's own semantics). With metadata, each call's
     `B * L` tokens (row-major) are the packed stream it describes and documents are isolated.
     With `cp` (a `usp_graph.ContextParallel`), SDPA inputs are this rank's sequence shards and
     `metadata` describes the global stream of all ranks' tokens.
+    `kv`: the documents of the key/value stream of cross-attention calls (document i of the
+    queries attends document i of the keys; same capacity). A call is cross-attention when its
+    keys are not computed from everything its queries are computed from (followed op by op while
+    metadata is given); under metadata, such a call without `kv` raises instead of attending with
+    the query documents.
     The yielded object counts the calls it routed (`.calls`).
     """
     if metadata is not None and not isinstance(metadata, AttentionMetadata):
@@ -53,7 +121,12 @@ def attention_mode(metadata: AttentionMetadata | None = None, *, cp=None) -> Ite
 
         if not isinstance(cp, ContextParallel):
             raise TypeError(f"cp must be a usp_graph.ContextParallel or None, got {type(cp).__name__}")
-    mode = _SDPAToUSP(metadata, cp)
+    if kv is not None:
+        if not isinstance(kv, AttentionMetadata):
+            raise TypeError(f"kv must be a usp_graph.AttentionMetadata or None, got {type(kv).__name__}")
+        if metadata is None:
+            raise ValueError("attention_mode(None, kv=...): key/value documents need query documents too")
+    mode = _SDPAToUSP(metadata, cp, kv)
     with mode, _recompute_checkpoints_in(mode):
         yield mode
 
