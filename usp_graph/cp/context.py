@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ..distributed import all_reduce_sum_ordered, group_timeout
 from ..metadata import AttentionMetadata
+from ..ops.window import NO_WINDOW, check_window
 from . import strategies
 from .layout import ChunkLayout
 
@@ -213,8 +214,12 @@ class ContextParallel:
         max_seqlen: int,
         is_causal: bool,
         scale: float,
+        window: tuple[int, int] | None = None,
     ) -> Tensor:
-        """Attention of this rank's query shard over the whole (global) documents."""
+        """Attention of this rank's query shard over the whole (global) documents.
+
+        `window=(left, right)`: a sliding window over global positions within each document
+        (flash-attention's convention, -1 unbounded; `usp_graph.varlen_attn`), every strategy."""
         ll = q_BHLK.shape[2]
         if k_BGLK.shape[2] != ll:
             raise ValueError(
@@ -224,6 +229,13 @@ class ContextParallel:
             raise ValueError(f"local sequence length {ll} must be even with zigzag load balancing")
         if self.check_metadata:
             self.assert_same_metadata(cu_seqlens)
+        window = check_window(window)
+        if window[0] == -1 and (is_causal or window[1] == 0):
+            # (-1, 0) is causal, and causal with no left bound is no window: the strategies'
+            # causal code (ring's skipped pairs, halo's one-sided halo) and no windowed kernels.
+            window, is_causal = NO_WINDOW, True
+        elif is_causal:
+            window = (window[0], 0)
         fn = getattr(strategies, self.strategy)
         return fn(
             self,
@@ -234,6 +246,7 @@ class ContextParallel:
             max_seqlen=max_seqlen,
             is_causal=is_causal,
             scale=scale,
+            window=window,
         )
 
     def assert_same_metadata(self, cu_seqlens: Tensor | AttentionMetadata) -> None:

@@ -6,6 +6,14 @@
 Every strategy derives its local document view from the GLOBAL `cu_seqlens` inside the
 computation (clamps and slices whose bounds come from shapes), so boundaries may change every
 step without retracing, and documents may cross shard boundaries.
+
+Sliding windows (`window=(left, right)`, positions global within each document): the kernel's
+window is anchored at the end of each document's query and key views (bottom-right), so a query
+chunk whose keys reach past its end gets `right` dummy query rows appended (`_window_view`): every
+document's query view then ends where its key view ends, and the dummy rows' outputs are dropped
+(zero gradient). A left-only window (right unbounded) runs on the reversed stream, where it is a
+right-only one. Ulysses sees whole documents and passes the window through; ring pairs are planned
+in ``usp::ring_attn_fwd``.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..ops import varlen
+from ..ops.window import NO_WINDOW, bounds
 from ..sdpa import pack, unpack
 
 if TYPE_CHECKING:
@@ -70,7 +79,52 @@ def _a2a(
     return torch.ops.usp.all_to_all(x, scatter_dim, gather_dim, scatter, gather, group)
 
 
-def allgather_kv(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
+def _window_view(q_T, k_T, v_T, cu_q, cu_k, *, pad, max_seqlen, is_causal, scale, window):
+    """Windowed varlen attention of the query rows `q_T` over keys `k_T`, where keys reach up to
+    `pad` tokens past q_T's last position. The caller clamps both views at that bound (q_T's end
+    + pad): `cu_q` counts `pad` dummy rows past q_T, appended here as zeros, so each document's
+    query and key views end together, the window's anchor. A slot of its own takes the dummy rows
+    past the stream's end (no keys). Returns out for q_T's rows; the dummy rows' gradient is 0."""
+    if pad:
+        rows = q_T.shape[0]
+        q_T = torch.cat([q_T, q_T.new_zeros(pad, *q_T.shape[1:])])
+        cu_q = torch.cat([cu_q, cu_q.new_full((1,), rows + pad)])
+        cu_k = torch.cat([cu_k, cu_k[-1:]])
+    out = varlen.varlen_attn(
+        q_T, k_T, v_T, cu_q, cu_k, max_seqlen + pad, max_seqlen, is_causal=is_causal, scale=scale,
+        enable_gqa=True, window=window,
+    )  # fmt: skip
+    return out[: out.shape[0] - pad] if pad else out
+
+
+def _reversed_stream(cu: Tensor, total) -> Tensor:
+    """Document boundaries of the token stream read backwards (position x -> total - 1 - x)."""
+    return total - cu.flip(0)
+
+
+def _allgather_windowed(q_T, k_T, v_T, chunks, chunk, cu, max_seqlen, is_causal, scale, window):
+    """allgather_kv under a window: per local chunk, keys from the stream start to `right` tokens
+    past the chunk (dummy query rows, `_window_view`); a left-only window on the reversed stream."""
+    left, right = bounds(window, is_causal)
+    total = k_T.shape[0]
+    flip = right == -1  # (left, -1) reads backwards as (-1, left)
+    if flip:
+        k_T, v_T, cu = k_T.flip(0), v_T.flip(0), _reversed_stream(cu, total)
+        window, is_causal, right = (-1, left), False, left
+    outs = []
+    for i, cid in enumerate(chunks):
+        start, end = cid * chunk, (cid + 1) * chunk
+        q_i = q_T[i * chunk : (i + 1) * chunk]
+        if flip:
+            start, end, q_i = total - end, total - start, q_i.flip(0)
+        out = _window_view(
+            q_i, k_T, v_T, cu.clamp(start, end + right) - start, cu.clamp(max=end + right), pad=right, max_seqlen=max_seqlen, is_causal=is_causal, scale=scale, window=window,
+        )  # fmt: skip
+        outs.append(out.flip(0) if flip else out)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+
+def allgather_kv(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
     """Q stays sharded; K/V are all-gathered. One varlen call per local chunk, whose query view is
     the global boundaries clamped to the chunk and whose keys run from 0 to the chunk end (causal)
     or over the whole stream."""
@@ -79,6 +133,12 @@ def allgather_kv(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
     v_g = _rows_in_order(torch.ops.usp.all_gather(v, 2, cp.world, cp.group_name), cp)
     k_T, v_T, q_T = pack(k_g), pack(v_g), pack(q)
     chunk = ll // cp.layout.per_rank
+    if window != NO_WINDOW:
+        chunks = cp.layout.global_chunks(cp.rank, b)
+        out_T = _allgather_windowed(
+            q_T, k_T, v_T, chunks, chunk, cu_seqlens, max_seqlen, is_causal, scale, window
+        )
+        return unpack(out_T, b)
     outs = []
     for i, cid in enumerate(cp.layout.global_chunks(cp.rank, b)):
         start, end = cid * chunk, (cid + 1) * chunk
@@ -105,7 +165,7 @@ def allgather_kv(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
     return unpack(out_T, b)
 
 
-def ulysses(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
+def ulysses(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
     """Sequence <-> heads all-to-all; the full sequence with a subset of heads runs varlen with the
     global boundaries, then the output goes back to sequence shards."""
     b, _, ll, _ = q.shape
@@ -125,32 +185,45 @@ def ulysses(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
         is_causal=is_causal,
         scale=scale,
         enable_gqa=True,
+        window=window,  # whole documents, global boundaries: the window as it is
     )
     out = _rows_rank_major(unpack(out_T, b), cp)
     return _a2a(out, 2, 1, seq, q_sizes, cp.group_name)
 
 
-def _ring_call(q_T, k_T, v_T, chunk_ids, per_rank, group, cu_seqlens, max_seqlen, is_causal, scale):
+def _ring_call(q_T, k_T, v_T, chunk_ids, per_rank, group, cu_seqlens, max_seqlen, is_causal, scale,
+               window=NO_WINDOW):  # fmt: skip
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    win = {} if window == NO_WINDOW else {"window_left": window[0], "window_right": window[1]}
     out, _ = torch.ops.usp.ring_attn_fwd(
-        q_T, k_T, v_T, cu_seqlens, max_seqlen, is_causal, float(scale), chunk_ids, per_rank, group
+        q_T, k_T, v_T, cu_seqlens, max_seqlen, is_causal, float(scale), chunk_ids, per_rank, group, **win
     )
     return out
 
 
-def ring(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
+def ring(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
     """K/V rotate around the ring; partial outputs merged by log-sum-exp (``usp::ring_attn_fwd``)."""
     b = q.shape[0]
     ids = [c for r in range(cp.world) for c in cp.layout.global_chunks(r, b)]
     per_rank = b * cp.layout.per_rank
     out_T = _ring_call(
-        pack(q), pack(k), pack(v), ids, per_rank, cp.group_name, cu_seqlens, max_seqlen, is_causal, scale
+        pack(q),
+        pack(k),
+        pack(v),
+        ids,
+        per_rank,
+        cp.group_name,
+        cu_seqlens,
+        max_seqlen,
+        is_causal,
+        scale,
+        window,
     )
     return unpack(out_T, b)
 
 
-def usp(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
+def usp(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
     """2-D: Ulysses all-to-all inside groups of `ulysses_degree` ranks, ring (or, with
     ``across="halo"``, halo exchange) across the groups."""
     b, _, ll, _ = q.shape
@@ -167,7 +240,7 @@ def usp(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
         out = _halo_attention(
             q_g, k_g, v_g, chunk_ids=[bb * r + i for bb in range(b)], group=cp.ring_group_name,
             max_document_len=cp.max_document_len, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-            is_causal=is_causal, scale=scale,
+            is_causal=is_causal, scale=scale, window=window,
         )  # fmt: skip
         return _a2a(out, 2, 1, seq, q_sizes, cp.ulysses_group_name)
     # After the all-to-all, ring member i holds, per row, the chunks of CP ranks i*U .. i*U+U-1.
@@ -191,52 +264,91 @@ def usp(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
         max_seqlen,
         is_causal,
         scale,
+        window,
     )
     return _a2a(unpack(out_T, b), 2, 1, seq, q_sizes, cp.ulysses_group_name)
 
 
-def _halo_attention(q, k, v, *, chunk_ids, group, max_document_len, cu_seqlens, max_seqlen, is_causal, scale):
+def _halo_widths(max_document_len: int, is_causal: bool, window: tuple[int, int]) -> tuple[int, int, bool]:
+    """(before, after, must_fit): each side's halo is the longest reach a document allows
+    (max_document_len - 1) or, shorter, the window's bound on that side; documents must fit the
+    halo (max_seqlen <= max_document_len) unless the window bounds both sides within it."""
+    w = max_document_len - 1
+    left, right = bounds(window, is_causal)
+    before = w if left == -1 else min(w, left)
+    after = w if right == -1 else min(w, right)
+    return before, after, left == -1 or left > w or right == -1 or right > w
+
+
+def _halo_attention(q, k, v, *, chunk_ids, group, max_document_len, cu_seqlens, max_seqlen, is_causal, scale,
+                    window=NO_WINDOW):  # fmt: skip
     """Varlen attention of q (B, H, Lc, K), whose row b is global chunk `chunk_ids[b]` of length Lc,
     over K/V windows extended by halos exchanged with the neighbouring chunks' owners in `group`."""
     b, _, ll, _ = q.shape
-    w = max_document_len - 1
-    before, after = w, (0 if is_causal else w)
-    k_w = torch.ops.usp.halo_exchange(k, 2, before, after, max_seqlen, group)
-    v_w = torch.ops.usp.halo_exchange(v, 2, before, after, max_seqlen, group)
+    before, after, must_fit = _halo_widths(max_document_len, is_causal, window)
+    # usp::halo_exchange refuses documents longer than the halo allows; with both sides bounded by
+    # the window any document length is fine (max_seqlen 0: nothing to check).
+    check = max_seqlen if must_fit else 0
+    k_w = torch.ops.usp.halo_exchange(k, 2, before, after, check, group)
+    v_w = torch.ops.usp.halo_exchange(v, 2, before, after, check, group)
     q_T, k_T, v_T = pack(q), pack(k_w), pack(v_w)
     span = before + ll + after
     outs = []
     for i, cid in enumerate(chunk_ids):
         start = cid * ll
-        window = start - before  # global position of the window's first key (may be < 0)
+        first = start - before  # global position of the window's first key (may be < 0)
         # Keys of the window past the stream's ends (zeros) lie outside every document: unused,
         # with zero gradient (the varlen contract), and halo_reduce drops them.
-        outs.append(
-            varlen.varlen_attn(
-                q_T[i * ll : (i + 1) * ll],
-                k_T[i * span : (i + 1) * span],
-                v_T[i * span : (i + 1) * span],
-                cu_seqlens.clamp(start, start + ll) - start,
-                cu_seqlens.clamp(window, window + span) - window,
-                max_seqlen,
-                max_seqlen,
-                is_causal=is_causal,
-                scale=scale,
-                enable_gqa=True,
-            )
+        q_i, k_i, v_i = (
+            q_T[i * ll : (i + 1) * ll],
+            k_T[i * span : (i + 1) * span],
+            v_T[i * span : (i + 1) * span],
         )
+        cu_k = cu_seqlens.clamp(first, first + span) - first
+        if window == NO_WINDOW:
+            outs.append(
+                varlen.varlen_attn(
+                    q_i,
+                    k_i,
+                    v_i,
+                    cu_seqlens.clamp(start, start + ll) - start,
+                    cu_k,
+                    max_seqlen,
+                    max_seqlen,
+                    is_causal=is_causal,
+                    scale=scale,
+                    enable_gqa=True,
+                )  # fmt: skip
+            )
+        else:  # query views extended over `after` dummy rows end where the key views end
+            cu_q = cu_seqlens.clamp(start, start + ll + after) - start
+            outs.append(
+                _window_view(
+                    q_i,
+                    k_i,
+                    v_i,
+                    cu_q,
+                    cu_k,
+                    pad=after,
+                    max_seqlen=max_seqlen,
+                    is_causal=is_causal,
+                    scale=scale,
+                    window=window,
+                )  # fmt: skip
+            )
     out_T = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
     return unpack(out_T, b)
 
 
-def halo(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale):
+def halo(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
     """Q stays sharded; each rank takes from its neighbours only the K/V that a document crossing
     its shard boundary can need: the last ``max_document_len - 1`` tokens of the preceding chunk
-    (and, bidirectional, the first ones of the following chunk). One varlen call per row, keys over
-    that window. ``usp::halo_exchange`` refuses a step whose documents are longer than the halo
-    allows, so a too-long document is an error, never a wrong result."""
+    (and, bidirectional, the first ones of the following chunk), or fewer where a sliding window
+    reaches less far. One varlen call per row, keys over that window. ``usp::halo_exchange``
+    refuses a step whose documents are longer than the halo allows (unless the window bounds both
+    sides within it), so a too-long document is an error, never a wrong result."""
     return _halo_attention(
         q, k, v, chunk_ids=cp.layout.global_chunks(cp.rank, q.shape[0]), group=cp.group_name,
         max_document_len=cp.max_document_len, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-        is_causal=is_causal, scale=scale,
+        is_causal=is_causal, scale=scale, window=window,
     )  # fmt: skip

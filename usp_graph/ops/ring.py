@@ -16,6 +16,20 @@ buffer that travels with K/V and is carried home after the last step.
 
 Causal pairs: a key chunk entirely before the query chunk is attended in full, the same chunk is
 ordinary causal (equal lengths per document), a key chunk after the query chunk is skipped.
+
+Sliding windows (`window_left/right`, keyword-only; `usp_graph.ops.window`): a pair whose chunks
+lie farther apart than the window is skipped, one the window covers whole is attended in full,
+and the same chunk runs the window as it is (its views of a document coincide). A pair the window
+cuts has exactly one document with work (the one spanning from one chunk into the other), but its
+views of that document end at positions that depend on the boundaries, and the kernel's window is
+anchored at view ends (bottom-right). So the views are made to end at fixed chunk offsets, and the
+window shifted by that fixed amount (`_pair_plan`):
+- keys before the queries ("before"): the first m query rows that can reach the key chunk form
+  one view for the document holding the chunk's first token; rows past that document's end are
+  computed but dropped (out 0 / lse -inf forward, lse +inf and zero gradient backward);
+- keys after the queries ("after"): n dummy query rows are appended, standing for the key chunk's
+  first n positions with the gap between the chunks removed, so every query view ends where its
+  key view ends; the dummy rows' outputs are dropped.
 """
 
 from __future__ import annotations
@@ -27,10 +41,12 @@ from torch import Tensor
 from .. import registry
 from ..distributed import record_sent
 from .varlen import _lse_dtype
+from .window import NO_WINDOW, bounds
 
 __all__ = ["ring_attn_fwd", "ring_attn_bwd", "pair_view"]
 
 _NEG_INF = float("-inf")
+_POS_INF = float("inf")
 
 
 def _group(name: str):
@@ -57,23 +73,93 @@ def _pair_mode(qc: int, kc: int, is_causal: bool) -> str | None:
     return None
 
 
-def _pairs(q_ids: list[int], k_ids: list[int], chunk: int, cu: Tensor, is_causal: bool):
-    """(query chunk index, query slice, key slice, cu_q, cu_k, causal) for every (local query chunk,
-    visiting key chunk) pair that has work; the same sequence in forward and backward."""
+def _pair_plan(
+    qc: int, kc: int, chunk: int, is_causal: bool, window: tuple[int, int]
+) -> tuple[str, int, tuple[int, ...]] | None:
+    """How query chunk qc attends key chunk kc under `window`: None (skip) or (kind, rows/keys,
+    kernel window args). kind: 'full' | 'causal' (the windowless pair), 'same' (same chunk: the
+    window as it is), 'before' (the first `m` query rows, kernel window (left - gap - m, -1)),
+    'after' (the first `n` keys, kernel window (-1, right - gap)); gap: tokens between the chunks.
+    """
+    if window == NO_WINDOW:
+        mode = _pair_mode(qc, kc, is_causal)
+        return None if mode is None else (mode, chunk, ())
+    left, right = bounds(window, is_causal)
+    if kc == qc:
+        return ("causal" if is_causal else "full"), chunk, window
+    if kc < qc:  # every key precedes every query: only the left bound matters
+        gap = (qc - kc - 1) * chunk
+        if left == -1 or left >= gap + 2 * chunk - 1:  # farthest pair within the window
+            return "full", chunk, ()
+        if left <= gap:  # nearest pair (distance gap + 1) outside it
+            return None
+        m = min(chunk, left - gap)  # query rows r < left - gap reach the key chunk
+        return "before", m, (left - gap - m, -1)
+    if right == 0:  # every key follows every query
+        return None
+    gap = (kc - qc - 1) * chunk
+    if right == -1 or right >= gap + 2 * chunk - 1:
+        return "full", chunk, ()
+    if right <= gap:
+        return None
+    n = min(chunk, right - gap)  # keys j < right - gap are reached by the chunk's last rows
+    return "after", n, (-1, right - gap)
+
+
+class _Pair:
+    """One (local query chunk, visiting key chunk) kernel call; the same in forward and backward.
+
+    rows / keys: slices of the local q and the visiting k; dummy: query rows appended after q's
+    rows ('after'); valid: bool (rows,) of the rows that belong to the pair's document ('before');
+    window: the kernel's trailing window args; max_q: bound on the query views' lengths."""
+
+    __slots__ = ("qi", "rows", "keys", "cu_q", "cu_k", "causal", "window", "max_q", "dummy", "valid")
+
+    def __init__(self, qi, rows, keys, cu_q, cu_k, causal, window, max_q, dummy=0, valid=None):
+        self.qi, self.rows, self.keys, self.cu_q, self.cu_k = qi, rows, keys, cu_q, cu_k
+        self.causal, self.window, self.max_q, self.dummy, self.valid = causal, window, max_q, dummy, valid
+
+
+def _pairs(q_ids, k_ids, chunk, cu, is_causal, max_seqlen, window=NO_WINDOW):
+    """Every (local query chunk, visiting key chunk) pair that has work, in a fixed order."""
     for qi, qc in enumerate(q_ids):
         for ki, kc in enumerate(k_ids):
-            mode = _pair_mode(qc, kc, is_causal)
-            if mode is None:
+            plan = _pair_plan(qc, kc, chunk, is_causal, window)
+            if plan is None:
                 continue
-            cu_q, cu_k = pair_view(cu, qc * chunk, kc * chunk, chunk)
-            yield (
-                qi,
-                slice(qi * chunk, (qi + 1) * chunk),
-                slice(ki * chunk, (ki + 1) * chunk),
-                cu_q,
-                cu_k,
-                mode == "causal",
-            )
+            kind, size, win = plan
+            q0, k0 = qi * chunk, ki * chunk
+            qs, ks = qc * chunk, kc * chunk
+            if kind == "before":
+                # One view of `size` rows for the document that holds token qs (the only one with
+                # keys in this chunk and queries in that one); its key view ends at the chunk end.
+                cu_q = (cu > qs).to(cu.dtype) * size
+                cu_k = cu.clamp(ks, ks + chunk) - ks
+                doc_end = torch.where(cu > qs, cu, torch.iinfo(cu.dtype).max).amin()
+                valid = torch.arange(qs, qs + size, device=cu.device) < doc_end
+                rows = slice(q0, q0 + size)
+                yield _Pair(qi, rows, slice(k0, k0 + chunk), cu_q, cu_k, False, win, max(max_seqlen, size),
+                            valid=valid)  # fmt: skip
+            elif kind == "after":
+                # Dummy query rows stand for key positions ks .. ks+size-1 with the gap removed:
+                # boundaries past the query chunk continue at row `chunk`.
+                cu_q = (cu.clamp(qs, qs + chunk) - qs) + (cu.clamp(ks, ks + size) - ks)
+                cu_k = cu.clamp(ks, ks + size) - ks
+                yield _Pair(qi, slice(q0, q0 + chunk), slice(k0, k0 + size), cu_q, cu_k, False, win, max_seqlen,
+                            dummy=size)  # fmt: skip
+            else:
+                cu_q, cu_k = pair_view(cu, qs, ks, chunk)
+                yield _Pair(qi, slice(q0, q0 + chunk), slice(k0, k0 + chunk), cu_q, cu_k, kind == "causal", win,
+                            max_seqlen)  # fmt: skip
+
+
+def _pad_rows(x: Tensor, n: int, value: float = 0.0) -> Tensor:
+    """x (rows first) with `n` rows of `value` appended."""
+    return torch.cat([x, x.new_full((n, *x.shape[1:]), value)]) if n else x
+
+
+def _pad_cols(x: Tensor, n: int, value: float) -> Tensor:
+    return torch.cat([x, x.new_full((x.shape[0], n), value)], 1) if n else x
 
 
 def _start_rotate(tensors: list[Tensor], group, rank: int, size: int) -> tuple[list, list[Tensor]]:
@@ -123,9 +209,16 @@ def ring_attn_fwd(
     chunk_ids: list[int],
     chunks_per_rank: int,
     group_name: str,
+    *,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor]:
-    """Ring attention forward over the group: `(out_THK, lse_HT)` for this rank's queries."""
+    """Ring attention forward over the group: `(out_THK, lse_HT)` for this rank's queries.
+
+    `window_left/right`: a sliding window (flash's convention, -1 unbounded) over global positions
+    within each document; keyword-only, so the positional arguments graphs name stay put."""
     group, size, rank, chunk, ids = _layout(q, chunk_ids, chunks_per_rank, group_name)
+    window = (window_left, window_right)
     acc = _lse_dtype(q.dtype)
     t, h, _ = q.shape
     out = torch.zeros(t, h, v.shape[-1], dtype=acc, device=q.device)
@@ -136,16 +229,23 @@ def ring_attn_fwd(
         src = (rank - step) % size
         pending = _start_rotate(kv, group, rank, size) if step + 1 < size else None
         k_cur, v_cur = kv
-        for qi, qs, ks, cu_q, cu_k, causal in _pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal):
+        for p in _pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal, max_seqlen, window):
+            qs, ks = p.rows, p.keys
             o_p, lse_p = torch.ops.usp.varlen_fwd(
-                q[qs], k_cur[ks], v_cur[ks], cu_q, cu_k, max_seqlen, max_seqlen, causal, scale
-            )
-            if seen[qi]:
+                _pad_rows(q[qs], p.dummy), k_cur[ks], v_cur[ks], p.cu_q, p.cu_k, p.max_q, max_seqlen, p.causal,
+                scale, *p.window,
+            )  # fmt: skip
+            if p.dummy:
+                o_p, lse_p = o_p[: -p.dummy], lse_p[:, : -p.dummy]
+            if p.valid is not None:  # rows of other documents: no partial result
+                o_p = torch.where(p.valid.view(-1, 1, 1), o_p, 0)
+                lse_p = torch.where(p.valid, lse_p, _NEG_INF)
+            if seen[p.qi]:
                 _merge(out[qs], lse[:, qs], o_p, lse_p.to(acc))
             else:  # the first partial result is the running result: no merge pass
                 out[qs].copy_(o_p)
                 lse[:, qs].copy_(lse_p)
-                seen[qi] = True
+                seen[p.qi] = True
         if pending is not None:
             kv = _finish(pending)
     return out.to(q.dtype), lse.to(_lse_dtype(q.dtype))
@@ -165,7 +265,8 @@ def _merge(out: Tensor, lse: Tensor, o_p: Tensor, lse_p: Tensor) -> None:
 
 
 @ring_attn_fwd.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, is_causal, scale, chunk_ids, chunks_per_rank, group_name):
+def _(q, k, v, cu_seqlens, max_seqlen, is_causal, scale, chunk_ids, chunks_per_rank, group_name, *,
+      window_left=-1, window_right=-1):  # fmt: skip
     t, h, _ = q.shape
     return q.new_empty(t, h, v.shape[-1]), q.new_empty(h, t, dtype=_lse_dtype(q.dtype))
 
@@ -185,9 +286,13 @@ def ring_attn_bwd(
     chunk_ids: list[int],
     chunks_per_rank: int,
     group_name: str,
+    *,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Ring attention backward: `(dq, dk, dv)` for this rank's q and its own k/v."""
     group, size, rank, chunk, ids = _layout(q, chunk_ids, chunks_per_rank, group_name)
+    window = (window_left, window_right)
     acc = _lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     k_cur, v_cur = k, v
@@ -198,21 +303,31 @@ def ring_attn_bwd(
         pending = _start_rotate([k_cur, v_cur], group, rank, size) if step + 1 < size else None
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # grads of the visiting K/V
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        for _, qs, ks, cu_q, cu_k, causal in _pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal):
+        for p in _pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal, max_seqlen, window):
+            qs, ks = p.rows, p.keys
+            g_o, l_p = grad_out[qs], lse[:, qs]
+            if p.valid is not None:  # rows of other documents: p = exp(s - inf) = 0, no gradient
+                g_o = torch.where(p.valid.view(-1, 1, 1), g_o, 0)
+                l_p = torch.where(p.valid, l_p, _POS_INF)
             g_q, g_k, g_v = torch.ops.usp.varlen_bwd(
-                grad_out[qs],
-                q[qs],
+                _pad_rows(g_o, p.dummy),
+                _pad_rows(q[qs], p.dummy),
                 k_cur[ks],
                 v_cur[ks],
-                out[qs],
-                lse[:, qs],
-                cu_q,
-                cu_k,
+                _pad_rows(out[qs], p.dummy),
+                _pad_cols(l_p, p.dummy, _POS_INF),
+                p.cu_q,
+                p.cu_k,
+                p.max_q,
                 max_seqlen,
-                max_seqlen,
-                causal,
+                p.causal,
                 scale,
+                *p.window,
             )
+            if p.dummy:
+                g_q = g_q[: -p.dummy]
+            if p.valid is not None:
+                g_q = torch.where(p.valid.view(-1, 1, 1), g_q, 0)
             dq[qs] += g_q
             dk[ks] += g_k
             dv[ks] += g_v
@@ -248,15 +363,21 @@ def _(
     chunk_ids,
     chunks_per_rank,
     group_name,
+    *,
+    window_left=-1,
+    window_right=-1,
 ):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the op
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, v, cu, max_seqlen, is_causal, scale, chunk_ids, chunks_per_rank, group_name = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu)
     ctx.args = (max_seqlen, is_causal, scale, chunk_ids, chunks_per_rank, group_name)
+    left, right = keyword_only_inputs.get("window_left", -1), keyword_only_inputs.get("window_right", -1)
+    # No window: no keyword arguments, so the backward node is exactly the windowless one.
+    ctx.window = {} if (left, right) == NO_WINDOW else {"window_left": left, "window_right": right}
     ctx.set_materialize_grads(False)
 
 
@@ -270,8 +391,9 @@ def _backward(ctx, grad_out, grad_lse):
         return (None,) * 10
     max_seqlen, is_causal, scale, chunk_ids, chunks_per_rank, group_name = ctx.args
     dq, dk, dv = torch.ops.usp.ring_attn_bwd(
-        grad_out, q, k, v, out, lse, cu, max_seqlen, is_causal, scale, chunk_ids, chunks_per_rank, group_name
-    )
+        grad_out, q, k, v, out, lse, cu, max_seqlen, is_causal, scale, chunk_ids, chunks_per_rank, group_name,
+        **ctx.window,
+    )  # fmt: skip
     return dq, dk, dv, None, None, None, None, None, None, None
 
 

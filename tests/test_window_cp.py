@@ -1,0 +1,155 @@
+"""Sliding windows under every CP strategy on gloo ranks vs the single-process call, float64.
+
+# B batch, H heads, G kv heads, L global length, K head dim, P ranks
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.test_cp import _halo_lengths, _lengths, _seed
+
+pytestmark = pytest.mark.timeout(300)
+
+# Windows shorter and longer than a chunk (8 tokens, 4 with zigzag), one-sided either way, the
+# diagonal alone, and one that cuts nothing on documents of these lengths.
+WINDOWS = [(3, 0), (2, 2), (5, -1), (-1, 3), (0, 0), (11, 6), (1, 13), (40, 40)]
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / max(||ref||, 1): relative, but absolute where the reference is rounding noise
+    (window (0, 0): each query sees itself only, so dq is 0 up to rounding)."""
+    x, ref = x.double(), ref.double()
+    return (x - ref).norm().item() / max(ref.norm().item(), 1.0)
+
+
+def _make_cp(kind: str, world: int, zigzag: bool, longest: int):
+    from usp_graph import ContextParallel
+
+    lb = "zigzag" if zigzag else None
+    if kind == "usp":  # ring across Ulysses groups of 2 (pure Ulysses on 2 ranks)
+        return ContextParallel("usp", ulysses_degree=2, load_balance=lb)
+    if kind == "usp_ring":  # Ulysses degree 1: the ring op over the whole group
+        return ContextParallel("usp", ulysses_degree=1, load_balance=lb)
+    if kind == "halo":
+        return ContextParallel("halo", max_document_len=longest)
+    if kind == "usp_halo":
+        return ContextParallel("usp", ulysses_degree=min(2, world // 2) or 1, across="halo",
+                               max_document_len=longest)  # fmt: skip
+    return ContextParallel(kind, load_balance=lb)
+
+
+def _window_cases(rank: int, world: int, configs: list[tuple]) -> list[dict]:
+    """Each config: (kind, zigzag, causal, window, heads, kv_heads, batch, longest document or 0,
+    dtype name). Out and q/k/v grads of the CP call vs the single-process call."""
+    import torch.nn.functional as F  # noqa: F401  (the CP call goes through sdpa_to_usp)
+
+    from usp_graph import AttentionMetadata, sdpa_to_usp
+
+    results = []
+    for kind, zigzag, causal, window, h, g, b, longest, dtype_name in configs:
+        dtype = getattr(torch, dtype_name)
+        gen = torch.Generator().manual_seed(_seed("window", kind, zigzag, causal, window, h, g, b, longest))
+        length = 8 * world
+        lens = _halo_lengths(gen, b * length, longest) if longest else _lengths(gen, b * length)
+        meta = AttentionMetadata.from_lengths(lens, max_docs=len(lens) + 2)
+        cp = _make_cp(kind, world, zigzag, longest or 9)
+        q = torch.randn(b, h, length, 8, generator=gen, dtype=torch.float64).to(dtype)
+        k = torch.randn(b, g, length, 8, generator=gen, dtype=torch.float64).to(dtype)
+        v = torch.randn(b, g, length, 8, generator=gen, dtype=torch.float64).to(dtype)
+        go = torch.randn(b, h, length, 8, generator=gen, dtype=torch.float64).to(dtype)
+        qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+        ref = sdpa_to_usp(qr, kr, vr, is_causal=causal, enable_gqa=True, metadata=meta, window=window)
+        ref.backward(go)
+        ql, kl, vl = (cp.shard(x, 2).clone().requires_grad_() for x in (q, k, v))
+        out = sdpa_to_usp(ql, kl, vl, is_causal=causal, enable_gqa=True, metadata=meta, cp=cp, window=window)
+        out.backward(cp.shard(go, 2))
+        results.append(
+            {
+                "config": (kind, zigzag, causal, window, h, g, b, longest, dtype_name),
+                "out": _rel(out, cp.shard(ref, 2)),
+                "dq": _rel(ql.grad, cp.shard(qr.grad, 2)),
+                "dk": _rel(kl.grad, cp.shard(kr.grad, 2)),
+                "dv": _rel(vl.grad, cp.shard(vr.grad, 2)),
+            }
+        )
+    return results
+
+
+TOL = {"float64": 1e-10, "float32": 1e-5}
+
+
+def _check(results_per_rank):
+    for results in results_per_rank:
+        for r in results:
+            for key in ("out", "dq", "dk", "dv"):
+                assert r[key] <= TOL[r["config"][-1]], (r["config"], key, r[key])
+
+
+def _configs(world: int) -> list[tuple]:
+    shardings = [
+        (kind, zz) for kind in ("allgather_kv", "ulysses", "ring", "usp", "usp_ring") for zz in (False, True)
+    ]
+    configs = [
+        (kind, zz, causal, window, 4, 2, 2, 0, "float64")
+        for kind, zz in shardings
+        for causal in (False, True)
+        for window in WINDOWS
+    ]
+    # halo: documents no longer than max_document_len (every window), and documents longer than it
+    # where the window bounds both sides within the halo (the exchange sends only the window).
+    for kind in ("halo", "usp_halo"):
+        for causal in (False, True):
+            configs += [(kind, False, causal, window, 4, 2, 2, 9, "float64") for window in WINDOWS]
+            configs += [
+                (kind, False, causal, window, 4, 2, 2, 20, "float64") for window in [(3, 0), (2, 4), (0, 0)]
+            ]
+    configs += [
+        (kind, True, True, (3, 0), 4, 1, 1, 0, "float32") for kind in ("allgather_kv", "ring", "ulysses")
+    ]
+    configs += [("halo", False, False, (2, 3), 4, 1, 1, 9, "float32")]
+    return configs
+
+
+def test_every_strategy_with_a_window_matches_one_process_on_2_ranks():
+    _check(run_ranks(_window_cases, 2, _configs(2), timeout=280))
+
+
+def test_ring_and_2d_usp_with_a_window_match_one_process_on_4_ranks():
+    configs = [
+        (kind, zz, causal, window, 4, 2, 1, 0, "float64")
+        for kind, zz in (("ring", True), ("usp", False), ("usp", True))
+        for causal in (False, True)
+        for window in [(3, 0), (2, 9), (5, -1), (-1, 5)]
+    ] + [("usp_halo", False, causal, (3, 2), 4, 2, 1, 20, "float64") for causal in (False, True)]
+    _check(run_ranks(_window_cases, 4, configs, timeout=280))
+
+
+def test_ring_pair_plan_skips_pairs_outside_the_window_and_runs_covered_pairs_in_full():
+    from usp_graph.ops.ring import _pair_plan
+
+    c = 4  # chunk tokens; key chunk 0 against query chunk 2 is 4 tokens apart at the nearest
+    assert _pair_plan(2, 0, c, True, (4, 0)) is None  # nearest pair 5 apart
+    assert _pair_plan(2, 0, c, True, (5, 0)) == ("before", 1, (0, -1))  # query row 0 sees key 3
+    assert _pair_plan(2, 0, c, True, (10, 0)) == ("before", 4, (2, -1))
+    assert _pair_plan(2, 0, c, True, (11, 0)) == ("full", c, ())  # farthest pair 11 apart
+    assert _pair_plan(0, 2, c, True, (11, 5)) is None  # causal: later keys never
+    assert _pair_plan(0, 2, c, False, (-1, 6)) == ("after", 2, (-1, 2))
+    assert _pair_plan(1, 1, c, True, (2, 0)) == ("causal", c, (2, 0))
+    assert _pair_plan(1, 2, c, True, (-1, -1)) is None and _pair_plan(2, 1, c, True, (-1, -1)) == (
+        "full",
+        c,
+        (),
+    )
+
+
+def test_halo_sends_only_the_window():
+    from usp_graph.cp.strategies import _halo_widths
+
+    assert _halo_widths(9, True, (-1, -1)) == (8, 0, True)  # windowless: as before
+    assert _halo_widths(9, False, (-1, -1)) == (8, 8, True)
+    assert _halo_widths(9, True, (3, 0)) == (3, 0, False)  # any document length
+    assert _halo_widths(9, False, (3, 20)) == (3, 8, True)
+    assert _halo_widths(9, False, (2, -1)) == (2, 8, True)
