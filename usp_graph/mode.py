@@ -52,7 +52,7 @@ class _SDPAToUSP(TorchFunctionMode):
         self.calls = 0
         # With documents, whether a call is cross-attention matters (its keys take other
         # documents), and eager has no graph to read it from: follow the data flow op by op.
-        self.track = metadata is not None
+        self.track = metadata is not None or cp is not None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -73,6 +73,13 @@ class _SDPAToUSP(TorchFunctionMode):
     def _attention(self, query, key, value, *args, **kwargs):
         extra = {}
         if self.track and self._is_cross(query, key):
+            if self.metadata is None:  # under CP: one document per (global) row of both streams
+                b = query.shape[0]
+                metadata = AttentionMetadata.per_sample(b, query.shape[-2] * self.cp.world)
+                kv = AttentionMetadata.per_sample(b, key.shape[-2])
+                out = sdpa_to_usp(query, key, value, *args, **kwargs, metadata=metadata, cp=self.cp, kv_metadata=kv)
+                setattr(out, _ROOTS, _input_roots((query, key, value)))
+                return out
             if self.kv is None:
                 raise ValueError(
                     "attention_mode(metadata): this SDPA call is cross-attention (its keys are not computed from "

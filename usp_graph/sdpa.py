@@ -188,9 +188,17 @@ def sdpa_to_usp(
         if not isinstance(cp, ContextParallel):
             raise TypeError(f"cp must be a usp_graph.ContextParallel or None, got {type(cp).__name__}")
         if attn_mask is not None:
-            raise ValueError(
-                "attn_mask is not supported under context parallelism; pass AttentionMetadata instead"
+            # A model builds its mask from this rank's shard (transformers from the local position
+            # ids): only a band inside documents is accepted, for its window; the documents are
+            # the global metadata's.
+            if is_causal:
+                raise ValueError("attn_mask and is_causal=True were both given; SDPA accepts only one of them")
+            is_causal, mask_window, _ = _read_mask(
+                attn_mask, None, q_BHLK.shape[0], q_BHLK.shape[1], q_BHLK.shape[2], k_BGLK.shape[2]
             )
+            if mask_window is not None:
+                window = mask_window
+            attn_mask = None
         world = cp.world
     if kv_metadata is not None:
         if not isinstance(kv_metadata, AttentionMetadata):
@@ -211,7 +219,8 @@ def sdpa_to_usp(
         kv_meta = kv_metadata if kv_metadata is not None else metadata
         for name, x, n, meta_n in (
             ("query", query, b * seq_q * world, metadata),
-            ("key", key, b * seq_k * world, kv_meta),
+            # Under CP the key/value stream of cross-attention is replicated, not sharded.
+            ("key", key, b * seq_k * (world if kv_metadata is None else 1), kv_meta),
         ):
             if not (isinstance(n, int) and isinstance(meta_n.total_tokens, int)):
                 continue  # symbolic sizes: the graph's input checks own this
@@ -261,6 +270,23 @@ def sdpa_to_usp(
             cu_q = torch.arange(b + 1, dtype=torch.int32, device=device) * (seq_q * world)
         if g != h and not enable_gqa:  # SDPA's broadcast of a single kv head
             k_BGLK, v_BGLK = k_BGLK.expand(-1, h, -1, -1), v_BGLK.expand(-1, h, -1, -1)
+        if kv_metadata is not None:
+            from .cp.cross import cross_attention
+
+            if is_causal or window is not None:
+                raise ValueError("causal or windowed cross-attention is not supported under context parallelism")
+            out_BHLK = cross_attention(
+                cp,
+                q_BHLK,
+                k_BGLK,
+                v_BGLK,
+                cu_seqlens_q=cu_q,
+                max_seqlen_q=max_q,
+                cu_seqlens_k=cu_k,
+                max_seqlen_k=max_k,
+                scale=float(scale),
+            )
+            return out_BHLK.squeeze(1) if query.dim() == 3 else out_BHLK
         out_BHLK = cp.attention(
             q_BHLK,
             k_BGLK,

@@ -66,7 +66,8 @@ def _usp_call(
         # Metadata is global: under CP this call holds one of `cp.world` shards of the stream.
         metadata = AttentionMetadata(cu_seqlens_N1, max_seqlen, _tokens(q) * world)
     if cu_seqlens_kv_N1 is not None:
-        kv_metadata = AttentionMetadata(cu_seqlens_kv_N1, max_seqlen_kv, _tokens(k) * world)
+        # Under CP the key/value stream of cross-attention is replicated (`cp.cross`), not sharded.
+        kv_metadata = AttentionMetadata(cu_seqlens_kv_N1, max_seqlen_kv, _tokens(k))
     kwargs: dict[str, Any] = {
         "is_causal": is_causal,
         "scale": scale,
