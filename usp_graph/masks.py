@@ -201,8 +201,9 @@ def check_positions_match(cu_seqlens_N1: Tensor, pos_BL: Tensor) -> None:
     b, length = pos_BL.shape
     tokens = b * length
     meta_start = torch.zeros(tokens + 1, dtype=torch.bool, device=pos_BL.device)
-    meta_start = meta_start.scatter(0, cu_seqlens_N1.to(pos_BL.device).long().clamp(0, tokens), True)
-    ok = torch.eq(meta_start[:tokens], _starts(pos_BL)).all()
+    cu = cu_seqlens_N1.to(pos_BL.device)
+    meta_start = meta_start.scatter(0, cu.long().clamp(0, tokens), True)
+    ok = torch.eq(meta_start[:tokens], _starts(pos_BL)).all() & (cu[-1] == tokens) & (cu[0] == 0)
     torch._assert_async(
         ok,
         "usp_graph: the document metadata does not describe the documents the model's position ids "
@@ -219,6 +220,10 @@ def _node_value(node: Any) -> Any:
     if not isinstance(node, fx.Node):
         return node
     return node.meta["val"] if "val" in node.meta else node.meta.get("example_value")
+
+
+def _hint(x: Any) -> int:
+    return int(x.node.hint) if isinstance(x, torch.SymInt) else int(x)
 
 
 def _slice(out: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | str:
@@ -329,7 +334,7 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
                 )
             if positions is not None:
                 return f"the mask depends on two integer inputs ({positions.name}, {leaf.name})"
-            if val.dim() != 2 or val.shape[-1] != length or val.shape[0] not in (1, batch):
+            if val.dim() != 2 or _hint(val.shape[-1]) != length or _hint(val.shape[0]) not in (1, batch):
                 return f"the mask depends on input {leaf.name} of shape {tuple(val.shape)}, not (B, L) position ids"
             positions = leaf
         else:
@@ -346,7 +351,7 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
 
     pval = _node_value(positions) if positions is not None else None
     device = pval.device if pval is not None else torch.device("cpu")
-    rows = pval.shape[0] if pval is not None else batch
+    rows = _hint(pval.shape[0]) if pval is not None else batch
     dtype = pval.dtype if pval is not None else torch.int64
     base = torch.arange(length, dtype=dtype).expand(rows, length).to(device)
     keep = run(base if positions is not None else None)

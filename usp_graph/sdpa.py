@@ -114,6 +114,11 @@ def _read_mask(
             rows = doc_BL + (doc_BL[:, -1:] + 1).cumsum(0) - (doc_BL[:, -1:] + 1)
             derived = AttentionMetadata.from_document_ids(rows.reshape(-1), max_seqlen=seq_q)
     window = masks.band_of(keep_BLL, doc_BL)
+    if window is None and metadata is not None:
+        # A band over whole rows (a causal or sliding-window mask built without the documents, as
+        # transformers does with a cache): the metadata's documents replace the rows, as they do
+        # for is_causal=True.
+        window = masks.band_of(keep_BLL)
     if window is None:
         what = "the documents of the metadata" if metadata is not None else "its own documents"
         raise ValueError(

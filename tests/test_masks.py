@@ -1,0 +1,211 @@
+"""Document masks read by what the graph computes (`usp_graph.masks`), and documents from position ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from usp_graph import AttentionMetadata, attention_mode, documents
+from usp_graph.masks import (
+    band_mask,
+    band_of,
+    check_positions_match,
+    cu_seqlens_from_positions,
+    documents_of_mask,
+    segments_of_positions,
+)
+from usp_graph.models import Llama, LlamaConfig, make_llama_batch
+from usp_graph.sites import find_sites
+
+B, L, H, K = 2, 12, 2, 4
+
+
+def _packed_mask(pos_BL, window=None, causal=True):
+    """The mask transformers' training path builds: documents where positions count up by one,
+    causal (and a sliding window) on the remapped positions."""
+    first = pos_BL[:, :1] - 1
+    seg = (torch.diff(pos_BL, prepend=first, dim=-1) != 1).cumsum(-1)
+    q, k = pos_BL[:, :, None], pos_BL[:, None, :]
+    keep = seg[:, :, None] == seg[:, None, :]
+    if causal:
+        keep = keep & (k <= q)
+    if window is not None:
+        keep = keep & (k > q - window)
+    return keep[:, None]
+
+
+def _zero_start_mask(pos_BL):
+    """Causal within documents that start only where a position is 0: not transformers' rule (a
+    position that does not count up starts one too), so probes tell them apart."""
+    seg = (pos_BL == 0).cumsum(-1)
+    keep = (seg[:, :, None] == seg[:, None, :]) & torch.ones(L, L, dtype=torch.bool).tril()
+    return keep[:, None]
+
+
+def _site(fn, pos):
+    q = torch.randn(B, H, L, K)
+    gm = make_fx(fn, tracing_mode="symbolic", pre_dispatch=True)(q, pos)
+    (site,) = find_sites(gm)
+    return site
+
+
+def _positions(lengths_per_row):
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths_per_row])
+
+
+POS = _positions([[5, 1, 6], [3, 3, 3, 3]])
+
+
+@pytest.mark.parametrize(
+    ("mask_fn", "causal", "window"),
+    [
+        (lambda p: _packed_mask(p), True, None),
+        (lambda p: _packed_mask(p, window=3), True, (2, -1)),
+        (lambda p: _packed_mask(p, causal=False), False, None),
+        (lambda p: _packed_mask(p).to(torch.float32).log(), True, None),  # 0 / -inf additive form
+    ],
+    ids=["causal", "sliding_window", "bidirectional", "additive"],
+)
+def test_a_mask_built_from_position_ids_is_read_as_a_band_inside_their_documents(mask_fn, causal, window):
+    site = _site(lambda q, p: F.scaled_dot_product_attention(q, q, q, attn_mask=mask_fn(p)), POS)
+    assert site.rewritable, site.reason
+    assert site.mask_form.kind == "positions" and site.mask_form.positions.op == "placeholder"
+    assert (site.is_causal, site.window) == (causal, window)
+
+
+def test_a_mask_that_ignores_position_values_is_a_band_per_row():
+    def fn(q, p):
+        keep = torch.ones(p.shape[1], p.shape[1], dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=keep & (p[0, 0] >= 0))
+
+    site = _site(fn, POS)
+    assert site.rewritable and site.mask_form.kind == "rows" and site.is_causal and site.window is None
+
+
+@pytest.mark.parametrize(
+    ("fn", "reason"),
+    [
+        (
+            lambda q, p: F.scaled_dot_product_attention(q, q, q, attn_mask=(p[:, None, :, None] > p[:, None, None, :])),
+            "not causal",
+        ),
+        (
+            lambda q, p: F.scaled_dot_product_attention(q, q, q, attn_mask=_packed_mask(p) & (q[:, :, :, :1] > 0)),
+            "depends on the values of input",
+        ),
+        (
+            lambda q, p: F.scaled_dot_product_attention(q, q, q, attn_mask=_zero_start_mask(p)),
+            "neither",
+        ),
+    ],
+    ids=["not_a_band", "float_input", "other_document_rule"],
+)
+def test_other_masks_are_refused_with_the_reason(fn, reason):
+    site = _site(fn, POS)
+    assert not site.rewritable and reason in site.reason
+
+
+def test_cu_seqlens_from_positions_equals_from_position_ids_and_fills_capacity():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        rows = []
+        for _ in range(3):
+            lengths, left = [], 10
+            while left:
+                n = int(torch.randint(1, left + 1, (1,), generator=gen))
+                lengths.append(n)
+                left -= n
+            rows.append(lengths)
+        pos = _positions(rows)
+        ref = AttentionMetadata.from_position_ids(pos)
+        n = ref.cu_seqlens.numel()
+        cu = cu_seqlens_from_positions(pos)
+        assert cu.dtype == torch.int32 and cu.numel() == pos.numel() + 1
+        assert torch.equal(cu[:n], ref.cu_seqlens) and bool((cu[n:] == pos.numel()).all())
+        assert torch.equal(cu_seqlens_from_positions(pos, n), ref.cu_seqlens)
+        check_positions_match(ref.cu_seqlens, pos)
+
+
+def test_check_positions_match_fails_for_other_documents():
+    pos = _positions([[4, 4, 4]])
+    with pytest.raises(RuntimeError, match="does not describe the documents"):
+        check_positions_match(AttentionMetadata.from_lengths([4, 8]).cu_seqlens, pos)
+    with pytest.raises(RuntimeError, match="does not describe the documents"):  # over capacity
+        check_positions_match(cu_seqlens_from_positions(pos, 3), pos)
+
+
+def test_documents_and_band_are_recovered_from_a_concrete_mask():
+    pos = _positions([[5, 1, 6], [2, 10]])
+    doc = segments_of_positions(pos)
+    for window in ((-1, 0), (2, 0), (-1, -1), (1, 3)):
+        keep = band_mask(doc, window)
+        assert torch.equal(documents_of_mask(keep), doc)
+        assert band_of(keep, doc) == window
+    assert band_of(band_mask(doc, (-1, 0)) & (torch.rand(2, 12, 12) > 0.5)) is None
+
+
+def test_eager_attention_mode_reads_documents_off_a_packed_mask_without_metadata():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, K, dtype=torch.float64) for _ in range(3))
+    mask = _packed_mask(POS, window=4)
+    with attention_mode():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert (out - ref).abs().max() <= 1e-12
+
+
+def _llama():
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)).double()
+
+
+def test_option_documents_derives_the_documents_from_position_ids_without_a_documents_block():
+    model = _llama()
+    reports: list = []
+    compiled = torch.compile(
+        model, backend="usp", options={"documents": "position_ids_BL", "on_compile": reports.append}
+    )
+    for lengths in ([5, 1, 0, 7, 3], [2, 9, 3, 2]):
+        batch = make_llama_batch(model.config, lengths, generator=torch.Generator().manual_seed(1))
+        with attention_mode(AttentionMetadata.from_position_ids(batch["position_ids"])):
+            ref = model(batch["input_ids"], batch["position_ids"])
+        out = compiled(batch["input_ids"], batch["position_ids"])
+        assert torch.equal(out, ref)
+    assert len(reports) == 1  # new boundaries, no recompile
+
+
+def test_option_documents_with_max_docs_fails_a_step_with_more_documents():
+    model = _llama()
+    compiled = torch.compile(model, backend="usp", options={"documents": "position_ids_BL", "max_docs": 3})
+    batch = make_llama_batch(model.config, [4, 4, 4, 4], generator=torch.Generator().manual_seed(2))
+    with pytest.raises(RuntimeError, match="does not describe the documents"):
+        compiled(batch["input_ids"], batch["position_ids"])
+    batch = make_llama_batch(model.config, [8, 4, 4], generator=torch.Generator().manual_seed(2))
+    compiled(batch["input_ids"], batch["position_ids"])
+
+
+def test_option_documents_names_a_missing_argument():
+    model = _llama()
+    compiled = torch.compile(model, backend="usp", options={"documents": "position_ids"})
+    batch = make_llama_batch(model.config, [4, 4], generator=torch.Generator().manual_seed(2))
+    with pytest.raises(Exception, match="no argument 'position_ids'"):
+        compiled(batch["input_ids"], batch["position_ids"])
+
+
+def test_a_packed_mask_under_documents_is_checked_against_the_metadata():
+    def attend(q, pos):
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=_packed_mask(pos))
+
+    compiled = torch.compile(attend, backend="usp")
+    q = torch.randn(1, H, L, K, dtype=torch.float64)
+    pos = _positions([[5, 1, 6]])
+    with documents(AttentionMetadata.from_position_ids(pos, max_docs=4)):
+        out = compiled(q, pos)
+    assert (out - attend(q, pos)).abs().max() <= 1e-12
+    with pytest.raises(RuntimeError, match="does not describe the documents"):
+        with documents(AttentionMetadata.from_lengths([6, 6], max_docs=4)):
+            compiled(q, pos)
+    out = compiled(q, pos)  # outside documents(): from the position ids
+    assert (out - attend(q, pos)).abs().max() <= 1e-12
