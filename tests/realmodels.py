@@ -1,0 +1,309 @@
+"""Tiny random-init HuggingFace models (transformers, diffusers) and references for the real-model tests.
+
+Every model is built from a config (no download), seeded, in fp64, with SDPA attention and no
+dropout, so one run is a deterministic function of its inputs. Each factory imports its library
+lazily: a test module calls `pytest.importorskip` first and skips cleanly without it.
+
+    model = make_lm("llama")                          # fp64, attn_implementation="sdpa"
+    out = lm_forward(model, ids_BL, pos_BL, use_cache=False)
+    ref = per_document(lambda s: lm_forward(model, ids_BL[:, s], pos_BL[:, s]), lengths)
+
+# B batch, L sequence (tokens of one row), T packed tokens, D model width, N documents
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "LM_SPECS",
+    "LMSpec",
+    "compile_usp",
+    "grads",
+    "lm_batch",
+    "lm_forward",
+    "make_lm",
+    "make_flux",
+    "make_sd3",
+    "make_wan",
+    "flux_inputs",
+    "sd3_inputs",
+    "wan_inputs",
+    "max_err",
+    "packed_positions",
+    "per_document",
+    "weighted_loss",
+]
+
+VOCAB = 64
+WIDTH = 32  # hidden size of every tiny model
+HEADS, KV_HEADS = 4, 2
+WINDOW = 4  # sliding window (tokens a query sees, itself included), shorter than the documents
+
+
+@dataclass(frozen=True)
+class LMSpec:
+    """One transformers model of the suite.
+
+    causal: a decoder (use_cache applies; the loss reads logits); False for an encoder (BERT: no
+    cache, bidirectional, the output is the last hidden state).
+    tol: fp64 max error allowed vs each document run alone. Gemma3's RMSNorm computes in fp32 even
+    when the model is fp64 (`Gemma3RMSNorm._norm(x.float())`), so its hidden states carry fp32
+    rounding: a 1e-16 difference in attention can flip an fp32 rounding and show up as ~1e-7.
+    """
+
+    name: str
+    causal: bool = True
+    tol: float = 1e-10
+
+
+LM_SPECS = {
+    s.name: s
+    for s in (
+        LMSpec("llama"),
+        LMSpec("qwen2"),  # sliding window on its second layer (use_sliding_window, max_window_layers=1)
+        LMSpec("mistral"),  # sliding window on every layer
+        LMSpec("gemma3", tol=1e-6),  # layer_types: sliding then full; fp32 RMSNorm (see LMSpec.tol)
+        LMSpec("gpt2"),
+        LMSpec("bert", causal=False),
+    )
+}
+
+
+def _lm_config(name: str):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, max_position_embeddings=64, attn_implementation="sdpa")
+    decoder = dict(
+        hidden_size=WIDTH,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        **common,
+    )
+    if name == "llama":
+        return transformers.LlamaConfig(**decoder), transformers.LlamaForCausalLM
+    if name == "qwen2":
+        cfg = transformers.Qwen2Config(
+            use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, **decoder
+        )
+        return cfg, transformers.Qwen2ForCausalLM
+    if name == "mistral":
+        return transformers.MistralConfig(sliding_window=WINDOW, **decoder), transformers.MistralForCausalLM
+    if name == "gemma3":
+        cfg = transformers.Gemma3TextConfig(
+            head_dim=WIDTH // HEADS,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            **decoder,
+        )
+        return cfg, transformers.Gemma3ForCausalLM
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(
+            n_embd=WIDTH,
+            n_layer=2,
+            n_head=HEADS,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            vocab_size=VOCAB,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="sdpa",
+        )
+        return cfg, transformers.GPT2LMHeadModel
+    if name == "bert":
+        cfg = transformers.BertConfig(
+            hidden_size=WIDTH,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=HEADS,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **common,
+        )
+        # No pooler: the loss reads the last hidden state only, and an unused pooler would get None
+        # grads in eager but zeros from a compiled graph (AOTAutograd's convention, not usp's).
+        return cfg, lambda c: transformers.BertModel(c, add_pooling_layer=False)
+    raise ValueError(f"unknown model {name!r}; one of {sorted(LM_SPECS)}")
+
+
+def make_lm(name: str, *, seed: int = 0) -> nn.Module:
+    """A tiny random-init transformers model `name` (see `LM_SPECS`), fp64, SDPA attention."""
+    config, cls = _lm_config(name)
+    torch.manual_seed(seed)
+    model = cls(config).double()
+    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    return model
+
+
+def lm_forward(model: nn.Module, ids_BL: torch.Tensor, pos_BL: torch.Tensor, *, use_cache: bool = False):
+    """The model's output tensor: logits of a decoder, the last hidden state of BERT.
+
+    use_cache=False is transformers' training path: with no attention mask it builds a
+    packed-sequence mask from the position ids. use_cache=True leaves the mask out (is_causal)."""
+    if model.config.model_type == "bert":
+        return model(input_ids=ids_BL, position_ids=pos_BL).last_hidden_state
+    return model(input_ids=ids_BL, position_ids=pos_BL, use_cache=use_cache).logits
+
+
+def packed_positions(lengths: Sequence[int]) -> torch.Tensor:
+    """(1, sum(lengths)) position ids restarting at 0 at every document."""
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+def lm_batch(rows: int, length: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_BL, pos_BL): random token ids and positions 0..L-1 on every row (one document per row)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (rows, length), generator=gen)
+    return ids, torch.arange(length).expand(rows, length).contiguous()
+
+
+def compile_usp(model: nn.Module, **options) -> nn.Module:
+    """`torch.compile(model, backend="usp")` with the bitwise inner compiler (aot_eager)."""
+    return torch.compile(model, backend="usp", options={"inner": "aot_eager", **options})
+
+
+def weighted_loss(out: torch.Tensor, *, seed: int = 123) -> torch.Tensor:
+    """sum(out * W) for a fixed random W: linear in every output element, so the loss of a packed
+    row is the sum of its documents' losses and their grads add up."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+    return (out * weight).sum()
+
+
+def per_document(
+    run: Callable[[slice], torch.Tensor], lengths: Sequence[int], *, dim: int = 1
+) -> torch.Tensor:
+    """Concatenate `run(slice of document i)` over the documents along `dim` (each run alone)."""
+    outs, start = [], 0
+    for n in lengths:
+        outs.append(run(slice(start, start + n)))
+        start += n
+    return torch.cat(outs, dim)
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """name -> grad of every parameter that got one (cloned); then the grads are cleared."""
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def max_err(got, ref) -> float:
+    """Max absolute difference of two tensors, or over two dicts of tensors with the same keys."""
+    if isinstance(ref, dict):
+        assert got.keys() == ref.keys(), sorted(set(got) ^ set(ref))
+        return max(max_err(got[k], ref[k]) for k in ref)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    return (got.double() - ref.double()).abs().max().item()
+
+
+# ---- diffusers ------------------------------------------------------------------------------------
+
+
+def make_flux(*, seed: int = 0) -> nn.Module:
+    """A tiny `FluxTransformer2DModel` (one double and one single stream block), fp64."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=8,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=16,
+        axes_dims_rope=(4, 6, 6),
+    ).double()
+
+
+def flux_inputs(batch: int, txt: int, img: int, *, seed: int) -> dict[str, torch.Tensor]:
+    """Keyword inputs of `make_flux()`'s model: `img` image tokens and `txt` text tokens per sample."""
+    gen = torch.Generator().manual_seed(seed)
+    f64 = dict(generator=gen, dtype=torch.float64)
+    img_ids = torch.zeros(img, 3, dtype=torch.float64)
+    img_ids[:, 1] = torch.arange(img) // 4
+    img_ids[:, 2] = torch.arange(img) % 4
+    return {
+        "hidden_states": torch.randn(batch, img, 8, **f64),
+        "encoder_hidden_states": torch.randn(batch, txt, 32, **f64),
+        "pooled_projections": torch.randn(batch, 16, **f64),
+        "timestep": torch.rand(batch, **f64),
+        "img_ids": img_ids,
+        "txt_ids": torch.zeros(txt, 3, dtype=torch.float64),
+    }
+
+
+def make_sd3(*, seed: int = 0) -> nn.Module:
+    """A tiny `SD3Transformer2DModel` (one joint block), fp64."""
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(seed)
+    return SD3Transformer2DModel(
+        sample_size=4,
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        caption_projection_dim=32,
+        pooled_projection_dim=16,
+        out_channels=4,
+        pos_embed_max_size=8,
+    ).double()
+
+
+def sd3_inputs(batch: int, txt: int, *, seed: int) -> dict[str, torch.Tensor]:
+    """Keyword inputs of `make_sd3()`'s model: a 4x4 latent (16 image tokens) and `txt` text tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    f64 = dict(generator=gen, dtype=torch.float64)
+    return {
+        "hidden_states": torch.randn(batch, 4, 4, 4, **f64),
+        "encoder_hidden_states": torch.randn(batch, txt, 32, **f64),
+        "pooled_projections": torch.randn(batch, 16, **f64),
+        "timestep": torch.rand(batch, **f64) * 1000,
+    }
+
+
+WAN_CHANNELS = 4
+
+
+def make_wan(*, seed: int = 0) -> nn.Module:
+    """A tiny `WanTransformer3DModel` (one block: self-attention, then cross-attention to text), fp64."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=WAN_CHANNELS,
+        out_channels=WAN_CHANNELS,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=1,
+        rope_max_seq_len=32,
+    ).double()
+
+
+def wan_inputs(batch: int, frames: int, txt: int, *, seed: int, size: int = 4) -> dict[str, torch.Tensor]:
+    """Keyword inputs of `make_wan()`'s model: a video of `frames` x `size` x `size` pixels (patches
+    of 1x2x2: frames * size**2 / 4 tokens) and `txt` text tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    f64 = dict(generator=gen, dtype=torch.float64)
+    return {
+        "hidden_states": torch.randn(batch, WAN_CHANNELS, frames, size, size, **f64),
+        "encoder_hidden_states": torch.randn(batch, txt, 32, **f64),
+        "timestep": torch.rand(batch, **f64) * 1000,
+    }
