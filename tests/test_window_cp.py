@@ -145,6 +145,34 @@ def test_ring_pair_plan_skips_pairs_outside_the_window_and_runs_covered_pairs_in
     )
 
 
+def _halo_bytes(rank: int, world: int) -> list[tuple]:
+    from usp_graph import AttentionMetadata, ContextParallel, sdpa_to_usp
+    from usp_graph.cp.cost import bytes_sent
+    from usp_graph.distributed import count_bytes_sent
+
+    rows = []
+    for causal, window, b in ((True, (3, 0), 1), (False, (2, 5), 2), (False, (7, -1), 1)):
+        cp = ContextParallel("halo", max_document_len=9)
+        meta = AttentionMetadata.from_lengths([9, 7] * (b * world // 2), max_docs=b * world)
+        q = torch.randn(b, 4, 8, 8, requires_grad=True)
+        k = torch.randn(b, 2, 8, 8, requires_grad=True)
+        with count_bytes_sent() as fwd:
+            out = sdpa_to_usp(q, k, k, is_causal=causal, enable_gqa=True, metadata=meta, cp=cp, window=window)
+        with count_bytes_sent() as bwd:
+            out.sum().backward()
+        kw = dict(tokens=b * 8 * world, heads=4, kv_heads=2, head_dim=8, world=world, element_size=4,
+                  max_document_len=9, is_causal=causal, rank=rank, batch=b, window=window)  # fmt: skip
+        got = (sum(fwd.values()), sum(fwd.values()) + sum(bwd.values()))
+        rows.append((window, got, (bytes_sent("halo", backward=False, **kw), bytes_sent("halo", **kw))))
+    return rows
+
+
+def test_halo_with_a_window_sends_what_the_cost_model_says():
+    for rows in run_ranks(_halo_bytes, 2, timeout=120):
+        for window, got, model in rows:
+            assert got == model, window
+
+
 def test_halo_sends_only_the_window():
     from usp_graph.cp.strategies import _halo_widths
 

@@ -37,13 +37,15 @@ def bytes_sent(
     rank: int | None = None,
     batch: int = 1,
     across: str = "ring",
+    window: tuple[int, int] | None = None,
 ) -> int:
     """Bytes one rank sends for one attention call (forward, plus backward when `backward`).
 
     ``"halo"`` needs `max_document_len` and depends on `is_causal`, on the rank (the first and
     last ranks have one neighbour; with `batch` > 1 rows every rank has two) and on `batch`;
     `rank` None gives the mean over ranks, rounded down. ``"usp"`` with ``across="halo"`` likewise
-    (its halos travel between Ulysses groups, with G/U heads)."""
+    (its halos travel between Ulysses groups, with G/U heads). A sliding `window` (left, right)
+    narrows the halos to its bounds; the other strategies send the same bytes with or without one."""
     p, k, e = world, head_dim, element_size
     tl = tokens // p
     acc = 8 if e == 8 else 4  # ring dK/dV buffers accumulate in fp32 (fp64 for fp64)
@@ -62,12 +64,12 @@ def bytes_sent(
         if across == "halo":  # halos between the P/U Ulysses groups, G/U heads each
             member = None if rank is None else rank // u
             halo = _halo(
-                member, p // u, max_document_len, is_causal, batch, backward, "usp with across='halo'"
+                member, p // u, max_document_len, is_causal, batch, backward, "usp with across='halo'", window
             )
             return uly + halo * 2 * (g // u) * k * e
         return uly + _ring(p // u, tl * u, g // u, k, e, acc, backward)
     if strategy == "halo":
-        halo = _halo(rank, p, max_document_len, is_causal, batch, backward, "strategy 'halo'")
+        halo = _halo(rank, p, max_document_len, is_causal, batch, backward, "strategy 'halo'", window)
         return halo * 2 * kv_heads * k * e  # K and V (dK and dV)
     raise ValueError(f"unknown strategy {strategy!r}")
 
@@ -80,6 +82,7 @@ def _halo(
     batch: int,
     backward: bool,
     what: str,
+    window: tuple[int, int] | None = None,
 ) -> int:
     """Tokens of one K/V tensor that `rank` of `p` sends (summed over rows; the mean over ranks,
     rounded down, when `rank` is None): its tail to the next rank and, bidirectional, its head to
@@ -88,14 +91,16 @@ def _halo(
         raise ValueError(f"{what} needs max_document_len")
     if p == 1:
         return 0
-    w = max_document_len - 1
-    after = 0 if is_causal else w
+    from ..ops.window import check_window
+    from .strategies import _halo_widths
+
+    before, after, _ = _halo_widths(max_document_len, is_causal, check_window(window))
     ranks = range(p) if rank is None else [rank]
     total = 0
     for r in ranks:
         has_prev, has_next = (True, True) if batch > 1 else (r > 0, r < p - 1)
-        fwd = w * has_next + after * has_prev
-        bwd = w * has_prev + after * has_next
+        fwd = before * has_next + after * has_prev
+        bwd = before * has_prev + after * has_next
         total += batch * (fwd + (bwd if backward else 0))
     return total // len(ranks)
 
