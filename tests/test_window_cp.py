@@ -181,3 +181,51 @@ def test_halo_sends_only_the_window():
     assert _halo_widths(9, True, (3, 0)) == (3, 0, False)  # any document length
     assert _halo_widths(9, False, (3, 20)) == (3, 8, True)
     assert _halo_widths(9, False, (2, -1)) == (2, 8, True)
+
+
+def _windowed_step(cp, causal, window):
+    def step(q, k, v, go, cu):
+        out = cp.attention(q, k, v, cu_seqlens=cu, max_seqlen=9, is_causal=causal, scale=0.3, window=window)
+        return (out, *torch.autograd.grad(out, (q, k, v), go))
+
+    return step
+
+
+def _traced_vs_eager(rank: int, world: int) -> list[tuple]:
+    """Each strategy's windowed forward + backward traced with symbolic token counts (make_fx), run
+    on other boundaries and token counts than it was traced with, vs eager: bitwise."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from usp_graph import AttentionMetadata
+
+    rows = []
+    for kind, zigzag, causal, window in (
+        ("allgather_kv", True, False, (2, 3)),  # dummy query rows
+        ("allgather_kv", False, False, (4, -1)),  # the reversed stream
+        ("ring", True, False, (5, 6)),
+        ("ulysses", False, True, (3, 0)),
+        ("halo", False, False, (2, 3)),
+        ("usp_halo", False, True, (3, 0)),
+    ):
+        step = _windowed_step(_make_cp(kind, world, zigzag, 9), causal, window)
+
+        def inputs(b, ll, lens, seed):
+            gen = torch.Generator().manual_seed(seed)
+            q, k, v, go = (torch.randn(b, 4, ll, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+            cu = AttentionMetadata.from_lengths(lens, max_docs=12).cu_seqlens
+            return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), go, cu
+
+        # 2 ranks, 2 rows (the strategies loop over rows: a static dim) of 10 local tokens traced
+        # (a size no other dim has: no duck sizing), then other boundaries, then 12 tokens.
+        gm = make_fx(step, tracing_mode="symbolic")(*inputs(2, 10, [9, 1, 0, 6, 8, 8, 8], 1))
+        for b, ll, lens in ((2, 10, [1, 9, 3, 3, 0, 8, 8, 8]), (2, 12, [5, 9, 1, 9, 8, 8, 8])):
+            args = inputs(b, ll, lens, 2)
+            eager, traced = step(*args), gm(*args)
+            rows.append((kind, all(torch.equal(a, t) for a, t in zip(eager, traced, strict=True))))
+    return rows
+
+
+def test_windowed_strategies_trace_symbolically_and_replay_other_shapes_bitwise():
+    for rows in run_ranks(_traced_vs_eager, 2, timeout=200):
+        for kind, same in rows:
+            assert same, kind
