@@ -43,6 +43,7 @@ __all__ = [
     "keep_of",
     "band_of",
     "band_mask",
+    "is_band",
     "segments_of_positions",
     "cu_seqlens_from_positions",
     "check_positions_match",
@@ -125,6 +126,46 @@ def band_mask(doc_BL: Tensor, window: tuple[int, int]) -> Tensor:
     return keep
 
 
+def _intervals(keep_BLL: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per query: first and last key it keeps, and whether its keys are exactly that run.
+
+    O(B L^2) reads of the mask and O(B L) memory beyond one byte-sized copy: masks at 32K tokens
+    are a gigabyte, and a (L, L) index tensor would be eight."""
+    length = keep_BLL.shape[-1]
+    k8 = keep_BLL.to(torch.uint8)
+    first = k8.argmax(-1)  # the first maximal value: the first kept key
+    last = length - 1 - k8.flip(-1).argmax(-1)
+    count = k8.sum(-1, dtype=torch.int64)
+    run = (count > 0) & (count == last - first + 1)
+    return first, last, run
+
+
+def _document_bounds(doc_BL: Tensor) -> tuple[Tensor, Tensor]:
+    """First and last index of each token's document (documents are contiguous runs of ids)."""
+    b, length = doc_BL.shape
+    idx = torch.arange(length, device=doc_BL.device).expand(b, length)
+    new = torch.ones_like(doc_BL, dtype=torch.bool)
+    new[:, 1:] = doc_BL[:, 1:] != doc_BL[:, :-1]
+    start = torch.where(new, idx, 0).cummax(-1).values
+    end_flag = torch.ones_like(new)
+    end_flag[:, :-1] = new[:, 1:]
+    end = torch.where(end_flag, idx, length).flip(-1).cummin(-1).values.flip(-1)
+    return start, end
+
+
+def is_band(keep_BLL: Tensor, doc_BL: Tensor, window: tuple[int, int]) -> bool:
+    """Whether the keep-mask is exactly the band `window` inside the documents `doc_BL`."""
+    if keep_BLL.numel() == 0:
+        return True
+    first, last, run = _intervals(keep_BLL)
+    start, end = _document_bounds(doc_BL.expand(keep_BLL.shape[:-1]))
+    q = torch.arange(keep_BLL.shape[-1], device=keep_BLL.device)
+    left, right = window
+    want_first = start if left == UNBOUNDED else torch.maximum(start, q - left)
+    want_last = end if right == UNBOUNDED else torch.minimum(end, q + right)
+    return bool((run & (first == want_first) & (last == want_last)).all())
+
+
 def band_of(keep_BLL: Tensor, doc_BL: Tensor | None = None) -> tuple[int, int] | None:
     """The window of a keep-mask inside the documents `doc_BL` (default: one per row), or None
     when the mask is no band inside them.
@@ -134,33 +175,32 @@ def band_of(keep_BLL: Tensor, doc_BL: Tensor | None = None) -> tuple[int, int] |
     length = keep_BLL.shape[-1]
     if doc_BL is None:
         doc_BL = torch.zeros(keep_BLL.shape[:-1], dtype=torch.long, device=keep_BLL.device)
+    doc_BL = doc_BL.expand(keep_BLL.shape[:-1])
     if length == 0 or keep_BLL.numel() == 0:
         return (UNBOUNDED, UNBOUNDED)
-    if not bool(keep_BLL.diagonal(dim1=-2, dim2=-1).all()):
-        return None  # a band always holds the diagonal; anything else is some other mask
-    idx = torch.arange(length, device=keep_BLL.device)
-    diff = (idx.view(-1, 1) - idx.view(1, -1)).expand_as(keep_BLL)
-    left = int(torch.where(keep_BLL, diff, 0).max())
-    right = int(torch.where(keep_BLL, -diff, 0).max())
-    same = doc_BL.unsqueeze(-1) == doc_BL.unsqueeze(-2)
-    longest = int(torch.where(same, diff.abs(), 0).max())  # the longest document, minus one
+    first, last, run = _intervals(keep_BLL)
+    q = torch.arange(length, device=keep_BLL.device)
+    if not bool((run & (first <= q) & (last >= q)).all()):
+        return None  # a band is one run of keys holding the diagonal; this is some other mask
+    left, right = int((q - first).max()), int((last - q).max())
+    start, end = _document_bounds(doc_BL)
+    longest = int((end - start).max())  # the longest document, minus one
     window = (UNBOUNDED if left >= longest else left, UNBOUNDED if right >= longest else right)
-    if not torch.equal(keep_BLL, band_mask(doc_BL, window).expand_as(keep_BLL)):
-        return None
-    return window
+    return window if is_band(keep_BLL, doc_BL, window) else None
 
 
 def documents_of_mask(keep_BLL: Tensor) -> Tensor:
-    """The finest contiguous documents a (B, L, L) keep-mask respects: token t starts one when no
-    query before t sees a key from t on and no query from t on sees a key before t."""
+    """The finest contiguous documents a (B, L, L) band keep-mask respects: token t starts one when
+    no query before t sees a key from t on and no query from t on sees a key before t. (For a mask
+    that is no band the result is some split that `band_of` then refuses.)"""
     b, length, _ = keep_BLL.shape
-    k = keep_BLL.long()
-    # block sums through a 2-D prefix sum: S[i, j] = sum k[:i, :j]
-    s = torch.nn.functional.pad(k.cumsum(1).cumsum(2), (1, 0, 1, 0))
+    if length == 0:
+        return torch.zeros(b, 0, dtype=torch.long, device=keep_BLL.device)
+    first, last, _ = _intervals(keep_BLL)
     t = torch.arange(length, device=keep_BLL.device)
-    upper_right = s[:, t, length] - s[:, t, t]  # queries < t, keys >= t
-    lower_left = s[:, length, t] - s[:, t, t]  # queries >= t, keys < t
-    start = (upper_right == 0) & (lower_left == 0)
+    reach_before = torch.cat([torch.full((b, 1), -1, device=t.device), last.cummax(-1).values[:, :-1]], 1)
+    reach_after = first.flip(-1).cummin(-1).values.flip(-1)
+    start = (reach_before < t) & (reach_after >= t)
     start[:, :1] = True
     return start.long().cumsum(1) - 1
 
@@ -364,15 +404,14 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
         return MaskForm("rows", window)
     probes = 4 if batch * length * length <= 1 << 26 else 2
     as_rows = as_docs = True
-    row_band = band_mask(torch.zeros(batch, length, dtype=torch.long, device=device), window)
+    one_row = torch.zeros(batch, length, dtype=torch.long, device=device)
     for seed in range(probes):
         pos = _probe_positions(rows, length, device, dtype, seed)
         keep = run(pos)
         if keep is None:
             return "the mask could not be evaluated on probe position ids"
-        doc_band = band_mask(segments_of_positions(pos.expand(batch, length)), window)
-        as_rows = as_rows and torch.equal(keep, row_band)
-        as_docs = as_docs and torch.equal(keep, doc_band)
+        as_rows = as_rows and is_band(keep, one_row, window)
+        as_docs = as_docs and is_band(keep, segments_of_positions(pos.expand(batch, length)), window)
     if as_rows:
         return MaskForm("rows", window)
     if as_docs:

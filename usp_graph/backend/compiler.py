@@ -351,7 +351,7 @@ def _kv_length(cross: Sequence[Any], name: str) -> Any:
 
 
 _PATH = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]")
-_LOCAL = re.compile(r"^L\['([^']+)'\]$")
+_LOCAL = re.compile(r"^L\['(?:kwargs'\]\[')?([^']+)'\]$")  # L['x'] and L['kwargs']['x']
 
 
 def _input_info(dynamo_gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[dict[str, Any]]:

@@ -273,6 +273,19 @@ def _thread(node: fx.Node, regions: tuple[fx.Node, ...], done: dict[tuple[fx.Nod
     return node
 
 
+def _drop_unused(node: fx.Node) -> None:
+    """Erase `node` and what only it used, once nothing reads them: a recognised mask is a
+    (B, 1, L, L) tensor, a gigabyte at 32K tokens, that must not be computed for nothing."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n.users or n.op != "call_function" or n.is_impure() or n.graph.owning_module is None:
+            continue
+        inputs = n.all_input_nodes
+        n.graph.erase_node(n)
+        stack.extend(inputs)
+
+
 def _replace_site(graph: fx.Graph, site: AttentionSite, out: fx.Node) -> None:
     node = site.node
     if site.output_is_tuple:
@@ -347,6 +360,8 @@ def rewrite_sdpa(
         graph = site.node.graph
         out = _inline(graph, cache[key], [site.query, site.key, site.value, *extra], site)
         _replace_site(graph, site, out)
+        if isinstance(site.attn_mask, fx.Node):
+            _drop_unused(site.attn_mask)
     for body in {id(b): b for b in (body_call(c) for s in todo for c in s.regions) if b is not None}.values():
         body.graph.lint()
         body.recompile()
