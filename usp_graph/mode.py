@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,28 +21,46 @@ __all__ = ["attention_mode"]
 _SDPA_FUNCS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 
 
-# Attribute on tensors made inside the mode: the inputs they are computed from (see `_roots`).
-_ROOTS = "_usp_stream_roots"
+class _Streams:
+    """Which tensors from outside the mode (not parameters) each tensor made inside it is computed
+    from, by id. Kept beside the tensors, never on them (an attribute would travel with
+    `torch.save`); an entry holds a weak reference, so a reused id is never mistaken."""
 
+    def __init__(self) -> None:
+        self.table: dict[int, tuple[weakref.ref, frozenset[int]]] = {}
 
-def _roots(t: torch.Tensor) -> frozenset[int] | None:
-    """The tensors from outside the mode (not parameters) `t` is computed from, by id; None for a
-    tensor from outside itself."""
-    return getattr(t, _ROOTS, None)
+    def of(self, t: torch.Tensor) -> frozenset[int] | None:
+        """The roots of `t`, or None for a tensor from outside the mode."""
+        entry = self.table.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
 
+    def inputs(self, values) -> frozenset[int]:
+        found: set[int] = set()
+        for x in values:
+            if isinstance(x, torch.Tensor):
+                r = self.of(x)
+                if r is not None:
+                    found |= r
+                elif not isinstance(x, torch.nn.Parameter):
+                    found.add(id(x))
+            elif isinstance(x, (list, tuple)):
+                found |= self.inputs(x)
+        return frozenset(found)
 
-def _input_roots(values) -> frozenset[int]:
-    found: set[int] = set()
-    for x in values:
-        if isinstance(x, torch.Tensor):
-            r = _roots(x)
-            if r is not None:
-                found |= r
-            elif not isinstance(x, torch.nn.Parameter):
-                found.add(id(x))
-        elif isinstance(x, (list, tuple)):
-            found |= _input_roots(x)
-    return frozenset(found)
+    def note(self, t: Any, roots: frozenset[int]) -> None:
+        if not isinstance(t, torch.Tensor) or isinstance(t, torch.nn.Parameter):
+            return
+        try:
+            ref = weakref.ref(t)
+        except TypeError:
+            return
+        old = self.of(t)
+        self.table[id(t)] = (ref, roots | old if old is not None else roots)
+        if len(self.table) > 4 * self._live + 1024:  # drop the entries of freed tensors
+            self.table = {k: v for k, v in self.table.items() if v[0]() is not None}
+            self._live = len(self.table)
+
+    _live = 0
 
 
 class _SDPAToUSP(TorchFunctionMode):
@@ -53,6 +73,7 @@ class _SDPAToUSP(TorchFunctionMode):
         # With documents, whether a call is cross-attention matters (its keys take other
         # documents), and eager has no graph to read it from: follow the data flow op by op.
         self.track = metadata is not None or cp is not None
+        self.streams = _Streams()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -61,13 +82,9 @@ class _SDPAToUSP(TorchFunctionMode):
             return self._attention(*args, **kwargs)
         out = func(*args, **kwargs)
         if self.track:
-            roots = _input_roots(args) | _input_roots(kwargs.values())
+            roots = self.streams.inputs(args) | self.streams.inputs(kwargs.values())
             for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
-                    try:
-                        setattr(t, _ROOTS, roots | (_roots(t) or frozenset()))
-                    except (AttributeError, RuntimeError):  # a tensor type without a __dict__
-                        pass
+                self.streams.note(t, roots)
         return out
 
     def _attention(self, query, key, value, *args, **kwargs):
@@ -78,7 +95,7 @@ class _SDPAToUSP(TorchFunctionMode):
                 metadata = AttentionMetadata.per_sample(b, query.shape[-2] * self.cp.world)
                 kv = AttentionMetadata.per_sample(b, key.shape[-2])
                 out = sdpa_to_usp(query, key, value, *args, **kwargs, metadata=metadata, cp=self.cp, kv_metadata=kv)
-                setattr(out, _ROOTS, _input_roots((query, key, value)))
+                self.streams.note(out, self.streams.inputs((query, key, value)))
                 return out
             if self.kv is None:
                 raise ValueError(
@@ -89,14 +106,13 @@ class _SDPAToUSP(TorchFunctionMode):
             extra["kv_metadata"] = self.kv
         out = sdpa_to_usp(query, key, value, *args, **kwargs, metadata=self.metadata, cp=self.cp, **extra)
         if self.track:
-            setattr(out, _ROOTS, _input_roots((query, key, value)))
+            self.streams.note(out, self.streams.inputs((query, key, value)))
         return out
 
-    @staticmethod
-    def _is_cross(query, key) -> bool:
+    def _is_cross(self, query, key) -> bool:
         """The eager reading of `sites.is_cross_attention`: keys computed from only part of what
         the queries come from; keys or queries handed in from outside say nothing (lengths decide)."""
-        q_roots, k_roots = _roots(query), _roots(key)
+        q_roots, k_roots = self.streams.of(query), self.streams.of(key)
         if q_roots is None or k_roots is None:
             return query.shape[-2] != key.shape[-2]
         return not q_roots <= k_roots
