@@ -209,3 +209,37 @@ def test_a_packed_mask_under_documents_is_checked_against_the_metadata():
             compiled(q, pos)
     out = compiled(q, pos)  # outside documents(): from the position ids
     assert (out - attend(q, pos)).abs().max() <= 1e-12
+
+
+def _cp_documents_from_positions(rank, world):
+    import torch.distributed as dist
+
+    from tests.reference import rel_err
+    from usp_graph import ContextParallel
+
+    model = _llama()
+    batch = make_llama_batch(model.config, [5, 1, 6, 3, 1], generator=torch.Generator().manual_seed(4))
+    with attention_mode(AttentionMetadata.from_position_ids(batch["position_ids"])):
+        ref = model(batch["input_ids"], batch["position_ids"])
+    (ref.square().sum() / ref.shape[-1] / ref.shape[1]).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    errs = {}
+    for strategy in ("ulysses", "ring"):
+        model.zero_grad()
+        cp = ContextParallel(strategy, group=dist.group.WORLD)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="usp", options={"cp": cp, "documents": "position_ids_BL"})
+        out = compiled(cp.shard(batch["input_ids"], 1), cp.shard(batch["position_ids"], 1))
+        cp.token_mean(out.square().sum() / out.shape[-1], out.shape[1]).backward()
+        cp.reduce_grads(model.parameters())
+        errs[strategy] = max(
+            [rel_err(out, cp.shard(ref, 1))] + [rel_err(p.grad, ref_grads[n]) for n, p in model.named_parameters()]
+        )
+    return errs
+
+
+def test_option_documents_under_cp_gathers_the_position_ids_of_every_rank():
+    from tests.dist import run_ranks
+
+    for errs in run_ranks(_cp_documents_from_positions, 2, timeout=150):
+        assert max(errs.values()) <= 1e-10, errs

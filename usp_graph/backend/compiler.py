@@ -261,6 +261,7 @@ class _Compile:
             capacity=opts.max_docs + 1 if opts.max_docs is not None else None,
             kv_length=kv_length,
             cross=[s.name for s in cross],
+            cp=opts.cp,
         )
         seconds = time.perf_counter() - start
         report = CompileReport(

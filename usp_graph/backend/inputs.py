@@ -250,6 +250,7 @@ class MetadataFeed:
         capacity: int | None = None,
         kv_length: Any = None,
         cross: Sequence[str] = (),
+        cp: Any = None,
     ) -> None:
         self.graph = graph
         self.mode = mode
@@ -264,6 +265,7 @@ class MetadataFeed:
         self.positions_by = positions_by
         self.capacity = capacity
         self.cross = list(cross)
+        self.cp = cp
         if mode == "inputs":
             assert rows is not None
             sizes = _SizeEval(values, shape_env)
@@ -302,12 +304,6 @@ class MetadataFeed:
         else:
             kv_fed = ()
         if meta is None and self.positions is not None:
-            if self.world > 1:
-                raise ValueError(
-                    f"compiled graph {self.graph} reads its documents from position ids ({self.positions_by}); under "
-                    "context parallelism each rank holds a shard of them, so give the global documents with "
-                    "usp_graph.documents(AttentionMetadata.from_position_ids(global_position_ids))"
-                )
             if kv_fed:
                 raise ValueError(
                     f"compiled graph {self.graph} reads its query documents from position ids and has cross-attention; "
@@ -315,10 +311,14 @@ class MetadataFeed:
                 )
             from ..masks import cu_seqlens_from_positions
 
-            pos = args[self.positions]
-            pos = pos.expand(b, length)
+            pos = args[self.positions].expand(b, length)
+            if self.cp is not None:
+                # Each rank holds a shard of the position ids; the documents are the global ones.
+                # One all-gather of B x L integers per call (on the device, no host sync).
+                with torch.no_grad():
+                    pos = self.cp.unshard(pos, dim=1)
             cu = cu_seqlens_from_positions(pos, self.capacity)
-            return (cu.to(self.device) if self.device is not None else cu, length)
+            return (cu.to(self.device) if self.device is not None else cu, length * self.world)
         if meta is None:
             key = (b, length)
             fed = self._per_row.get(key)
