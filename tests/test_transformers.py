@@ -10,7 +10,7 @@ Every model is compiled once per use_cache setting (`_compiled`), at one shape (
 and the tests share that compiled model: it keeps the compile count, and the time, small, and lets
 `test_new_boundaries_reuse_the_compiled_graph` count every compile the shared model ever made.
 
-# B batch (rows), L tokens per row, V vocabulary, N documents
+# B batch (rows), L tokens per row, N documents
 """
 
 from __future__ import annotations
@@ -57,17 +57,17 @@ NAME_USE_CACHE = [(n, uc) for n in NAMES for uc in ((False, True) if LM_SPECS[n]
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread_fresh_dynamo():
-    # Tiny models: compiling is single-threaded Python, and on a busy 2-core machine OpenMP threads
-    # waiting on each other make eager steps far slower. Dynamo starts and ends empty, so other
-    # modules' compiles of the same classes neither count against the recompile limit here nor
-    # leak out (the compiled models below are shared across this module's tests on purpose).
-    # Every transformers model's forward is wrapped by the same decorator function
-    # (transformers/utils/deprecation.py), so all models share one Dynamo code object and its
-    # recompile limit (8); past it Dynamo silently runs the function eagerly, where documents(...)
-    # does nothing. Raise the limit for the compiles of this module, and fail loudly if hit anyway.
-    # Each model class registers itself in a transformers global when first built, and the compiled
-    # forwards guard on that registry's size: build every class once before compiling anything, or
-    # the first model of a new class would recompile every model compiled before it.
+    # - One thread: the models are tiny, and on a busy 2-core machine OpenMP threads waiting on each
+    #   other make eager steps far slower.
+    # - Dynamo starts and ends empty: the compiled models are shared by this module's tests on
+    #   purpose, and nobody else's.
+    # - Every model class is built once before anything compiles: a class registers itself in a
+    #   transformers global when first built, and compiled forwards guard on that registry's size,
+    #   so a new class would recompile every model compiled before it.
+    # - Every transformers forward is wrapped by one decorator function (utils/deprecation.py), so
+    #   all models share one Dynamo code object and its recompile limit (8). Past it Dynamo runs the
+    #   forward eagerly, where documents(...) does nothing (see the xfail below): raise the limit,
+    #   and fail loudly if it is hit anyway.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch._dynamo.reset()
