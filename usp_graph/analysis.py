@@ -245,6 +245,11 @@ def summarize(
         q, k = n.args[0], n.args[1]
         qs, ks = _shape(q), _shape(k)
         causal = n.args[7] if u == "varlen_fwd" else n.args[5]
+        if u == "varlen_fwd":
+            wl = n.args[9] if len(n.args) > 9 else n.kwargs.get("window_left", -1)
+            wr = n.args[10] if len(n.args) > 10 else n.kwargs.get("window_right", -1)
+        else:
+            wl, wr = n.kwargs.get("window_left", -1), n.kwargs.get("window_right", -1)
         reach = any(nx.has_path(g, m["node"], n.name) for m in meta_inputs)
         attention.append(
             {
@@ -255,6 +260,7 @@ def summarize(
                 "q_shape": [_fmt(d, names) for d in qs] if qs else None,
                 "k_shape": [_fmt(d, names) for d in ks] if ks else None,
                 "causal": bool(causal),
+                "window": None if (wl, wr) == (-1, -1) else [wl, wr],
                 "gqa": bool(qs and ks and qs[1] != ks[1]),
                 "strategy": _strategy(g, n.name),
                 "metadata_reaches": reach,

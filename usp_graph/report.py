@@ -42,7 +42,7 @@ def _sections(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[A
             a.get("source", ""),
             _shape(a.get("q_shape")),
             _shape(a.get("k_shape")),
-            a.get("causal"),
+            a.get("causal") if not a.get("window") else f"{a.get('causal')} window={tuple(a['window'])}",
             a.get("gqa", ""),
             a.get("strategy", "") if a["rewritten"] else f"NOT REWRITTEN: {a.get('reason')}",
         ]
