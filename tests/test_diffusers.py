@@ -261,7 +261,6 @@ def _flux_cp(rank: int, world: int, strategies: list[str]) -> list[dict]:
     """Loss and every param grad of a compiled CP step per strategy vs the single process."""
     from usp_graph import ContextParallel
 
-    torch.set_num_threads(1)
     model = make_flux()
     x = flux_inputs(2, txt=4 * world, img=8 * world, seed=3)
     target = torch.randn(2, 8 * world, 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
