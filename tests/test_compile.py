@@ -19,7 +19,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import usp_graph
 from tests.dist import run_ranks
 from tests.reference import rel_err as _rel
-from usp_graph import AttentionMetadata, ContextParallel, UspOptions, attention_mode, documents
+from usp_graph import AttentionMetadata, ContextParallel, UspOptions, attention_mode, documents, sdpa_to_usp
 from usp_graph.models import (
     Flux,
     FluxConfig,
@@ -684,3 +684,23 @@ def test_only_32_bit_index_bounds_on_metadata_symbols_are_tolerated():
     assert not is_index_bound(sympy.Eq(s, 8))
     assert not is_index_bound(s + 1 <= 2**31 - 1)
     assert not is_index_bound(s >= 2)
+
+
+def test_sdpa_run_eagerly_inside_documents_raises_instead_of_attending_across_them():
+    from usp_graph.backend.documents import EagerAttentionError
+
+    @torch.compiler.disable
+    def attend(q):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    compiled = torch.compile(lambda q: attend(q * 2) + 1, backend="usp")
+    q = torch.randn(1, 2, 8, 4)
+    meta = AttentionMetadata.from_lengths([3, 5], max_docs=2)
+    with documents(meta):
+        with pytest.raises(EagerAttentionError, match="ran eagerly, outside every graph"):
+            compiled(q)
+        with pytest.raises(EagerAttentionError):
+            F.scaled_dot_product_attention(q, q, q)
+        with attention_mode(meta):  # eager code under attention_mode is routed, not refused
+            assert torch.equal(F.scaled_dot_product_attention(q, q, q), sdpa_to_usp(q, q, q, metadata=meta))
+    assert torch.equal(compiled(q), attend(q * 2) + 1)  # outside any block: plain SDPA

@@ -66,7 +66,7 @@ def _one_thread_fresh_dynamo():
     #   so a new class would recompile every model compiled before it.
     # - Every transformers forward is wrapped by one decorator function (utils/deprecation.py), so
     #   all models share one Dynamo code object and its recompile limit (8). Past it Dynamo runs the
-    #   forward eagerly, where documents(...) does nothing (see the xfail below): raise the limit,
+    #   forward eagerly, where an SDPA call under documents(...) raises (see the test below): raise the limit,
     #   and fail loudly if it is hit anyway.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -251,14 +251,6 @@ def test_documents_option_derives_documents_from_position_ids(name, use_cache):
     assert len(reports) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # a wrong result; an error would be a pass
-    reason="documents(meta) only reaches compiled graphs: when Dynamo runs a frame eagerly (its "
-    "recompile limit hit, or torch.compiler.disable), its SDPA calls ignore the documents and attend "
-    "across them, silently; every transformers model's forward shares one code object, so 8 compiles "
-    "of any transformers models in a process are enough",
-)
 def test_documents_are_not_silently_ignored_when_dynamo_runs_the_model_eagerly():
     c = _compiled("llama", False)
     model = c.model
@@ -270,7 +262,7 @@ def test_documents_are_not_silently_ignored_when_dynamo_runs_the_model_eagerly()
                 try:
                     # use_cache=True fails a guard; at the limit Dynamo runs the forward eagerly
                     out = lm_forward(c.fn, ids, pos, use_cache=True)
-                except (RuntimeError, ValueError):
+                except usp_graph.EagerAttentionError:
                     return  # refusing is fine; a wrong result is not
     finally:
         # At the limit Dynamo stops compiling the shared forward code for good: start over, and

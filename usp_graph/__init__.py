@@ -19,7 +19,7 @@ Public entry points:
 from __future__ import annotations
 
 from . import registry
-from .backend import CompileReport, UspOptions, documents, usp_backend
+from .backend import CompileReport, EagerAttentionError, UspOptions, documents, usp_backend
 from .backend import register as _register_backend
 from .cp import ContextParallel
 from .graphfile import (
@@ -67,6 +67,7 @@ __all__ = [
     "save",
     "save_graph_module",
     "CompileReport",
+    "EagerAttentionError",
     "UspOptions",
     "documents",
     "usp_backend",

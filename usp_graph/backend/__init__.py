@@ -19,7 +19,7 @@ import warnings
 from importlib.metadata import EntryPoint
 
 from .compiler import BACKEND_NAME, CompileReport, usp_backend
-from .documents import current_documents, documents
+from .documents import EagerAttentionError, current_documents, documents
 from .options import DEFAULT_INNER, INNER_COMPILERS, UspOptions
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_INNER",
     "INNER_COMPILERS",
     "UspOptions",
+    "EagerAttentionError",
     "current_documents",
     "documents",
     "register",

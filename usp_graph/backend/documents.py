@@ -15,8 +15,13 @@ The block must enclose the call of the compiled function, not sit inside it.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from contextvars import ContextVar
+from typing import Any
+
+import torch
+import torch.nn.functional as F
 
 from ..metadata import AttentionMetadata
 
@@ -57,6 +62,8 @@ def documents(
                 f"documents(metadata, kv=...): metadata has {metadata.cu_seqlens.numel() - 1} document slots and kv "
                 f"{kv.cu_seqlens.numel() - 1}; build both with the same max_docs"
             )
+    if metadata is not None:
+        _guard_eager_sdpa()
     token = _CURRENT.set((metadata, kv))
     try:
         yield metadata
@@ -72,3 +79,48 @@ def current_documents() -> AttentionMetadata | None:
 def current_kv_documents() -> AttentionMetadata | None:
     """The key/value (cross-attention) metadata of the innermost `documents` block, or None."""
     return _CURRENT.get()[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# SDPA that runs outside compiled code while documents are active.
+
+_PLAIN_SDPA = torch._C._nn.scaled_dot_product_attention
+
+
+class EagerAttentionError(RuntimeError):
+    """An SDPA call ran eagerly (outside any graph of backend "usp") inside `documents(...)`."""
+
+
+def _in_attention_mode() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    from ..mode import _SDPAToUSP
+
+    return any(isinstance(m, _SDPAToUSP) for m in _get_current_function_mode_stack())
+
+
+@functools.wraps(_PLAIN_SDPA)
+def _checked_sdpa(*args: Any, **kwargs: Any) -> Any:
+    # Dynamo folds is_compiling() to True and traces the plain call: compiled graphs are unchanged.
+    if torch.compiler.is_compiling() or _CURRENT.get()[0] is None or _in_attention_mode():
+        return _PLAIN_SDPA(*args, **kwargs)
+    raise EagerAttentionError(
+        "scaled_dot_product_attention ran eagerly, outside every graph of backend 'usp', while "
+        "usp_graph.documents(...) is active: it would attend across the documents. Dynamo runs a frame "
+        "eagerly past its recompile limit (all transformers models share one forward code object: raise "
+        "torch._dynamo.config.recompile_limit), under torch.compiler.disable, or when the call is not in "
+        "compiled code at all; for eager code use usp_graph.attention_mode(metadata)"
+    )
+
+
+def _guard_eager_sdpa() -> None:
+    """From the first `documents` block on, `F.scaled_dot_product_attention` refuses to run eagerly
+    inside a block, instead of silently attending across documents.
+
+    Dynamo runs a frame eagerly when it hits its recompile limit or `torch.compiler.disable`; the
+    backend then never sees its attention. Installed once and kept (a compiled function guards on
+    the function it calls, so swapping it per block would recompile); outside blocks, while
+    compiling and under `attention_mode` it is the plain SDPA. Code that bound SDPA under another
+    name before usp_graph was imported is not covered."""
+    if F.scaled_dot_product_attention is not _checked_sdpa:
+        F.scaled_dot_product_attention = _checked_sdpa
