@@ -44,7 +44,9 @@ class SDPACounter(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        # usp_graph.documents() makes F.scaled_dot_product_attention a thin check that calls the C
+        # function: a mode sees that one.
+        if func in (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention):
             self.calls.append((args, dict(kwargs)))
         return func(*args, **kwargs)
 

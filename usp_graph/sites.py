@@ -60,6 +60,7 @@ def node_value(node: Any) -> Any:
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_DOCUMENTS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "backend", "documents.py")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)')
 
 
@@ -71,8 +72,9 @@ def source_location(node: fx.Node) -> str | None:
     frames = _FRAME.findall(trace)
     if not frames:
         return None
-    # The innermost frame outside torch itself: the model line, not nn/modules/linear.py.
-    user = [f for f in frames if not f[0].startswith(_TORCH_DIR)]
+    # The innermost frame outside torch itself (the model line, not nn/modules/linear.py) and
+    # outside usp_graph's eager-SDPA check (backend/documents.py), which stands in for SDPA.
+    user = [f for f in frames if not f[0].startswith(_TORCH_DIR) and f[0] != _DOCUMENTS_FILE]
     file, line, fn = (user or frames)[-1]
     return f"{file}:{line} in {fn}"
 
