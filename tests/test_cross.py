@@ -142,3 +142,33 @@ def test_cross_attention_under_cp_with_replicated_text_matches_one_process():
     for per_rank in run_ranks(_cp_cross_all, 2, timeout=150):
         for case, errs in per_rank.items():  # (strategy, compiled)
             assert max(errs.values()) <= 1e-10, (case, errs)
+
+
+class _QNormAttention(nn.Module):
+    """Self-attention whose queries alone pass through a norm with a float attribute (like OLMo2's
+    q_norm): recompiled for another instance, Dynamo makes that float a graph input."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.eps = eps
+
+    def forward(self, x_BLD):
+        q, k, v = (t.unflatten(-1, (H, -1)).transpose(1, 2) for t in self.qkv(x_BLD).chunk(3, -1))
+        q = q / (q.square().mean(-1, keepdim=True) + self.eps).sqrt()
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_module_state_turned_into_graph_inputs_is_no_stream_of_its_own():
+    graphs = []
+
+    def run(m, x):
+        return m(x)
+
+    compiled = torch.compile(run, backend=lambda gm, ex: graphs.append(gm) or gm.forward)
+    x, _ = _inputs()
+    for eps in (1e-5, 1e-6, 1e-7):
+        compiled(_QNormAttention(eps).double(), x)
+    for gm in graphs:
+        (site,) = find_sites(gm)
+        assert not site.cross and site.rewritable, site.describe()

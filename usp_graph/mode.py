@@ -41,7 +41,7 @@ class _Streams:
                 r = self.of(x)
                 if r is not None:
                     found |= r
-                elif not isinstance(x, torch.nn.Parameter):
+                elif not isinstance(x, torch.nn.Parameter) and x.dim() > 0:  # scalars are no stream
                     found.add(id(x))
             elif isinstance(x, (list, tuple)):
                 found |= self.inputs(x)

@@ -297,17 +297,28 @@ def _strip_layout(node: Any) -> Any:
     return node
 
 
+# A Dynamo source that is an argument of the compiled frame, reached by indexing only
+# (L['x'], L['kwargs']['position_ids'], L['args'][1]): data. Anything reached through an attribute
+# (a module's parameter, buffer or plain float attribute that automatic dynamic turned into an
+# input) or a global is model state.
+_ARGUMENT = re.compile(r"^L\['[^']+'\](\[[^\]]+\])*$")
+
+
 def is_weight(node: fx.Node) -> bool:
-    """A placeholder that holds a parameter or buffer (Dynamo's sources, make_fx's input tags)."""
+    """A placeholder that holds model state (a parameter, buffer or module attribute) rather than
+    data of the call: Dynamo's sources, make_fx's input tags. Scalars (0-dim) count as state too."""
     tag = node.meta.get("usp_input", {}).get("kind")
     if tag is not None:
         return tag in ("param", "buffer")
+    val = node_value(node)
+    if isinstance(val, torch.nn.Parameter) or (isinstance(val, torch.Tensor) and val.dim() == 0):
+        return True
     source = getattr(node, "_dynamo_source", None)
+    if source is None:
+        return False
     text = getattr(source, "name", None)
     text = text() if callable(text) else (text or "")
-    if "._parameters[" in text or "._buffers[" in text:
-        return True
-    return isinstance(node_value(node), torch.nn.Parameter)
+    return not _ARGUMENT.match(text)
 
 
 def stream_inputs(node: fx.Node) -> frozenset[fx.Node]:
