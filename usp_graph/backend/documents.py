@@ -99,10 +99,18 @@ def _in_attention_mode() -> bool:
     return any(isinstance(m, _SDPAToUSP) for m in _get_current_function_mode_stack())
 
 
+def _traced(args: tuple[Any, ...]) -> bool:
+    """The call is being traced (make_fx, export): fake or functional tensors, not a run."""
+    from ..metadata import _is_real
+
+    query = args[0] if args else None
+    return isinstance(query, torch.Tensor) and not _is_real(query)
+
+
 @functools.wraps(_PLAIN_SDPA)
 def _checked_sdpa(*args: Any, **kwargs: Any) -> Any:
     # Dynamo folds is_compiling() to True and traces the plain call: compiled graphs are unchanged.
-    if torch.compiler.is_compiling() or _CURRENT.get()[0] is None or _in_attention_mode():
+    if torch.compiler.is_compiling() or _CURRENT.get()[0] is None or _in_attention_mode() or _traced(args):
         return _PLAIN_SDPA(*args, **kwargs)
     raise EagerAttentionError(
         "scaled_dot_product_attention ran eagerly, outside every graph of backend 'usp', while "
