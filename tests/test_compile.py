@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import usp_graph
 from tests.dist import run_ranks
@@ -703,4 +704,6 @@ def test_sdpa_run_eagerly_inside_documents_raises_instead_of_attending_across_th
             F.scaled_dot_product_attention(q, q, q)
         with attention_mode(meta):  # eager code under attention_mode is routed, not refused
             assert torch.equal(F.scaled_dot_product_attention(q, q, q), sdpa_to_usp(q, q, q, metadata=meta))
+        traced = make_fx(lambda x: F.scaled_dot_product_attention(x, x, x), tracing_mode="fake")(q)  # not a run
+        assert any("scaled_dot_product" in str(n.target) for n in traced.graph.nodes)
     assert torch.equal(compiled(q), attend(q * 2) + 1)  # outside any block: plain SDPA
