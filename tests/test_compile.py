@@ -210,12 +210,41 @@ def test_unknown_option_lists_the_valid_keys():
         ({"dump_dir": 5}, "option 'dump_dir' must be a str or os.PathLike"),
         ({"cp": "ring"}, "option 'cp' must be a usp_graph.ContextParallel or None, got str"),
         ({"on_compile": 1}, "option 'on_compile' must be callable"),
+        ({"documents": 3}, "option 'documents' must be the name of the model argument holding position ids"),
+        ({"documents": "position ids"}, "option 'documents' must be the name of the model argument"),
+        ({"documents": "position_ids", "max_docs": 2.0}, "option 'max_docs' must be an int or None, got float"),
     ],
-    ids=["verify", "inner", "dump_dir", "cp", "on_compile"],
+    ids=["verify", "inner", "dump_dir", "cp", "on_compile", "documents", "documents_not_a_name", "max_docs"],
 )
 def test_wrong_option_type_is_a_type_error_naming_the_key(options, message):
     with pytest.raises(TypeError, match=message):
         UspOptions.parse(options)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"documents": "position_ids", "max_docs": 0}, "option 'max_docs' must be >= 1, got 0"),
+        ({"max_docs": 8}, "option 'max_docs' sizes documents derived with option 'documents'; set that too"),
+    ],
+    ids=["max_docs_zero", "max_docs_alone"],
+)
+def test_bad_documents_options_are_value_errors_saying_what_to_set(options, message):
+    with pytest.raises(ValueError, match=message):
+        UspOptions.parse(options)
+
+
+def test_bad_kv_documents_are_refused_before_any_call():
+    meta = AttentionMetadata.from_lengths([4, 4], max_docs=3)
+    with pytest.raises(TypeError, match="as kv"):
+        with documents(meta, kv=[0, 4, 8]):
+            pass
+    with pytest.raises(ValueError, match="key/value documents need query documents too"):
+        with documents(None, kv=meta):
+            pass
+    with pytest.raises(ValueError, match="key/value documents need query documents too"):
+        with attention_mode(None, kv=meta):
+            pass
 
 
 def test_unknown_inner_compiler_lists_the_choices():
