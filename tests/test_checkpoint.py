@@ -106,3 +106,60 @@ def test_compiled_checkpointed_packed_documents_match_each_document_alone():
             alone = model(batch["input_ids"][:, start : start + n], batch["position_ids"][:, start : start + n])
             assert rel_err(logits[:, start : start + n], alone) <= 1e-10
         start += n
+
+
+def _packed_mask(pos_BL):
+    """transformers' training-path mask: documents where positions count up by one, causal."""
+    seg = (torch.diff(pos_BL, prepend=pos_BL[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    keep = (seg[:, :, None] == seg[:, None, :]) & (pos_BL[:, None, :] <= pos_BL[:, :, None])
+    return keep[:, None]
+
+
+class _MaskedCheckpointed(torch.nn.Module):
+    """Builds the packed mask once, outside the checkpointed blocks, and hands it to each."""
+
+    def __init__(self, model: Llama) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids_BL, position_ids_BL):
+        m = self.model
+        x_BLD = m.tok_embeddings(input_ids_BL)
+        cos, sin = usp_graph.models.llama.rope_cos_sin(position_ids_BL, m.config.head_dim, m.config.rope_theta, x_BLD.dtype)
+        mask = _packed_mask(position_ids_BL)
+        for layer in m.layers:
+            x_BLD = checkpoint(layer, x_BLD, cos, sin, mask, use_reentrant=False)
+        return m.lm_head(m.norm(x_BLD))
+
+
+def test_a_recognised_mask_is_no_longer_built_to_be_passed_to_checkpointed_regions(monkeypatch):
+    import usp_graph.backend.compiler as compiler
+
+    rewritten = []
+    real = compiler.rewrite_sdpa
+
+    def capture(gm, **kwargs):
+        result = real(gm, **kwargs)
+        rewritten.append(gm)
+        return result
+
+    monkeypatch.setattr(compiler, "rewrite_sdpa", capture)
+    model = _model()
+    wrapped = _MaskedCheckpointed(model)
+    batch = make_llama_batch(model.config, LENGTHS, generator=torch.Generator().manual_seed(5))
+    meta = AttentionMetadata.from_lengths(LENGTHS, max_docs=8)
+    with attention_mode(meta):
+        ref = _loss(model, batch)
+    ref_grads = _grads(model, ref)
+    with documents(meta):
+        loss = _loss(torch.compile(wrapped, backend="usp"), batch)
+    grads = _grads(wrapped, loss)
+    assert torch.equal(loss, ref)
+    for name, g in ref_grads.items():
+        assert torch.equal(grads["model." + name], g), name
+    (gm,) = rewritten
+    masks = [
+        n for n in gm.graph.nodes
+        if isinstance(v := n.meta.get("example_value"), torch.Tensor) and v.dtype == torch.bool and v.dim() == 4
+    ]
+    assert masks == [], [n.format_node() for n in masks]

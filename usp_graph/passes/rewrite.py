@@ -279,11 +279,36 @@ def _drop_unused(node: fx.Node) -> None:
     stack = [node]
     while stack:
         n = stack.pop()
-        if n.users or n.op != "call_function" or n.is_impure() or n.graph.owning_module is None:
+        if n.users or n.graph.owning_module is None:
+            continue
+        pure_method = n.op == "call_method" and not str(n.target).endswith("_")  # x.to(...), not x.add_(...)
+        if not (n.op == "call_function" or pure_method) or n.is_impure():
             continue
         inputs = n.all_input_nodes
         n.graph.erase_node(n)
         stack.extend(inputs)
+
+
+def _prune_unused_operands(call: fx.Node) -> None:
+    """Drop the operands of a checkpointed region whose body no longer reads them (a recognised
+    mask handed to the region), and what computed only them outside: otherwise a (B, 1, L, L)
+    mask would still be built every step to be passed in and ignored."""
+    body = body_call(call)
+    assert body is not None, call
+    placeholders = list(body.graph.find_nodes(op="placeholder"))
+    operands = list(call.args[1:])
+    if len(placeholders) != len(operands):
+        return
+    keep = [not (not p.users and isinstance(a, fx.Node)) for p, a in zip(placeholders, operands, strict=True)]
+    if all(keep):
+        return
+    call.args = (call.args[0], *(a for a, k in zip(operands, keep, strict=True) if k))
+    for p, k in zip(placeholders, keep, strict=True):
+        if not k:
+            body.graph.erase_node(p)
+    for a, k in zip(operands, keep, strict=True):
+        if not k:
+            _drop_unused(a)
 
 
 def _replace_site(graph: fx.Graph, site: AttentionSite, out: fx.Node) -> None:
@@ -362,7 +387,10 @@ def rewrite_sdpa(
         _replace_site(graph, site, out)
         if isinstance(site.attn_mask, fx.Node):
             _drop_unused(site.attn_mask)
-    for body in {id(b): b for b in (body_call(c) for s in todo for c in s.regions) if b is not None}.values():
+    calls = {c: depth for s in todo for depth, c in enumerate(s.regions)}
+    for call in sorted(calls, key=calls.get, reverse=True):  # innermost regions first
+        _prune_unused_operands(call)
+        body = body_call(call)
         body.graph.lint()
         body.recompile()
     gm.graph.lint()
