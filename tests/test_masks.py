@@ -9,7 +9,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from usp_graph import AttentionMetadata, attention_mode, documents
 from usp_graph.masks import (
-    band_mask,
     band_of,
     check_positions_match,
     cu_seqlens_from_positions,
@@ -34,6 +33,18 @@ def _packed_mask(pos_BL, window=None, causal=True):
     if window is not None:
         keep = keep & (k > q - window)
     return keep[:, None]
+
+
+def band_mask(doc_BL, window):
+    """Reference: the (B, L, L) keep-mask of the band `window` inside the documents `doc_BL`."""
+    idx = torch.arange(doc_BL.shape[-1])
+    diff_LL = idx.view(-1, 1) - idx.view(1, -1)  # q - k
+    keep = doc_BL.unsqueeze(-1) == doc_BL.unsqueeze(-2)
+    if window[0] != -1:
+        keep = keep & (diff_LL <= window[0])
+    if window[1] != -1:
+        keep = keep & (-diff_LL <= window[1])
+    return keep
 
 
 def _zero_start_mask(pos_BL):

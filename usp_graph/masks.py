@@ -42,7 +42,6 @@ __all__ = [
     "mask_form",
     "keep_of",
     "band_of",
-    "band_mask",
     "is_band",
     "segments_of_positions",
     "cu_seqlens_from_positions",
@@ -110,20 +109,6 @@ def segments_of_positions(pos_BL: Tensor) -> Tensor:
     step = pos_BL[:, 1:] != pos_BL[:, :-1] + 1
     start = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=pos_BL.device), step], 1)
     return start.long().cumsum(1) - 1
-
-
-def band_mask(doc_BL: Tensor, window: tuple[int, int]) -> Tensor:
-    """(B, L, L) keep-mask of the band `window` inside the documents `doc_BL` (contiguous runs)."""
-    length = doc_BL.shape[-1]
-    idx = torch.arange(length, device=doc_BL.device)
-    diff_LL = idx.view(-1, 1) - idx.view(1, -1)  # q - k
-    left, right = window
-    keep = doc_BL.unsqueeze(-1) == doc_BL.unsqueeze(-2)
-    if left != UNBOUNDED:
-        keep = keep & (diff_LL <= left)
-    if right != UNBOUNDED:
-        keep = keep & (-diff_LL <= right)
-    return keep
 
 
 def _intervals(keep_BLL: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -257,7 +257,7 @@ class MetadataFeed:
         self.world = world
         self.device = device
         self.kept = [f"{s.name} ({s.reason})" for s in kept]
-        self._per_row: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
+        self._per_row: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (b, span) -> (cu, span)
         self.batch = self.length = self.kv_length = None
         # positions: the index of the argument whose position ids define the documents outside
         # any `documents` block (a mask built from them, or the "documents" option), else None.
@@ -320,15 +320,7 @@ class MetadataFeed:
             cu = cu_seqlens_from_positions(pos, self.capacity)
             return (cu.to(self.device) if self.device is not None else cu, length * self.world)
         if meta is None:
-            key = (b, length)
-            fed = self._per_row.get(key)
-            if fed is None:
-                if len(self._per_row) >= 64:  # dynamic shapes: keep the cache small
-                    self._per_row.clear()
-                span = length * self.world
-                cu = torch.arange(b + 1, dtype=torch.int32, device=self.device) * span
-                fed = self._per_row[key] = (cu, span)
-            return (*fed, *kv_fed)
+            return (*self._rows(b, length * self.world), *kv_fed)
         tokens = b * length * self.world
         if isinstance(meta.total_tokens, int) and meta.total_tokens != tokens:
             across = f" x {self.world} CP ranks" if self.world > 1 else ""
@@ -337,28 +329,37 @@ class MetadataFeed:
                 f"graph {self.graph} see {tokens} (batch {b} x length {length}{across}); give metadata for this "
                 "call's packed tokens"
             )
+        return (*self._on_device(meta), *kv_fed)
+
+    def _rows(self, b: int, span: int) -> tuple[torch.Tensor, int]:
+        """One document of `span` tokens per row: ``cu = [0, span, ..., b * span]``, cached."""
+        fed = self._per_row.get((b, span))
+        if fed is None:
+            if len(self._per_row) >= 64:  # dynamic shapes: keep the cache small
+                self._per_row.clear()
+            cu = torch.arange(b + 1, dtype=torch.int32, device=self.device) * span
+            fed = self._per_row[(b, span)] = (cu, span)
+        return fed
+
+    def _on_device(self, meta: AttentionMetadata) -> tuple[torch.Tensor, Any]:
         cu = meta.cu_seqlens
         if self.device is not None and cu.device != self.device:
             cu = cu.to(self.device, non_blocking=True)
-        return (cu, meta.max_seqlen, *kv_fed)
+        return cu, meta.max_seqlen
 
     def _kv_fed(self, args: Sequence[Any], b: int, kv: AttentionMetadata | None) -> tuple[Any, ...]:
         """Key documents of the cross-attention calls: `kv`, or one document per row."""
         assert self.kv_length is not None
         length = self.kv_length(args)
         if kv is None:
-            cu = torch.arange(b + 1, dtype=torch.int32, device=self.device) * length
-            return (cu, length)
+            return self._rows(b, length)
         tokens = b * length
         if isinstance(kv.total_tokens, int) and kv.total_tokens != tokens:
             raise ValueError(
                 f"documents(..., kv=...) describes {kv.total_tokens} key/value tokens, but the cross-attention calls "
                 f"of compiled graph {self.graph} see {tokens} (batch {b} x length {length})"
             )
-        cu = kv.cu_seqlens
-        if self.device is not None and cu.device != self.device:
-            cu = cu.to(self.device, non_blocking=True)
-        return (cu, kv.max_seqlen)
+        return self._on_device(kv)
 
 
 def metadata_hints(rows: tuple[Any, Any], world: int) -> tuple[int, int]:
