@@ -361,3 +361,13 @@ def test_flash_window_arguments_keep_exactly_the_window_under_flashs_rules():
                         want = ((c >= d - left) | (left == -1)) & ((c <= d + r_eff) | (r_eff == -1))
                         assert torch.equal(got, want), (lq, lk, left, right, is_causal)
     assert flash_window(5, 7, True, -1, -1) == (7, {})
+
+
+@pytest.mark.parametrize("window", [(-7, 0), (3, -9)], ids=["left", "right"])
+def test_the_ops_refuse_a_window_below_minus_one_as_a_graph_file_could_pass_it(window):
+    q = torch.randn(8, 2, 4)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="two ints >= 0, or -1 for an unbounded side"):
+        torch.ops.usp.varlen_fwd(q, q, q, cu, cu, 8, 8, False, 0.5, *window)
+    with pytest.raises(ValueError, match="two ints >= 0, or -1 for an unbounded side"):
+        torch.ops.usp.varlen_bwd(q, q, q, q, q, q[:, :, 0].T.contiguous(), cu, cu, 8, 8, False, 0.5, *window)

@@ -560,6 +560,8 @@ def varlen_fwd(
     Outputs are contiguous whatever the inputs' strides (the flash kernel would hand back q's
     layout): the fake impl promises that, and a compiler checks it."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
+    # The op checks what the wrapper checks: a graph file calls it directly.
+    check_window((window_left, window_right), "usp::varlen_fwd window (window_left, window_right)")
     if (window_left, window_right) != NO_WINDOW:
         args += (window_left, window_right)
     if q.device.type == "cpu":
@@ -611,6 +613,7 @@ def varlen_bwd(
         is_causal,
         scale,
     )
+    check_window((window_left, window_right), "usp::varlen_bwd window (window_left, window_right)")
     if (window_left, window_right) != NO_WINDOW:
         args += (window_left, window_right)
     if q.device.type == "cpu":
