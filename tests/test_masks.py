@@ -254,3 +254,18 @@ def test_option_documents_under_cp_gathers_the_position_ids_of_every_rank():
 
     for errs in run_ranks(_cp_documents_from_positions, 2, timeout=150):
         assert max(errs.values()) <= 1e-10, errs
+
+
+def test_verify_never_runs_a_mask_subgraph(monkeypatch):
+    """verify (and so `usp-graph verify` on a file) reads structure only: no op of the graph runs."""
+    import usp_graph.masks as masks_mod
+    from usp_graph.passes import VerifyError
+    from usp_graph.passes.verify import verify
+
+    site = _site(lambda q, p: F.scaled_dot_product_attention(q, q, q, attn_mask=_packed_mask(p)), POS)
+    gm = site.node.graph.owning_module
+    for node in gm.graph.nodes:
+        node.meta.pop("usp_mask_form", None)
+    monkeypatch.setattr(masks_mod, "_mask_form", lambda *a: pytest.fail("verify evaluated a mask"))
+    with pytest.raises(VerifyError, match="is still in the graph"):
+        verify(gm)

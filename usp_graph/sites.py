@@ -165,7 +165,7 @@ def _known_equal(a: Any, b: Any) -> bool:
     return bool(statically_known_true(a == b))
 
 
-def _site(node: fx.Node, form: str) -> AttentionSite:
+def _site(node: fx.Node, form: str, read_masks: bool = True) -> AttentionSite:
     schema = _SDPA_SCHEMA if form == "torch" else node.target._schema
     a = _bind(node, schema)
     mask = a.get("attn_mask", a.get("attn_bias"))
@@ -198,12 +198,12 @@ def _site(node: fx.Node, form: str) -> AttentionSite:
         site.extra_outputs = tuple(
             u for u in node.users if not (u.target is operator.getitem and (u.args[1] == 0 or not u.users))
         )
-    site.reason = _why_not(site, a)
+    site.reason = _why_not(site, a, read_masks)
     site.rewritable = site.reason is None
     return site
 
 
-def _why_not(site: AttentionSite, bound: dict[str, Any]) -> str | None:
+def _why_not(site: AttentionSite, bound: dict[str, Any], read_masks: bool = True) -> str | None:
     """Why `sdpa_to_usp` cannot stand in for this site (None: it can)."""
     for name in ("dropout_p", "is_causal", "scale"):
         if isinstance(getattr(site, name), fx.Node):
@@ -234,6 +234,8 @@ def _why_not(site: AttentionSite, bound: dict[str, Any]) -> str | None:
             "keys come from the query's own inputs (not cross-attention): a KV cache is not supported"
         )
     if site.attn_mask is not None:
+        if not read_masks:
+            return "attn_mask not read (find_sites(read_masks=False): the graph is not run)"
         why = _mask_why_not(site)
         if why is not None:
             return why
@@ -385,9 +387,13 @@ def body_call(node: fx.Node) -> fx.GraphModule | None:
     return body if isinstance(body, fx.GraphModule) else None
 
 
-def find_sites(gm: fx.GraphModule | fx.Graph) -> list[AttentionSite]:
+def find_sites(gm: fx.GraphModule | fx.Graph, *, read_masks: bool = True) -> list[AttentionSite]:
     """Every SDPA call of the graph, in graph order, as `AttentionSite` records; the calls inside
-    the bodies of checkpointed regions too (after the region's other sites, in body order)."""
+    the bodies of checkpointed regions too (after the region's other sites, in body order).
+
+    `read_masks`: read each ``attn_mask`` by running its subgraph on probe inputs
+    (`masks.mask_form`). Pass False for a graph from an untrusted file (verify, inspect): a site
+    with a mask is then reported as not rewritable, and nothing of the graph runs."""
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     sites = []
     for node in graph.nodes:
@@ -395,7 +401,7 @@ def find_sites(gm: fx.GraphModule | fx.Graph) -> list[AttentionSite]:
             continue
         body = body_call(node)
         if body is not None:
-            sites.extend(_body_sites(node, body))
+            sites.extend(_body_sites(node, body, read_masks))
             continue
         if isinstance(node.target, torch._ops.HigherOrderOperator) and _has_sdpa(node):
             sites.append(_hidden_site(node))
@@ -405,16 +411,16 @@ def find_sites(gm: fx.GraphModule | fx.Graph) -> list[AttentionSite]:
         except TypeError:  # an unhashable target
             form = None
         if form is not None:
-            sites.append(_site(node, form))
+            sites.append(_site(node, form, read_masks))
     return sites
 
 
-def _body_sites(call: fx.Node, body: fx.GraphModule) -> list[AttentionSite]:
+def _body_sites(call: fx.Node, body: fx.GraphModule, read_masks: bool) -> list[AttentionSite]:
     placeholders = list(body.graph.find_nodes(op="placeholder"))
     operands = list(call.args[1:])
     for p, arg in zip(placeholders, operands, strict=False):
         p.meta["usp_outer"] = arg if isinstance(arg, fx.Node) else None
-    sites = find_sites(body)
+    sites = find_sites(body, read_masks=read_masks)
     if len(placeholders) != len(operands):
         for site in sites:
             site.rewritable = False
@@ -429,7 +435,7 @@ def _has_sdpa(node: fx.Node) -> bool:
     for arg in node.args:
         if isinstance(arg, fx.Node) and arg.op == "get_attr" and root is not None:
             sub = getattr(root, arg.target, None)
-            if isinstance(sub, fx.GraphModule) and find_sites(sub):
+            if isinstance(sub, fx.GraphModule) and find_sites(sub, read_masks=False):
                 return True
     return False
 
