@@ -69,6 +69,7 @@ from .errors import (
     GraphFileSchemaError,
     GraphFileVersionError,
     GraphFileVersionWarning,
+    GraphReplayError,
     ProcessGroupMismatchError,
 )
 from .reader import GraphFile, load_graph_module, loads_graph_module
@@ -87,6 +88,7 @@ __all__ = [
     "GraphFileSchemaError",
     "GraphFileVersionError",
     "GraphFileVersionWarning",
+    "GraphReplayError",
     "InputSpec",
     "LoadedTrainStep",
     "ProcessGroupMismatchError",

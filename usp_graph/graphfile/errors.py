@@ -14,6 +14,7 @@ __all__ = [
     "GraphFileSchemaError",
     "DisallowedTargetError",
     "ProcessGroupMismatchError",
+    "GraphReplayError",
     "GraphFileVersionWarning",
 ]
 
@@ -48,6 +49,12 @@ class DisallowedTargetError(GraphFileError):
 class ProcessGroupMismatchError(GraphFileError):
     """The process groups a context-parallel graph was saved with cannot be found in this
     process (torch.distributed not initialized, another world size or rank, a group missing)."""
+
+
+class GraphReplayError(GraphFileError):
+    """A loaded graph cannot run on these inputs: the check that runs before any op (every node's
+    shapes, dtypes and argument bounds propagated from the actual input sizes) refused a node, or
+    an op failed during the run. Nothing the caller passed in was modified."""
 
 
 class GraphFileVersionWarning(UserWarning):
