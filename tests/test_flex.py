@@ -193,7 +193,7 @@ def test_kernel_setting_is_checked():
         text=True,
     )
     assert env_bad.returncode != 0
-    assert "USP_CUDA_ATTENTION must be one of auto, flash, flex, got 'fast'" in env_bad.stderr
+    assert "USP_CUDA_ATTENTION must be one of auto, flash, flex, cudnn, got 'fast'" in env_bad.stderr
 
 
 def test_flex_entry_points_end_to_end(monkeypatch):

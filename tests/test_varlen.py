@@ -265,3 +265,57 @@ def test_matches_sdpa_per_sample_in_float32():
     out = varlen_attn(pack(q), pack(k), pack(v), cu, cu, 10, 10, is_causal=True, enable_gqa=True)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert _rel(out, pack(ref)) <= 1e-6
+
+
+def _qkv_kv(gen, t_q, t_k, h, g, d, dv, dtype):
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+
+    return r(t_q, h, d), r(t_k, g, d), r(t_k, g, dv)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dims", [(16, 8), (8, 24)], ids=["Kv<K", "Kv>K"])
+def test_value_head_dim_may_differ_from_query_head_dim(dtype, tol, is_causal, dims):
+    """v_TGKv with Kv != K (issue 17): random boundaries with empty and length-1 documents, GQA,
+    forward and backward against the float64 per-document reference."""
+    d, dv = dims
+    gen = torch.Generator().manual_seed(hash((str(dtype), is_causal, dims)) % 2**31)
+    for lens in [*LENGTH_SETS, _random_lengths(gen, 8, 24), _random_lengths(gen, 5, 40)]:
+        meta = AttentionMetadata.from_lengths(lens, max_docs=len(lens) + 2)
+        q, k, v = _qkv_kv(gen, meta.total_tokens, meta.total_tokens, 4, 2, d, dv, dtype)
+        cu = meta.cu_seqlens
+        out = varlen_attn(
+            q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, is_causal=is_causal, enable_gqa=True
+        )
+        assert out.shape == (meta.total_tokens, 4, dv)
+        _check_against_reference(q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, is_causal, 0.37, tol)
+
+
+def test_value_head_dim_differs_with_unequal_lengths_and_a_window():
+    gen = torch.Generator().manual_seed(21)
+    lq, lk = [3, 6, 0, 1, 4], [5, 2, 3, 0, 4]
+    mq, mk = AttentionMetadata.from_lengths(lq), AttentionMetadata.from_lengths(lk)
+    q, k, v = _qkv_kv(gen, mq.total_tokens, mk.total_tokens, 4, 2, 8, 12, torch.float64)
+    args = (mq.cu_seqlens, mk.cu_seqlens, mq.max_seqlen, mk.max_seqlen)
+    _check_against_reference(q, k, v, *args, True, 8**-0.5, 1e-10)
+    # a window: the padded call equals the math path (which takes Kv != K as it is)
+    from usp_graph.ops.varlen import _math_fwd
+
+    out, lse = varlen_attn(q, k, v, *args, is_causal=True, enable_gqa=True, return_lse=True, window=(1, 0))
+    ref_out, ref_lse = _math_fwd(q.detach(), k.detach(), v.detach(), *args, True, 8**-0.5, 1, 0)
+    assert _rel(out, ref_out) <= 1e-12
+    assert torch.equal(lse == float("-inf"), ref_lse == float("-inf"))
+
+
+def test_gradcheck_value_head_dim_differs():
+    gen = torch.Generator().manual_seed(22)
+    meta = AttentionMetadata.from_lengths([3, 0, 1, 4], max_docs=6)
+    q, k, v = _qkv_kv(gen, 8, 8, 4, 2, 4, 6, torch.float64)
+    cu, m = meta.cu_seqlens, meta.max_seqlen
+
+    def f(q, k, v):
+        return varlen_attn(q, k, v, cu, cu, m, m, is_causal=True, scale=0.6, enable_gqa=True, return_lse=True)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))

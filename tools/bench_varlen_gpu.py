@@ -7,6 +7,9 @@ backend) on a small check shape with the same document distribution, then timed 
   usp           usp_graph.varlen_attn (this repo's public wrapper; its per-shape kernel choice)
   usp_flash     the same, flash varlen forced (usp_graph.ops.varlen.cuda_kernel("flash"))
   usp_flex      the same, flex_attention with a document block mask forced ("flex")
+  usp_cudnn     the same, cuDNN's ragged attention forced ("cudnn"; needs nvidia-cudnn-frontend)
+  cudnn_raw     cuDNN's ragged graphs alone: built once, their inputs and metadata bound once,
+                each call only executes them (inside an autograd.Function): usp_cudnn's ceiling
   torch_varlen  torch.nn.attention.varlen.varlen_attn (flash varlen)
   flex          torch.compile(flex_attention) with a document BlockMask built once, untimed
   flex_step     the same with the BlockMask rebuilt by create_block_mask (compiled) on every call,
@@ -14,6 +17,10 @@ backend) on a small check shape with the same document distribution, then timed 
                 boundaries each step pays on plain flex_attention
   padded_sdpa   documents padded to the longest one, F.scaled_dot_product_attention; pack and
                 unpack are timed; bidirectional needs a key-padding mask (not the flash backend)
+  dense_sdpa    F.scaled_dot_product_attention on ONE sequence of all T tokens (no documents):
+                the ceiling; its TFLOP/s count its own (dense) FLOPs; not checked (another function)
+
+GQA: --kv-heads G < --heads; torch_varlen (no GQA) repeats K/V to H heads inside the timed call.
 
 FLOPs are useful FLOPs only (no padding, no cross-document or masked-out work): a document of
 n tokens costs fwd = 4*n*n*H*K bidirectional, 4*(n*(n+1)/2)*H*K causal; fwd+bwd = 3.5 * fwd
@@ -64,7 +71,19 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-IMPLS = ("usp", "usp_flash", "usp_flex", "torch_varlen", "flex", "flex_step", "padded_sdpa")
+IMPLS = (
+    "usp",
+    "usp_flash",
+    "usp_flex",
+    "usp_cudnn",
+    "cudnn_raw",
+    "torch_varlen",
+    "flex",
+    "flex_step",
+    "padded_sdpa",
+    "dense_sdpa",
+)
+UNCHECKED = ("dense_sdpa",)  # computes another function (no documents): timed, not checked
 BASELINE = "torch_varlen"
 TOLERANCE = 2e-2  # bf16 relative error bound, ||x - ref|| / ||ref||
 FLOP_CONVENTION = (
@@ -163,14 +182,19 @@ def attention_flops(lengths: list[int], heads: int, head_dim: int, causal: bool)
     return fwd, 3.5 * fwd
 
 
+KV_HEADS: int | None = None  # --kv-heads (None: as many as query heads)
+
+
 def make_inputs(
     tokens: int, heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q_THK, k_THK, v_THK (leaves requiring grad) and dout_THK, standard normal."""
+    """q_THK, k_TGK, v_TGK (leaves requiring grad) and dout_THK, standard normal."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
+    g = KV_HEADS or heads
     q_THK, k_THK, v_THK, dout_THK = (
-        torch.randn(tokens, heads, head_dim, generator=gen, device=device, dtype=dtype) for _ in range(4)
+        torch.randn(tokens, h, head_dim, generator=gen, device=device, dtype=dtype)
+        for h in (heads, g, g, heads)
     )
     for x in (q_THK, k_THK, v_THK):
         x.requires_grad_(True)
@@ -188,7 +212,9 @@ def build_usp(docs: Docs, causal: bool, device: torch.device, kernel: str = "aut
     cu_N1, max_len = docs.cu_seqlens_N1, docs.max_seqlen
 
     def run(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THK: torch.Tensor) -> torch.Tensor:
-        out = varlen_attn(q_THK, k_THK, v_THK, cu_N1, cu_N1, max_len, max_len, is_causal=causal)
+        out = varlen_attn(
+            q_THK, k_THK, v_THK, cu_N1, cu_N1, max_len, max_len, is_causal=causal, enable_gqa=True
+        )
         return out[0] if isinstance(out, tuple) else out
 
     return run, "" if kernel == "auto" else f"kernel {kernel}"
@@ -220,6 +246,9 @@ def build_torch_varlen(docs: Docs, causal: bool, device: torch.device) -> tuple[
     cu_N1, max_len = docs.cu_seqlens_N1, docs.max_seqlen
 
     def run(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THK: torch.Tensor) -> torch.Tensor:
+        if k_THK.shape[1] != q_THK.shape[1]:  # no GQA in torch varlen: repeat K/V (timed)
+            rep = q_THK.shape[1] // k_THK.shape[1]
+            k_THK, v_THK = (x.repeat_interleave(rep, dim=1) for x in (k_THK, v_THK))
         return varlen_attn(q_THK, k_THK, v_THK, cu_N1, cu_N1, max_len, max_len, **kwargs)
 
     return run, " ".join(f"{k}={v}" for k, v in kwargs.items())
@@ -267,7 +296,9 @@ def build_flex(docs: Docs, causal: bool, device: torch.device, per_call: bool = 
             )
         # (T, H, K) -> (1, H, T, K) is a view: the layout a projection + transpose produces
         q_1HTK, k_1HTK, v_1HTK = (x.transpose(0, 1).unsqueeze(0) for x in (q_THK, k_THK, v_THK))
-        out_1HTK = attend(q_1HTK, k_1HTK, v_1HTK, block_mask=mask)
+        out_1HTK = attend(
+            q_1HTK, k_1HTK, v_1HTK, block_mask=mask, enable_gqa=k_THK.shape[1] != q_THK.shape[1]
+        )
         return out_1HTK[0].transpose(0, 1)
 
     mode = "compiled" if compiled else "eager"
@@ -294,7 +325,12 @@ def build_padded_sdpa(docs: Docs, causal: bool, device: torch.device) -> tuple[A
 
     def run(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THK: torch.Tensor) -> torch.Tensor:
         out_NHLK = F.scaled_dot_product_attention(
-            pack(q_THK), pack(k_THK), pack(v_THK), attn_mask=key_mask_N11L, is_causal=causal
+            pack(q_THK),
+            pack(k_THK),
+            pack(v_THK),
+            attn_mask=key_mask_N11L,
+            is_causal=causal,
+            enable_gqa=k_THK.shape[1] != q_THK.shape[1],
         )
         H, K = q_THK.shape[1:]
         return out_NHLK.transpose(1, 2).reshape(N * L, H, K).index_select(0, dest_T)
@@ -306,14 +342,96 @@ def build_padded_sdpa(docs: Docs, causal: bool, device: torch.device) -> tuple[A
     return run, note
 
 
+def build_dense_sdpa(docs: Docs, causal: bool, device: torch.device) -> tuple[AttnFn, str]:
+    def run(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THK: torch.Tensor) -> torch.Tensor:
+        q_1HTK, k_1HTK, v_1HTK = (x.transpose(0, 1).unsqueeze(0) for x in (q_THK, k_THK, v_THK))
+        out_1HTK = F.scaled_dot_product_attention(
+            q_1HTK, k_1HTK, v_1HTK, is_causal=causal, enable_gqa=k_THK.shape[1] != q_THK.shape[1]
+        )
+        return out_1HTK[0].transpose(0, 1)
+
+    return run, "one sequence of all tokens, default SDPA backend; dense FLOPs"
+
+
+def build_cudnn_raw(docs: Docs, causal: bool, device: torch.device) -> tuple[AttnFn, str]:
+    """cuDNN's graphs with everything bound once: each call executes the forward (and, in
+    backward, the backward) graph and nothing else."""
+    from usp_graph.ops import cudnn_kernel as ck
+
+    if not ck.available():
+        raise RuntimeError("the cuDNN frontend (nvidia-cudnn-frontend) is not installed")
+    cu_N1, max_len = docs.cu_seqlens_N1, docs.max_seqlen
+    bound: dict[str, Any] = {}
+
+    def bind(q, k, v):
+        t, h, d = q.shape
+        g = k.shape[1]
+        scale = d**-0.5
+        kf = ck.plan_key(q, k, cu_N1, max_len, max_len, causal, scale, (-1, -1), square=True)
+        kb = ck.plan_key(q, k, cu_N1, max_len, max_len, causal, scale, (-1, -1), square=True, backward=True)
+        pf, pb = ck._plan("fwd", kf), ck._plan("bwd", kb)
+        seq, _ = ck.seq_lengths(cu_N1, cu_N1)
+        off_q, off_k, off_s = ck._offsets(cu_N1, cu_N1, h, g, d)
+        out, stats = torch.empty_like(q), torch.empty(t, h, 1, dtype=torch.float32, device=q.device)
+        dq, dk, dv, do = (torch.empty_like(x) for x in (q, k, v, q))
+        meta = {ck._SEQ_Q: seq, ck._SEQ_K: seq, ck._OFF_Q: off_q, ck._OFF_K: off_k, ck._OFF_S: off_s}
+        qd, kd, vd = q.detach(), k.detach(), v.detach()
+        bound.update(
+            key=(q.data_ptr(), k.data_ptr(), v.data_ptr()),
+            fwd=(pf, kf, {**meta, ck._Q: qd, ck._K: kd, ck._V: vd, ck._O: out, ck._STATS: stats}),
+            bwd=(
+                pb,
+                kb,
+                {
+                    **meta,
+                    ck._Q: qd,
+                    ck._K: kd,
+                    ck._V: vd,
+                    ck._O: out,
+                    ck._STATS: stats,
+                    ck._DO: do,
+                    ck._DQ: dq,
+                    ck._DK: dk,
+                    ck._DV: dv,
+                },
+            ),  # fmt: skip
+            out=out,
+            do=do,
+            grads=(dq, dk, dv),
+        )
+
+    class Raw(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ck._execute(*bound["fwd"])
+            return bound["out"]
+
+        @staticmethod
+        def backward(ctx, dout):
+            if dout.data_ptr() != bound["do"].data_ptr():
+                bound["do"].copy_(dout)  # the benchmark's dout is the same every call
+            ck._execute(*bound["bwd"])
+            return bound["grads"]
+
+    def run(q_THK: torch.Tensor, k_THK: torch.Tensor, v_THK: torch.Tensor) -> torch.Tensor:
+        if bound.get("key") != (q_THK.data_ptr(), k_THK.data_ptr(), v_THK.data_ptr()):
+            bind(q_THK, k_THK, v_THK)
+        return Raw.apply(q_THK, k_THK, v_THK)
+
+    return run, "graphs and metadata bound once (includes one dout copy per backward)"
+
+
 BUILDERS: dict[str, Callable[[Docs, bool, torch.device], tuple[AttnFn, str]]] = {
     "usp": build_usp,
     "usp_flash": lambda docs, causal, device: build_usp(docs, causal, device, "flash"),
     "usp_flex": lambda docs, causal, device: build_usp(docs, causal, device, "flex"),
+    "usp_cudnn": lambda docs, causal, device: build_usp(docs, causal, device, "cudnn"),
+    "cudnn_raw": build_cudnn_raw,
     "torch_varlen": build_torch_varlen,
     "flex": build_flex,
     "flex_step": lambda docs, causal, device: build_flex(docs, causal, device, per_call=True),
     "padded_sdpa": build_padded_sdpa,
+    "dense_sdpa": build_dense_sdpa,
 }
 
 
@@ -332,10 +450,13 @@ def reference_attention(
     """fp32 out, dq, dk, dv: SDPA (math backend) per document."""
     q, k, v = (x.detach().float().requires_grad_(True) for x in (q_THK, k_THK, v_THK))
     outs, start = [], 0
+    gqa = k.shape[1] != q.shape[1]
     for n in lengths:
         q_1HNK, k_1HNK, v_1HNK = (x[start : start + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         with sdpa_kernel(SDPBackend.MATH):
-            out_1HNK = F.scaled_dot_product_attention(q_1HNK, k_1HNK, v_1HNK, is_causal=causal)
+            out_1HNK = F.scaled_dot_product_attention(
+                q_1HNK, k_1HNK, v_1HNK, is_causal=causal, enable_gqa=gqa
+            )
         outs.append(out_1HNK[0].transpose(0, 1))
         start += n
     out_THK = torch.cat(outs)
@@ -493,6 +614,9 @@ def run_checks(
     ref = reference_attention(*inputs, lengths, causal)
     results: dict[str, tuple[str, dict[str, float], str]] = {}
     for impl in impls:
+        if impl in UNCHECKED:
+            results[impl] = ("CEIL", {}, "")
+            continue
         try:
             fn, _ = BUILDERS[impl](docs, causal, device)
             with kernel_scope(impl):
@@ -577,8 +701,11 @@ def bench_shape(
                 res.peak_extra_gib = (peak - before) / 2**30
             res.timing = {"fwd_bwd_ms": t_fb, "fwd_ms": t_f}
             res.ms_fwd_bwd, res.ms_fwd = t_fb["median"], t_f["median"]
-            res.tflops_fwd_bwd = fwd_bwd_flops / (res.ms_fwd_bwd * 1e-3) / 1e12
-            res.tflops_fwd = fwd_flops / (res.ms_fwd * 1e-3) / 1e12
+            f_fwd, f_fwd_bwd = fwd_flops, fwd_bwd_flops
+            if impl == "dense_sdpa":  # one sequence of all tokens: its own FLOPs
+                f_fwd, f_fwd_bwd = attention_flops([shape.tokens], args.heads, args.head_dim, shape.causal)
+            res.tflops_fwd_bwd = f_fwd_bwd / (res.ms_fwd_bwd * 1e-3) / 1e12
+            res.tflops_fwd = f_fwd / (res.ms_fwd * 1e-3) / 1e12
             res.status = status  # PASS, or FAIL of the numerical check (timed anyway, flagged)
             log(
                 f"  {impl}: fwd+bwd {res.ms_fwd_bwd:.3f} ms {fmt_tflops(res.tflops_fwd_bwd)} TFLOP/s, "
@@ -650,6 +777,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma list out of {','.join(IMPLS)}")
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA); default --heads")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument(
@@ -704,6 +832,8 @@ def main(argv: list[str] | None = None) -> int:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     dtype = getattr(torch, args.dtype)
+    global KV_HEADS
+    KV_HEADS = args.kv_heads
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be true fp32
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
     warnings.filterwarnings(
@@ -717,7 +847,7 @@ def main(argv: list[str] | None = None) -> int:
         f"device {env['device_name']}  repo {env['repo_commit']}"
     )
     print(
-        f"{args.dtype} H={args.heads} K={args.head_dim}; document lengths log-normal mean {args.doc_mean:g} "
+        f"{args.dtype} H={args.heads} G={args.kv_heads or args.heads} K={args.head_dim}; document lengths log-normal mean {args.doc_mean:g} "
         f"sigma {args.doc_sigma:g} seed {args.seed}; warmup {args.warmup}, median of {args.reps} reps"
     )
     print(f"FLOPs: {FLOP_CONVENTION}")

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from .. import registry
-from . import flex_kernel
+from . import cudnn_kernel, flex_kernel
 from .window import NO_WINDOW, bounds, check_window, doc_plan, flash_window, keep_mask
 
 __all__ = ["varlen_fwd", "varlen_bwd", "varlen_attn", "cuda_kernel", "CUDA_KERNELS"]
@@ -159,7 +159,19 @@ def _cpu_window_fwd(out, lse, q, k, v, sq, sk, lq, lk, left, right, scale):
         lse[:, qs] = lse_blk
 
 
+def _pad_head_dim(x: Tensor, d: int) -> Tensor:
+    return x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))
+
+
 def _cpu_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
+    if q.shape[-1] != v.shape[-1]:
+        # The CPU flash kernel takes one head size for Q, K and V. Zero columns change no score
+        # (q.k gains zero products; the scale is explicit) and add zero output columns, so pad the
+        # narrower side to the wider and cut the output back (issue 17: `v_TGKv` is documented).
+        d = max(q.shape[-1], v.shape[-1])
+        args = (cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
+        out, lse = _cpu_fwd(_pad_head_dim(q, d), _pad_head_dim(k, d), _pad_head_dim(v, d), *args)
+        return out[..., : v.shape[-1]], lse
     t_q, h, _ = q.shape
     out = q.new_zeros(t_q, h, v.shape[-1])
     lse = torch.full((h, t_q), float("-inf"), dtype=_lse_dtype(q.dtype), device=q.device)
@@ -211,6 +223,12 @@ def _cpu_window_bwd(dq, dk, dv, dout, q, k, v, out, lse, sq, sk, lq, lk, left, r
 
 
 def _cpu_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
+    if q.shape[-1] != v.shape[-1]:  # as in `_cpu_fwd`: zero columns, gradients cut back
+        d, kq, kv = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
+        args = (cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
+        padded = (_pad_head_dim(x, d) for x in (dout, q, k, v, out))
+        dq, dk, dv = _cpu_bwd(*padded, lse, *args)
+        return dq[..., :kq], dk[..., :kq], dv[..., :kv]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for sq, eq, sk, ek in _doc_bounds(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k):
         lq, lk = eq - sq, ek - sk
@@ -314,7 +332,7 @@ def _math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scal
 
 
 # ------------------------------------------------------------------------------------------------
-# CUDA kernel: torch's flash varlen.
+# CUDA kernels: torch's flash varlen, flex_attention, cuDNN's ragged attention.
 
 
 def _flash_ok(q: Tensor, v: Tensor) -> bool:
@@ -326,7 +344,7 @@ def _flash_ok(q: Tensor, v: Tensor) -> bool:
     )
 
 
-CUDA_KERNELS = ("auto", "flash", "flex")
+CUDA_KERNELS = ("auto", "flash", "flex", "cudnn")
 _ENV = "USP_CUDA_ATTENTION"
 
 
@@ -343,7 +361,9 @@ _cuda_kernel = _kernel_setting(os.environ.get(_ENV, "auto"), _ENV)
 def cuda_kernel(name: str) -> Iterator[None]:
     """Run CUDA varlen attention with kernel `name` inside the block: ``"flash"`` (flash varlen),
     ``"flex"`` (flex_attention with a document block mask, where it applies: self-attention in
-    fp16/bf16; flash elsewhere) or ``"auto"`` (the measured per-shape choice; the default). The
+    fp16/bf16; flash elsewhere), ``"cudnn"`` (cuDNN's ragged attention through the optional
+    ``nvidia-cudnn-frontend`` package, where it applies: fp16/bf16 with K == Kv; flash elsewhere
+    or without the package) or ``"auto"`` (the measured per-shape choice; the default). The
     process-wide default comes from ``USP_CUDA_ATTENTION``. Outputs agree within rounding across
     kernels; pick one for a run whose bits must match another run's."""
     global _cuda_kernel
@@ -375,55 +395,119 @@ def _flex_applies(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -
     )
 
 
-# Where flex measured faster than flash varlen for forward+backward: every shape of this range
-# (tools/bench_varlen_gpu.py on the H200, BENCHMARKS.md), and a compiled Llama train step with it
-# passed and ran 2.7% faster than on flash (tools/check_varlen_gpu.py, tools/bench_train_gpu.py).
+def _cudnn_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """cuDNN's ragged kernel can run: the package is installed, fp16/bf16, K == Kv, K % 8 == 0 and
+    K <= 128 (a shape whose graph still fails to build runs flash, `_kernel_failed`)."""
+    d = q.shape[-1]
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and d == v.shape[-1]
+        and d % 8 == 0
+        and d <= 128
+        and q.shape[0] > 0
+        and k.shape[0] > 0
+        and cudnn_kernel.available()
+    )
+
+
+# The measured choice (tools/bench_varlen_gpu.py, tools/bench_cudnn_gpu.py on the H200;
+# BENCHMARKS.md): rows in order, the first whose kernel applies to the call wins; flash varlen
+# where none does. Shapes and settings only, never boundary values. cuDNN ran faster than flex and
+# flash varlen at every measured shape (16K-256K tokens, head dims 64 and 128, MHA and GQA,
+# causal and not); flex measured faster than flash at T >= 16K with head dim 128 (and runs there
+# when the cuDNN package is absent).
 FLEX_MIN_TOKENS = 16384
 FLEX_HEAD_DIMS = (128,)
+CUDNN_MIN_TOKENS = 1
+CUDNN_HEAD_DIMS = (64, 128)
+AUTO_TABLE: tuple[tuple[str, int, tuple[int, ...]], ...] = (
+    ("cudnn", CUDNN_MIN_TOKENS, CUDNN_HEAD_DIMS),
+    ("flex", FLEX_MIN_TOKENS, FLEX_HEAD_DIMS),
+)
+
+
+def _auto_kernels(q: Tensor) -> list[str]:
+    """The measured table's kernels for this shape (token count, head dim), best first."""
+    rows = [name for name, tokens, dims in AUTO_TABLE if q.shape[0] >= tokens and q.shape[-1] in dims]
+    return [n for n in rows if n != "cudnn" or cudnn_kernel.available()] + ["flash"]
 
 
 def _auto_kernel(q: Tensor) -> str:
-    """The kernel measured fastest for this shape (token count, head dim), among those that apply."""
-    if q.shape[0] >= FLEX_MIN_TOKENS and q.shape[-1] in FLEX_HEAD_DIMS:
-        return "flex"
-    return "flash"
+    """The kernel measured fastest for this shape (token count, head dim), among those installed."""
+    return _auto_kernels(q)[0]
 
 
 # Shapes whose flex graphs failed to build: flash varlen runs them (warned once per shape).
 _flex_broken: set[tuple[object, ...]] = set()
+# Likewise for cuDNN (keyed by the forward graph's key, or the backward's for a backward failure).
+_cudnn_broken: set[object] = set()
+_cudnn_warned_missing = False
 
 
 def _use_flex(
     q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, is_causal: bool, scale: float
 ) -> bool:
-    if _cuda_kernel == "flash" or not _flex_applies(q, k, v, cu_q, cu_k):
+    if _cuda_kernel in ("flash", "cudnn") or not _flex_applies(q, k, v, cu_q, cu_k):
         return False
     if flex_kernel.plan_key(q, k, v, is_causal, scale) in _flex_broken:
         return False
     return _cuda_kernel == "flex" or _auto_kernel(q) == "flex"
 
 
-def _flex_failed(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, reason: object) -> None:
-    _flex_broken.add(flex_kernel.plan_key(q, k, v, is_causal, scale))
+def _cudnn_keys(q, k, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right):
+    square = _same_boundaries(q, k, cu_q, cu_k)
+    fwd = cudnn_kernel.plan_key(q, k, cu_q, max_q, max_k, is_causal, scale, (left, right), square=square)
+    bwd = cudnn_kernel.plan_key(q, k, cu_q, max_q, max_k, is_causal, scale, (left, right), square=square,
+                                backward=True, deterministic=torch.are_deterministic_algorithms_enabled())  # fmt: skip
+    return square, fwd, bwd
+
+
+def _use_cudnn(q: Tensor, k: Tensor, v: Tensor, keys: tuple[object, ...]) -> bool:
+    """cuDNN for this call: asked for (or auto's first choice), applicable, and neither of this
+    shape's graphs failed to build or disagreed with flash."""
+    global _cudnn_warned_missing
+    if _cuda_kernel in ("flash", "flex"):
+        return False
+    if _cuda_kernel == "cudnn" and not cudnn_kernel.available() and not _cudnn_warned_missing:
+        _cudnn_warned_missing = True
+        warnings.warn(
+            "usp_graph: USP_CUDA_ATTENTION / cuda_kernel asks for cudnn, but the cuDNN frontend is not "
+            "installed (pip install 'usp_graph[cuda]', i.e. nvidia-cudnn-frontend); flash varlen runs instead",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    if not _cudnn_applies(q, k, v) or any(key in _cudnn_broken for key in keys):
+        return False
+    return _cuda_kernel == "cudnn" or _auto_kernels(q)[0] == "cudnn"
+
+
+def _kernel_failed(kernel: str, broken: set, key: object, reason: object) -> None:
+    broken.add(key)
     warnings.warn(
         f"usp_graph: {reason}; flash varlen runs this shape instead",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 
-# flex's first forward and first backward of each shape are checked against flash varlen on the
-# same inputs (one sync, an extra output's memory, once per shape): a compiled flex kernel that
-# is wrong for a shape (torch 2.11's backward was, for a ragged last block) then costs a warning
-# and flash for that shape, never a wrong gradient, on whatever torch version runs it.
-# bf16/fp16 flex and flash each agree with fp32 to ~3e-3; a broken kernel was off by ~70.
+def _flex_failed(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, reason: object) -> None:
+    _kernel_failed("flex", _flex_broken, flex_kernel.plan_key(q, k, v, is_causal, scale), reason)
+
+
+# Each fast kernel's first forward and first backward of each shape are checked against flash
+# varlen on the same inputs (one sync, an extra output's memory, once per shape): a kernel that is
+# wrong for a shape (torch 2.11's compiled flex backward was, for a ragged last block) then costs a
+# warning and flash for that shape, never a wrong gradient, on whatever version runs it.
+# bf16/fp16 flex, cuDNN and flash each agree with fp32 to ~3e-3; a broken kernel was off by ~70.
 FLEX_CHECK_TOL = 2e-2
+CHECK_TOL = FLEX_CHECK_TOL
 _flex_checked: set[tuple[object, ...]] = set()
+_cudnn_checked: set[tuple[object, ...]] = set()
 
 
 def _disagreement(names: tuple[str, ...], got: tuple[Tensor, ...], ref: tuple[Tensor, ...]) -> str | None:
     """None if every `got` matches its `ref` (the same infinities, finite entries within
-    FLEX_CHECK_TOL relative norm), else what differs."""
+    CHECK_TOL relative norm), else what differs."""
     errs = []
     for a, b in zip(got, ref, strict=True):
         a, b = a.float(), b.float()
@@ -433,39 +517,99 @@ def _disagreement(names: tuple[str, ...], got: tuple[Tensor, ...], ref: tuple[Te
         diff = torch.where(finite, a - b, 0).norm() / torch.where(finite, b, 0).norm().clamp_min(1e-30)
         errs.append(torch.where(other_inf.any(), math.inf, diff))
     values = torch.stack(errs).tolist()  # the one sync
-    bad = [f"{n} rel err {e:.1e}" for n, e in zip(names, values, strict=True) if not e <= FLEX_CHECK_TOL]
+    bad = [f"{n} rel err {e:.1e}" for n, e in zip(names, values, strict=True) if not e <= CHECK_TOL]
     return ", ".join(bad) if bad else None
+
+
+def _checked_or_flash(
+    kernel: str, kind: str, names: tuple[str, ...], got: tuple[Tensor, ...], flash: Any, key: object,
+    checked: set, broken: set, broken_key: object,
+) -> tuple[Tensor, ...]:  # fmt: skip
+    """`got` (`kernel`'s result) if this shape's `kind` kernel was checked already or agrees with
+    `flash()` now; otherwise flash's result, with the shape moved to flash from then on."""
+    if (kind, key) in checked:
+        return got
+    ref = flash()
+    bad = _disagreement(names, got, ref)
+    if bad is None:
+        checked.add((kind, key))
+        return got
+    _kernel_failed(
+        kernel,
+        broken,
+        broken_key,
+        f"the {kernel} {kind} kernel for {key} disagrees with flash varlen ({bad})",
+    )
+    return ref
 
 
 def _flex_checked_or_flash(
     kind: str, names: tuple[str, ...], got: tuple[Tensor, ...], flash: Any, q: Tensor, k: Tensor, v: Tensor,
     is_causal: bool, scale: float,
 ) -> tuple[Tensor, ...]:  # fmt: skip
-    """`got` (flex's result) if this shape's `kind` kernel was checked already or agrees with
-    `flash()` now; otherwise flash's result, with the shape moved to flash from then on."""
-    key = (kind, *flex_kernel.plan_key(q, k, v, is_causal, scale))
-    if key in _flex_checked:
-        return got
-    ref = flash()
-    bad = _disagreement(names, got, ref)
-    if bad is None:
-        _flex_checked.add(key)
-        return got
-    _flex_failed(
-        q, k, v, is_causal, scale, f"the flex {kind} kernel for {key[1:]} disagrees with flash varlen ({bad})"
-    )
-    return ref
+    key = flex_kernel.plan_key(q, k, v, is_causal, scale)
+    return _checked_or_flash("flex", kind, names, got, flash, key, _flex_checked, _flex_broken, key)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel preconditions on the device (issue 17): a max_seqlen below the longest document, or
+# boundaries outside the tensors, would make flash and cuDNN compute a silently wrong result (flash
+# bf16 was off by 4.66 at T=512, documents [300, 212], max_seqlen=64). Reading the boundaries on the
+# host would sync every call; instead a few tiny kernels compute the verdict and an asynchronous
+# assertion stops the process (a device-side assert) when it is false.
+
+
+def _boundaries_ok(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, max_q: int, max_k: int) -> Tensor:
+    """A 0-d bool tensor on the boundaries' device: cu_q runs 0..t_q, cu_k stays in 0..t_k, both are
+    non-decreasing, and no document is longer than its max_seqlen."""
+    if cu_q is cu_k:  # one boundary tensor (self-attention)
+        lens = torch.diff(cu_q)
+        ends = torch.stack((cu_q[0], cu_q[-1] - t_q))
+        lo, hi = torch.aminmax(lens)
+        return (ends == 0).all() & (lo >= 0) & (hi <= min(max_q, max_k))
+    cu = torch.stack((cu_q, cu_k))
+    lens = torch.diff(cu, dim=1)
+    lo, hi = torch.aminmax(lens, dim=1)
+    # cu_q[0] == 0, cu_q[-1] == t_q, cu_k[0] >= 0, cu_k[-1] <= t_k, lengths in 0..max, in one tensor
+    viol = torch.stack((cu_q[0].abs(), (cu_q[-1] - t_q).abs(), -cu_k[0], cu_k[-1] - t_k, -lo[0], -lo[1], hi[0] - max_q, hi[1] - max_k))  # fmt: skip
+    return (viol <= 0).all()
+
+
+def _assert_boundaries(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, max_q: int, max_k: int) -> None:
+    ok = _boundaries_ok(cu_q, cu_k, t_q, t_k, max_q, max_k)
+    if ok.device.type == "cuda":
+        torch._assert_async(ok)  # no host sync; a failure is a device-side assert at the next sync
+    else:
+        torch._assert_async(
+            ok,
+            f"usp::varlen: cu_seqlens must run 0..{t_q} (queries) / within 0..{t_k} (keys), non-decreasing, "
+            f"with no document longer than max_seqlen_q={max_q} / max_seqlen_k={max_k}",
+        )
 
 
 def _cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
     if not _flash_ok(q, v):
         return _math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
+    if cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape:
+        cu_k = cu_q  # one tensor: one check
+    _assert_boundaries(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
 
     def flash() -> tuple[Tensor, Tensor]:
         return _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
 
-    # A window runs on flash: its local-attention kernels take (left, right) as they are, and the
-    # flex path's block masks know documents only.
+    if _cuda_kernel != "flash" and _cudnn_applies(q, k, v) or _cuda_kernel == "cudnn":
+        square, key, bkey = _cudnn_keys(q, k, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
+        if _use_cudnn(q, k, v, (key, bkey)):
+            try:
+                got = cudnn_kernel.cudnn_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, (left, right),
+                                             square=square)  # fmt: skip
+            except cudnn_kernel.BuildError as exc:
+                _kernel_failed("cudnn", _cudnn_broken, key, exc)
+            else:
+                return _checked_or_flash("cudnn", "forward", ("out", "lse"), got, flash, key, _cudnn_checked,
+                                         _cudnn_broken, key)  # fmt: skip
+    # A window runs on flash (or cuDNN): its local-attention kernels take (left, right) as they are,
+    # and the flex path's block masks know documents only.
     if (left, right) == NO_WINDOW and _use_flex(q, k, v, cu_q, cu_k, is_causal, scale):
         try:
             got = flex_kernel.flex_fwd(q, k, v, cu_q, is_causal, scale)
@@ -479,10 +623,24 @@ def _cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, righ
 def _cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
     if not _flash_ok(q, v):
         return _math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
+    if cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape:
+        cu_k = cu_q
+    _assert_boundaries(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
 
     def flash() -> tuple[Tensor, Tensor, Tensor]:
         return _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
 
+    if _cuda_kernel != "flash" and _cudnn_applies(q, k, v) or _cuda_kernel == "cudnn":
+        square, key, bkey = _cudnn_keys(q, k, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
+        if _use_cudnn(q, k, v, (key, bkey)):
+            try:
+                got = cudnn_kernel.cudnn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale,
+                                             (left, right), square=square)  # fmt: skip
+            except cudnn_kernel.BuildError as exc:
+                _kernel_failed("cudnn", _cudnn_broken, bkey, exc)
+            else:
+                return _checked_or_flash("cudnn", "backward", ("dq", "dk", "dv"), got, flash, bkey, _cudnn_checked,
+                                         _cudnn_broken, bkey)  # fmt: skip
     if (left, right) == NO_WINDOW and _use_flex(q, k, v, cu_q, cu_k, is_causal, scale):
         try:
             got = flex_kernel.flex_bwd(dout, q, k, v, out, lse, cu_q, is_causal, scale)

@@ -1,0 +1,385 @@
+"""cuDNN ragged (THD) attention as a kernel behind ``usp::varlen_fwd`` / ``usp::varlen_bwd`` on CUDA.
+
+# T packed tokens, H query heads, G key/value heads, K head dim, N document slots (cu has N + 1
+# entries), S padded length (an upper bound on one document's length), P plan (a built graph)
+
+Through NVIDIA's cuDNN frontend (``pip install usp_graph[cuda]``: ``nvidia-cudnn-frontend``, module
+``cudnn``), imported lazily: without it `available()` is False and nothing here runs. The layout is
+cuDNN's ragged one: a batch of N document slots padded to S, a padding mask (`seq_len_q/kv`,
+int32 `(N, 1, 1, 1)`) and ragged offsets (int64 `(N + 1, 1, 1, 1)`, in elements: ``cu * H * K`` for
+Q/O/dQ/dO, ``cu * G * K`` for K/V/dK/dV, ``cu * H`` for the stats), all computed on the device from
+``cu_seqlens`` on every call. So the graphs depend on shapes and settings only (`PlanKey`): new
+boundaries never rebuild one, and unused capacity (zero-length slots) costs nothing.
+
+What cuDNN leaves to its caller (seen on the H200, ../shared/FACTS.md, "cuDNN ragged, second probe"):
+- rows of O / stats / dQ / dK / dV outside every document are left untouched, and so are O and
+  stats of a document with queries but no keys: unless queries and keys share one boundary tensor
+  (then every row lies in a document that has keys), O is pre-filled with 0, stats with -inf, and
+  the gradients with 0;
+- stats are the natural-log logsumexp, -inf for a row that sees no key (out 0 there), as usp's
+  contract says; lse is ``(H, T)`` here and ``(T, H, 1)`` there (a transposing copy each way);
+- the backward reads +inf stats as rows that add nothing; -inf (a row that sees no key) is
+  passed as +inf, like the flash path does.
+
+Masks: causal is bottom-right aligned (``diagonal_alignment.BOTTOM_RIGHT``, right bound 0); when
+queries and keys share one boundary tensor the documents are square and top-left alignment (what
+was measured fastest) is the same mask. A window ``(left, right)`` is cuDNN's diagonal band:
+left bound ``left + 1`` (cuDNN counts the diagonal), right bound ``right``.
+
+Determinism (H200, cuDNN 9.19): the forward and dK/dV of the default backward repeat bitwise; dQ
+does not. With ``torch.use_deterministic_algorithms(True)`` the backward is built with
+``use_deterministic_algorithm=True`` (bitwise, a few percent slower), whose workspace grows with
+N x S^2: a plan needing more than `deterministic_workspace_limit()` bytes is refused
+(`BuildError`), and the caller runs flash varlen (deterministic in that mode) instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BuildError",
+    "PlanKey",
+    "available",
+    "module",
+    "plan_key",
+    "mask_settings",
+    "cudnn_fwd",
+    "cudnn_bwd",
+    "deterministic_workspace_limit",
+]
+
+
+class BuildError(RuntimeError):
+    """A cuDNN graph for a shape could not be built (no engine supports it, or its workspace is over
+    the limit); the cause is chained. The caller runs another kernel for that shape."""
+
+
+@functools.cache
+def module() -> ModuleType | None:
+    """The cuDNN frontend module, or None when it is not installed or does not load (then every
+    CUDA call runs the other kernels). Imported on first use, after torch has loaded libcudnn."""
+    try:
+        import cudnn
+    except Exception:  # not installed, or its native library does not load
+        return None
+    return cudnn
+
+
+def available() -> bool:
+    return module() is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# Plan keys: shapes and settings only.
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """What a built graph depends on. Boundaries are runtime tensors and appear nowhere here."""
+
+    device: int
+    slots: int  # N document slots (cu_seqlens has N + 1 entries)
+    s_q: int  # padded query length: max_seqlen_q, at most the query count
+    s_k: int  # padded key length
+    heads: int  # H
+    kv_heads: int  # G
+    head_dim: int  # K (== the value head dim: other shapes are not sent here)
+    dtype: torch.dtype
+    causal: bool
+    window: tuple[int, int]  # (left, right), causality folded into right; (-1, -1): none
+    square: bool  # queries and keys share one boundary tensor: top-left alignment, no pre-fill
+    scale: float
+    # the backward's only: max_total_seq_len_q/kv (token counts rounded up to 64), determinism
+    total_q: int = 0
+    total_k: int = 0
+    deterministic: bool = False
+
+
+def _padded(bound: int, total: int) -> int:
+    # S never needs to exceed the token count (a document cannot be longer), and the deterministic
+    # backward's workspace grows with S^2: keep it tight.
+    return max(1, min(int(bound), int(total)))
+
+
+def _round64(n: int) -> int:
+    return max(64, (int(n) + 63) // 64 * 64)
+
+
+def plan_key(
+    q: Tensor, k: Tensor, cu_q: Tensor, max_q: int, max_k: int, is_causal: bool, scale: float,
+    window: tuple[int, int], *, square: bool, backward: bool = False, deterministic: bool = False,
+) -> PlanKey:  # fmt: skip
+    """The key of the forward (or, with `backward`, the backward) graph for these inputs."""
+    left, right = window
+    if (left, right) != (-1, -1) and is_causal:
+        right = 0
+    return PlanKey(
+        device=q.device.index if q.device.index is not None else torch.cuda.current_device(),
+        slots=cu_q.shape[0] - 1,
+        s_q=_padded(max_q, q.shape[0]),
+        s_k=_padded(max_k, k.shape[0]),
+        heads=q.shape[1],
+        kv_heads=k.shape[1],
+        head_dim=q.shape[2],
+        dtype=q.dtype,
+        causal=is_causal,
+        window=(left, right),
+        square=square,
+        scale=float(scale),
+        total_q=_round64(q.shape[0]) if backward else 0,
+        total_k=_round64(k.shape[0]) if backward else 0,
+        deterministic=deterministic if backward else False,
+    )
+
+
+def mask_settings(key: PlanKey) -> dict[str, Any]:
+    """cuDNN's mask arguments as plain values: ``alignment`` ("top_left" | "bottom_right" | None),
+    ``left_bound`` (cuDNN counts the diagonal: flash's left + 1) and ``right_bound`` (None:
+    unbounded)."""
+    left, right = key.window
+    if (left, right) == (-1, -1):
+        right = 0 if key.causal else -1
+    if left < 0 and right < 0:
+        return {"alignment": None, "left_bound": None, "right_bound": None}
+    return {
+        "alignment": "top_left" if key.square else "bottom_right",
+        "left_bound": left + 1 if left >= 0 else None,
+        "right_bound": right if right >= 0 else None,
+    }
+
+
+def deterministic_workspace_limit() -> int:
+    """Bytes a deterministic backward plan may need (``USP_CUDNN_DETERMINISTIC_WORKSPACE_MB``,
+    default 8192): above it the plan is refused and flash varlen runs the shape."""
+    return int(os.environ.get("USP_CUDNN_DETERMINISTIC_WORKSPACE_MB", "8192")) * 2**20
+
+
+# ------------------------------------------------------------------------------------------------
+# Graph building (cuDNN calls; CUDA only).
+
+_Q, _K, _V, _O, _STATS, _DO, _DQ, _DK, _DV, _SEQ_Q, _SEQ_K, _OFF_Q, _OFF_K, _OFF_S = range(1, 15)
+
+
+_lock = threading.RLock()  # cuDNN handles are not thread-safe; builds and launches take turns
+_handles: dict[int, Any] = {}
+
+
+def _handle(device: int) -> Any:
+    h = _handles.get(device)
+    if h is None:
+        with torch.cuda.device(device):
+            h = _handles[device] = module().create_handle()
+    return h
+
+
+def _mask_kwargs(cudnn: ModuleType, key: PlanKey) -> dict[str, Any]:
+    m = mask_settings(key)
+    if m["alignment"] is None:
+        return {}
+    kw: dict[str, Any] = {
+        "diagonal_alignment": cudnn.diagonal_alignment.TOP_LEFT
+        if m["alignment"] == "top_left"
+        else cudnn.diagonal_alignment.BOTTOM_RIGHT
+    }
+    if m["left_bound"] is not None:
+        kw["diagonal_band_left_bound"] = m["left_bound"]
+    if m["right_bound"] is not None:
+        kw["diagonal_band_right_bound"] = m["right_bound"]
+    return kw
+
+
+@dataclass
+class _Plan:
+    graph: Any
+    workspace: int
+
+
+def _build(kind: str, key: PlanKey) -> _Plan:
+    cudnn = module()
+    io = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}[key.dtype]
+    f32, i32, i64 = cudnn.data_type.FLOAT, cudnn.data_type.INT32, cudnn.data_type.INT64
+    n, sq, sk, h, g, d = key.slots, key.s_q, key.s_k, key.heads, key.kv_heads, key.head_dim
+    q_dim, k_dim, s_dim = [n, h, sq, d], [n, g, sk, d], [n, h, sq, 1]
+    # token-major (T, H, K) buffers; the batch stride is a placeholder under ragged offsets
+    q_st, k_st, s_st = [sq * h * d, d, h * d, 1], [sk * g * d, d, g * d, 1], [sq * h, 1, h, 1]
+    graph = cudnn.pygraph(
+        handle=_handle(key.device), io_data_type=io, intermediate_data_type=f32, compute_data_type=f32
+    )
+
+    def tensor(name: str, uid: int, dim: list[int], stride: list[int], dtype: Any = io) -> Any:
+        return graph.tensor(name=name, dim=dim, stride=stride, data_type=dtype, uid=uid)
+
+    one = [1, 1, 1, 1]
+    q, k, v = tensor("q", _Q, q_dim, q_st), tensor("k", _K, k_dim, k_st), tensor("v", _V, k_dim, k_st)
+    seq_q, seq_k = (
+        tensor("seq_q", _SEQ_Q, [n, 1, 1, 1], one, i32),
+        tensor("seq_k", _SEQ_K, [n, 1, 1, 1], one, i32),
+    )
+    off_q = tensor("off_q", _OFF_Q, [n + 1, 1, 1, 1], one, i64)
+    off_k = tensor("off_k", _OFF_K, [n + 1, 1, 1, 1], one, i64)
+    off_s = tensor("off_s", _OFF_S, [n + 1, 1, 1, 1], one, i64)
+    q.set_ragged_offset(off_q)
+    k.set_ragged_offset(off_k)
+    v.set_ragged_offset(off_k)
+    common = dict(
+        attn_scale=key.scale,
+        use_padding_mask=True,
+        seq_len_q=seq_q,
+        seq_len_kv=seq_k,
+        **_mask_kwargs(cudnn, key),
+    )
+    if kind == "fwd":
+        o, stats = graph.sdpa(name="fwd", q=q, k=k, v=v, generate_stats=True, **common)
+        o.set_uid(_O).set_output(True).set_dim(q_dim).set_stride(q_st).set_data_type(io)
+        o.set_ragged_offset(off_q)
+        stats.set_uid(_STATS).set_output(True).set_dim(s_dim).set_stride(s_st).set_data_type(f32)
+        stats.set_ragged_offset(off_s)
+    else:
+        o, d_o = tensor("o", _O, q_dim, q_st), tensor("dO", _DO, q_dim, q_st)
+        stats = tensor("stats", _STATS, s_dim, s_st, f32)
+        o.set_ragged_offset(off_q)
+        d_o.set_ragged_offset(off_q)
+        stats.set_ragged_offset(off_s)
+        extra: dict[str, Any] = dict(max_total_seq_len_q=key.total_q, max_total_seq_len_kv=key.total_k)
+        if key.deterministic:
+            extra["use_deterministic_algorithm"] = True
+        dq, dk, dv = graph.sdpa_backward(
+            name="bwd", q=q, k=k, v=v, o=o, dO=d_o, stats=stats, **common, **extra
+        )
+        for t, uid, dim, st, off in ((dq, _DQ, q_dim, q_st, off_q), (dk, _DK, k_dim, k_st, off_k), (dv, _DV, k_dim, k_st, off_k)):  # fmt: skip
+            t.set_uid(uid).set_output(True).set_dim(dim).set_stride(st).set_data_type(io)
+            t.set_ragged_offset(off)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    if key.deterministic:
+        # The deterministic backward's workspace grows with N x S^2 (35 GB at 17 x 8192): refuse
+        # plans over the limit before building them.
+        graph.deselect_workspace_greater_than(deterministic_workspace_limit())
+    graph.check_support()
+    graph.build_plans()
+    workspace = int(graph.get_workspace_size())
+    if key.deterministic and workspace > deterministic_workspace_limit():
+        raise BuildError(f"deterministic backward workspace {workspace / 2**20:.0f} MiB is over the limit")
+    return _Plan(graph, workspace)
+
+
+_plans: dict[tuple[str, PlanKey], _Plan] = {}
+_builds = {"fwd": 0, "bwd": 0}  # graphs built in this process (tests and tools read it)
+_runs = {"fwd": 0, "bwd": 0}  # graph executions in this process
+
+
+def _plan(kind: str, key: PlanKey) -> _Plan:
+    plan = _plans.get((kind, key))
+    if plan is None:
+        with _lock:
+            plan = _plans.get((kind, key))
+            if plan is None:
+                if module() is None:
+                    raise BuildError(
+                        "the cuDNN frontend (nvidia-cudnn-frontend, module cudnn) is not installed"
+                    )
+                try:
+                    with torch.cuda.device(key.device):
+                        plan = _build(kind, key)
+                except BuildError:
+                    raise
+                except Exception as exc:
+                    raise BuildError(f"cannot build the cuDNN {kind} graph for {key}: {exc}") from exc
+                _plans[(kind, key)] = plan
+                _builds[kind] += 1
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-call metadata (device tensors, no host sync).
+
+_factors: dict[tuple[Any, ...], Tensor] = {}
+
+
+def _offsets(cu_q: Tensor, cu_k: Tensor, h: int, g: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Ragged offsets in elements, int64 `(N + 1, 1, 1, 1)`: Q/O rows, K/V rows, stats rows."""
+    key = (cu_q.device, h, g, d)
+    fac = _factors.get(key)
+    if fac is None:
+        fac = _factors[key] = torch.tensor([[h * d], [g * d], [h]], dtype=torch.int64).to(cu_q.device)
+    off = torch.stack((cu_q, cu_k, cu_q)).to(torch.int64) * fac  # (3, N + 1), one row per kind
+    return tuple(off[i].view(-1, 1, 1, 1) for i in range(3))  # type: ignore[return-value]
+
+
+def seq_lengths(cu_q: Tensor, cu_k: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-slot query and key lengths, int32 `(N, 1, 1, 1)` each."""
+    if cu_q is cu_k:
+        lens = torch.diff(cu_q).view(-1, 1, 1, 1)
+        return lens, lens
+    lens = torch.diff(torch.stack((cu_q, cu_k)), dim=1)
+    return lens[0].view(-1, 1, 1, 1), lens[1].view(-1, 1, 1, 1)
+
+
+def _execute(plan: _Plan, key: PlanKey, pack: dict[int, Tensor]) -> None:
+    cudnn = module()
+    ws = torch.empty(max(plan.workspace, 1), dtype=torch.uint8, device=pack[_Q].device)
+    with _lock:
+        h = _handle(key.device)
+        cudnn.set_stream(handle=h, stream=torch.cuda.current_stream(pack[_Q].device).cuda_stream)
+        plan.graph.execute(pack, ws, handle=h)
+
+
+def cudnn_fwd(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, is_causal: bool,
+    scale: float, window: tuple[int, int] = (-1, -1), *, square: bool, lengths: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """`(out_THK, lse_HT)` by cuDNN's ragged forward. `square`: queries and keys share one boundary
+    tensor (every row then lies in a document with keys). `lengths`: `seq_lengths(cu_q, cu_k)`
+    when the caller has them already."""
+    key = plan_key(q, k, cu_q, max_q, max_k, is_causal, scale, window, square=square)
+    plan = _plan("fwd", key)
+    t_q, h, d = q.shape
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    seq_q, seq_k = lengths if lengths is not None else seq_lengths(cu_q, cu_k)
+    off_q, off_k, off_s = _offsets(cu_q, cu_k, h, k.shape[1], d)
+    if square:
+        out = torch.empty_like(q)
+        stats = torch.empty(t_q, h, 1, dtype=torch.float32, device=q.device)
+    else:  # rows cuDNN may leave untouched: out 0, lse -inf
+        out = torch.zeros_like(q)
+        stats = torch.full((t_q, h, 1), float("-inf"), dtype=torch.float32, device=q.device)
+    pack = {_Q: q, _K: k, _V: v, _O: out, _STATS: stats, _SEQ_Q: seq_q, _SEQ_K: seq_k,
+            _OFF_Q: off_q, _OFF_K: off_k, _OFF_S: off_s}  # fmt: skip
+    _execute(plan, key, pack)
+    _runs["fwd"] += 1
+    return out, stats.view(t_q, h).t().contiguous()
+
+
+def cudnn_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor,
+    max_q: int, max_k: int, is_causal: bool, scale: float, window: tuple[int, int] = (-1, -1), *, square: bool,
+    lengths: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """`(dq, dk, dv)` by cuDNN's ragged backward from the forward's `out` and natural-log `lse_HT`
+    (+inf rows add nothing; -inf rows see no key and add nothing either)."""
+    det = torch.are_deterministic_algorithms_enabled()
+    key = plan_key(q, k, cu_q, max_q, max_k, is_causal, scale, window, square=square, backward=True,
+                   deterministic=det)  # fmt: skip
+    plan = _plan("bwd", key)
+    t_q, h, d = q.shape
+    q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
+    stats = lse.float().masked_fill(lse == float("-inf"), float("inf")).t().contiguous().view(t_q, h, 1)
+    seq_q, seq_k = lengths if lengths is not None else seq_lengths(cu_q, cu_k)
+    off_q, off_k, off_s = _offsets(cu_q, cu_k, h, k.shape[1], d)
+    new = torch.empty_like if square else torch.zeros_like  # rows outside every document: zero
+    dq, dk, dv = new(q), new(k), new(v)
+    pack = {_Q: q, _K: k, _V: v, _O: out, _DO: dout, _STATS: stats, _DQ: dq, _DK: dk, _DV: dv,
+            _SEQ_Q: seq_q, _SEQ_K: seq_k, _OFF_Q: off_q, _OFF_K: off_k, _OFF_S: off_s}  # fmt: skip
+    _execute(plan, key, pack)
+    _runs["bwd"] += 1
+    return dq, dk, dv
