@@ -23,10 +23,12 @@ import torch.fx as fx
 
 from ..trace import evaluate_recorded
 from . import document
-from .allowlist import check_call, resolve_target
+from .allowlist import check_call, resolve_target, result_kind
 from .errors import GraphFileError, GraphFileSchemaError, GraphFileVersionError, GraphFileVersionWarning
 from .exprs import SYMBOL_NAME, decode_expr
 from .groups import GroupSpec, WorldSpec, rename_groups, resolve_groups
+from .optable import check_static
+from .replay import ReplayGraphModule
 from .specs import GRAPH_META, IDENT, KINDS, META_KEY, NODE_META, OPS, ROLES, SOURCE, Dim, InputSpec
 from .values import decode_arg, decode_device, decode_dtype, decode_tensor_data, dtype_name
 
@@ -458,14 +460,15 @@ def read_document(doc: dict[str, Any], *, source: str, values: bool, strict_vers
 
     constants: dict[str, torch.Tensor] = {}
     for name, data in _field(doc, "constants", dict, "file").items():
-        if not IDENT.fullmatch(name) or keyword.iskeyword(name):
-            raise _schema(f"constants.{name[:40]}", "constant names are identifiers")
+        _check_name(name, f"constants.{name[:40]}", "constant", attribute=True)
         constants[name] = decode_tensor_data(data, f"constants.{name}")
 
+    raw_inputs = _field(doc, "inputs", list, "file")
+    specs = [_decode_input(data, f, f"inputs[{i}]") for i, data in enumerate(raw_inputs)]
     graph_doc = _field(doc, "graph", dict, "file")
     _only_keys(graph_doc, {"nodes", "meta"}, "graph")
     fakes = _FakeValues(f, env) if values else None
-    gm = _build_graph(_field(graph_doc, "nodes", list, "graph"), constants, fakes, f)
+    gm = _build_graph(_field(graph_doc, "nodes", list, "graph"), constants, fakes, f, specs)
     for k, v in _field(graph_doc, "meta", dict, "graph").items():
         if not META_KEY.fullmatch(k):
             raise _schema(f"graph.meta.{k[:40]}", "graph metadata keys are usp_*")
@@ -474,27 +477,93 @@ def read_document(doc: dict[str, Any], *, source: str, values: bool, strict_vers
         gm.meta[k] = v
     f.graph_module = gm
 
-    raw_inputs = _field(doc, "inputs", list, "file")
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    if len(raw_inputs) != len(placeholders):
-        raise _schema("inputs", f"{len(raw_inputs)} input specs for {len(placeholders)} placeholders")
-    specs = []
-    for i, (data, p) in enumerate(zip(raw_inputs, placeholders, strict=True)):
-        spec = _decode_input(data, f, f"inputs[{i}]")
-        if spec.node != p.name:
-            raise _schema(
-                f"inputs[{i}]", f"describes node {spec.node[:40]!r} but placeholder {i} is {p.name!r}"
-            )
-        specs.append(spec)
     f.inputs = tuple(specs)
     return f
 
 
+_INPUT_KINDS = {"tensor": "T", "symint": "I", "int": "I", "float": "F", "bool": "B", "none": "N", "any": "?"}
+# Attributes every graph module has: a constant with one of these names would replace or break them.
+_MODULE_ATTRIBUTES = frozenset(dir(fx.GraphModule(torch.nn.Module(), fx.Graph()))) | {"self"}
+
+
+def _check_name(name: str, where: str, what: str, *, attribute: bool = False) -> None:
+    """Names only ever reach FX's generated code as plain local names / attribute names: an
+    identifier, no keyword, no dunder, not ``self`` (the generated forward's first argument), and
+    for constants (attributes of the rebuilt module) nothing a module already has."""
+    if not isinstance(name, str) or not IDENT.fullmatch(name) or keyword.iskeyword(name):
+        raise _schema(where, f"{what} name {str(name)[:40]!r} is not an identifier (names are never code)")
+    if name == "self" or (name.startswith("__") and name.endswith("__")):
+        raise _schema(where, f"{what} name {name!r} is reserved in generated code; rename it")
+    if attribute and name in _MODULE_ATTRIBUTES:
+        raise _schema(where, f"{what} name {name!r} is an attribute every graph module has; rename it")
+
+
+def _alias_roots(graph: fx.Graph) -> dict[fx.Node, frozenset[fx.Node]]:
+    """For each node, the nodes whose memory it may share: views and in-place results share their
+    input's, getitem shares its container's; anything else is its own."""
+    roots: dict[fx.Node, frozenset[fx.Node]] = {}
+    for node in graph.nodes:
+        shared: set[fx.Node] = set()
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+            schema = target._schema
+            if any(r.alias_info is not None for r in schema.returns):
+                for a, v in _bound_args(target, node):
+                    if a.alias_info is not None:
+                        for n in _nodes_in(v):
+                            shared |= roots.get(n, {n})
+        elif node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+            if getattr(target, "__name__", "") == "getitem":
+                shared |= roots.get(node.args[0], {node.args[0]})
+        roots[node] = frozenset(shared) if shared else frozenset({node})
+    return roots
+
+
+def _bound_args(target: torch._ops.OpOverload, node: fx.Node) -> list[tuple[Any, Any]]:
+    params = target._schema.arguments
+    out = list(zip([p for p in params if not p.kwarg_only], node.args, strict=False))
+    by_name = {p.name: p for p in params}
+    out += [(by_name[k], v) for k, v in node.kwargs.items() if k in by_name]
+    return out
+
+
+def _nodes_in(v: Any) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(v, lambda n: out.append(n) or n)
+    return out
+
+
+def _check_writes(graph: fx.Graph) -> None:
+    """No op may write to memory a graph input or a constant owns (parameters, batch, metadata,
+    buffers): replay must never change what the caller passed in, or the next replay's constants."""
+    roots = _alias_roots(graph)
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for a, v in _bound_args(node.target, node):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            for n in _nodes_in(v):
+                owners = [r for r in roots.get(n, {n}) if r.op in ("placeholder", "get_attr")]
+                if owners:
+                    raise _schema(
+                        f"graph.nodes ({node.name})",
+                        f"{node.target} writes to {owners[0].op} {owners[0].name!r} (argument {a.name!r}); "
+                        "a graph file may not modify its inputs or constants",
+                    )
+
+
 def _build_graph(
-    nodes: list[Any], constants: dict[str, torch.Tensor], fakes: _FakeValues | None, f: GraphFile
+    nodes: list[Any],
+    constants: dict[str, torch.Tensor],
+    fakes: _FakeValues | None,
+    f: GraphFile,
+    specs: Sequence[InputSpec],
 ) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
+    kinds: dict[fx.Node, Any] = {}
+    groups = {g.name: len(g.ranks) for g in f.world.groups} if f.world is not None else None
     used_constants: set[str] = set()
     seen_output = False
     n_placeholders = 0
@@ -516,8 +585,7 @@ def _build_graph(
         _only_keys(data, {"name", "op", "target", "args", "kwargs", "meta"}, where)
         name = _field(data, "name", str, where)
         op = _field(data, "op", str, where)
-        if not IDENT.fullmatch(name) or keyword.iskeyword(name):
-            raise _schema(where, f"node name {name[:40]!r} is not an identifier (names are never code)")
+        _check_name(name, where, "node")
         if name in env:
             raise _schema(where, f"node name {name!r} is used twice")
         where = f"graph.nodes[{i}] ({name})"
@@ -541,10 +609,20 @@ def _build_graph(
                 raise _schema(where, "a placeholder's target is its name, with no args")
             if len(env) != n_placeholders:
                 raise _schema(where, "placeholders come first")
+            if n_placeholders >= len(specs):
+                raise _schema("inputs", f"{len(specs)} input specs for more placeholders")
+            if specs[n_placeholders].node != name:
+                raise _schema(
+                    f"inputs[{n_placeholders}]",
+                    f"describes node {specs[n_placeholders].node[:40]!r} but placeholder {n_placeholders} is {name!r}",
+                )
+            kind = _INPUT_KINDS[specs[n_placeholders].kind]
             n_placeholders += 1
         elif op == "call_function":
             target = resolve_target(data.get("target"), where)
-            check_call(target, args, kwargs, where)
+            check_call(target, args, kwargs, where, kinds.__getitem__)
+            check_static(data["target"], target, args, kwargs, where, groups)
+            kind = result_kind(target, args, kinds.__getitem__, where)
         elif op == "get_attr":
             target = _field(data, "target", str, where)
             if target not in constants:
@@ -552,6 +630,7 @@ def _build_graph(
             if args or kwargs:
                 raise _schema(where, "get_attr takes no args")
             used_constants.add(target)
+            kind = "T"
         else:
             target = "output"
             if (
@@ -561,10 +640,12 @@ def _build_graph(
             ):
                 raise _schema(where, "the output node has one argument (the outputs) and no target")
             seen_output = True
+            kind = "N"
         node = graph.create_node(op, target, args, kwargs, name=name)
         if node.name != name:
             raise _schema(where, f"node name {name!r} is reserved in FX graphs")
         env[name] = node
+        kinds[node] = kind
         meta = _field(data, "meta", dict, where, optional=True) or {}
         for k, v in meta.items():
             if k == "val":
@@ -583,6 +664,9 @@ def _build_graph(
                 raise _schema(f"{where}.meta", f"unknown metadata key {k[:40]!r}")
     if not seen_output:
         raise _schema("graph.nodes", "the graph has no output node (truncated node list?)")
+    if n_placeholders != len(specs):
+        raise _schema("inputs", f"{len(specs)} input specs for {n_placeholders} placeholders")
+    _check_writes(graph)
     unused = set(constants) - used_constants
     if unused:
         raise _schema("constants", f"constants {sorted(unused)[:5]} are not read by any node")
@@ -593,7 +677,7 @@ def _build_graph(
         graph.lint()
     except (RuntimeError, AssertionError) as e:  # pragma: no cover - construction above keeps it linted
         raise _schema("graph", f"not a well-formed graph: {e}") from None
-    return fx.GraphModule(root, graph)
+    return ReplayGraphModule(root, graph)
 
 
 def loads_graph_module(

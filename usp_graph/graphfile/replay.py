@@ -1,0 +1,218 @@
+"""The check a loaded graph passes before any of its ops runs on real data.
+
+A graph file chooses a sequence of ops from the closed table (`optable`) and their arguments; the
+loader already checked each call's argument types against the op's schema and refused in-place ops
+on graph inputs. What only the actual inputs decide (sizes, strides, dtypes, devices) is checked
+here: on the first call with a given input signature, every node runs on fake tensors with the
+inputs' real sizes (no data is read or written), each op's own validator runs first
+(`optable.validate`: explicit sizes and strides against the storage they view, indices of
+``getitem``), and every tensor a node makes is bounded in size and must live on a device the inputs
+use. Any refusal is a `GraphReplayError` naming the node, raised before the real graph runs; a
+signature that passed is remembered, so replays with new document boundaries (same shapes) pay
+for the check once.
+
+`ReplayGraphModule` is what the loader returns: an `fx.GraphModule` whose calls go through this
+check, run uninitialized allocations (``empty*``) zero-filled so that no bytes the allocator held
+before can reach an output, and turn an op's failure during the run (a data-dependent index out of
+range, say) into a `GraphReplayError` too. Calls save and restore the global RNG state.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from .errors import GraphReplayError
+from .optable import UNINITIALIZED, op_name, validate
+
+__all__ = ["ReplayCheck", "ReplayGraphModule", "max_tensor_bytes"]
+
+_ENV = "USP_GRAPHFILE_MAX_TENSOR_BYTES"
+_DEFAULT_FLOOR = 1 << 30
+
+
+def max_tensor_bytes(input_bytes: int) -> int:
+    """The largest tensor one node may make: ``$USP_GRAPHFILE_MAX_TENSOR_BYTES`` if set, else
+    ``max(1 GiB, 16 x the bytes of all inputs together)``."""
+    env = os.environ.get(_ENV)
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            raise ValueError(f"{_ENV}={env[:40]!r} is not a number of bytes") from None
+        if value <= 0:
+            raise ValueError(f"{_ENV}={value} must be positive")
+        return value
+    return max(_DEFAULT_FLOOR, 16 * input_bytes)
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    leaves, _ = tree_flatten(x)
+    return (t for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append(
+                (
+                    "t",
+                    tuple(a.shape),
+                    a.stride(),
+                    a.storage_offset(),
+                    a.untyped_storage().nbytes(),
+                    a.dtype,
+                    str(a.device),
+                    a.layout,
+                )
+            )
+        elif isinstance(a, (bool, int, float, str)) or a is None:
+            key.append((type(a).__name__, a))
+        else:
+            key.append(("?", id(a)))
+    return tuple(key)
+
+
+def _where(node: fx.Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.target)
+    return f"node {node.name!r} ({target})"
+
+
+class ReplayCheck:
+    """Fake-tensor propagation of one graph with the caller's input sizes (see the module doc)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self._passed: set[tuple[Any, ...]] = set()
+
+    def __call__(self, args: tuple[Any, ...]) -> None:
+        key = _signature(args)
+        if key in self._passed:
+            return
+        self._propagate(args)
+        self._passed.add(key)
+
+    def _propagate(self, args: tuple[Any, ...]) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        placeholders = list(self.gm.graph.find_nodes(op="placeholder"))
+        if len(args) != len(placeholders):
+            raise GraphReplayError(f"the graph takes {len(placeholders)} inputs, got {len(args)}")
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and (a.layout != torch.strided or a.is_nested or a.is_quantized):
+                raise GraphReplayError(
+                    f"input {i} ({placeholders[i].name}) is a {a.layout} tensor; graph files replay on "
+                    "plain strided tensors"
+                )
+        input_bytes = sum(a.untyped_storage().nbytes() for a in args if isinstance(a, torch.Tensor))
+        limit = max_tensor_bytes(input_bytes)
+        devices = {a.device for a in args if isinstance(a, torch.Tensor)} | {torch.device("cpu")}
+        mode = FakeTensorMode(allow_non_fake_inputs=False)
+        env: dict[fx.Node, Any] = {}
+        for p, a in zip(placeholders, args, strict=True):
+            env[p] = mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                break
+            where = _where(node)
+            try:
+                if node.op == "get_attr":
+                    value = mode.from_tensor(getattr(self.gm, node.target))
+                else:
+                    fargs = fx.node.map_arg(node.args, env.__getitem__)
+                    fkwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+                    validate(node.target, fargs, fkwargs, where)
+                    with mode:
+                        value = node.target(*fargs, **fkwargs)
+            except GraphReplayError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any op failure on fake inputs refuses the graph
+                raise GraphReplayError(
+                    f"{where} cannot run on these inputs: {type(e).__name__}: {str(e)[:300]}; "
+                    "nothing ran on the real inputs"
+                ) from None
+            for t in _tensors(value):
+                nbytes = t.untyped_storage().nbytes() if t.layout == torch.strided else t.numel() * t.itemsize
+                if nbytes > limit:
+                    raise GraphReplayError(
+                        f"{where} would make a tensor of {nbytes} bytes (shape {tuple(t.shape)}), over the "
+                        f"limit of {limit} (1 GiB or 16x the inputs; set {_ENV} to raise it); nothing ran"
+                    )
+                if t.device not in devices:
+                    raise GraphReplayError(
+                        f"{where} would put a tensor on {t.device}, a device none of the inputs is on "
+                        f"({', '.join(sorted(map(str, devices)))}); nothing ran"
+                    )
+            env[node] = value
+
+
+def _zero_filled(op: torch._ops.OpOverload) -> Any:
+    def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return op(*args, **kwargs).zero_()
+
+    run.__name__ = f"zero_filled_{op.__name__.replace('.', '_')}"
+    run.__qualname__ = run.__name__
+    return run
+
+
+_ZERO_FILLED: dict[Any, Any] = {}
+
+
+def _run_target(target: Any) -> Any:
+    """What replay calls for `target`: itself, or for an uninitialized allocation a zero-filling twin."""
+    if isinstance(target, torch._ops.OpOverload) and op_name(target) in UNINITIALIZED:
+        if target not in _ZERO_FILLED:
+            _ZERO_FILLED[target] = _zero_filled(target)
+        return _ZERO_FILLED[target]
+    return target
+
+
+class ReplayGraphModule(fx.GraphModule):
+    """A graph module rebuilt from a file. Its graph is the file's, for inspection and re-saving;
+    calls run a copy in which uninitialized allocations are zero-filled, after the check
+    (`ReplayCheck`), with the global RNG state restored afterwards, and an op failing during the
+    run raises `GraphReplayError`."""
+
+    def __init__(self, root: torch.nn.Module, graph: fx.Graph) -> None:
+        super().__init__(root, graph)
+
+    def recompile(self) -> Any:
+        self.__dict__["_usp_runner"] = None  # the graph changed (process groups bound): rebuild the copy
+        return super().recompile()
+
+    def _runner(self) -> tuple[fx.GraphModule, ReplayCheck]:
+        runner = self.__dict__.get("_usp_runner")
+        if runner is None:
+            graph = fx.Graph()
+            env: dict[fx.Node, fx.Node] = {}
+            out = graph.graph_copy(self.graph, env)
+            graph.output(out)
+            for node in graph.nodes:
+                if node.op == "call_function":
+                    node.target = _run_target(node.target)
+            module = fx.GraphModule(self, graph)
+            runner = (module, ReplayCheck(module))
+            self.__dict__["_usp_runner"] = runner
+        return runner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise GraphReplayError("a graph loaded from a file takes positional inputs only")
+        module, check = self._runner()
+        check(args)
+        cuda = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+        try:
+            with torch.random.fork_rng(devices=cuda):
+                return module(*args)
+        except Exception as e:  # noqa: BLE001 - a data-dependent failure inside an op
+            raise GraphReplayError(
+                f"the graph failed while running on these inputs: {type(e).__name__}: {str(e)[:300]}"
+            ) from e
