@@ -8,8 +8,9 @@ inputs' real sizes (no data is read or written), each op's own validator runs fi
 (`optable.validate`: explicit sizes and strides against the storage they view, indices of
 ``getitem``), and every tensor a node makes is bounded in size and must live on a device the inputs
 use. Any refusal is a `GraphReplayError` naming the node, raised before the real graph runs; a
-signature that passed is remembered, so replays with new document boundaries (same shapes) pay
-for the check once.
+signature that passed is remembered (sizes, strides, dtypes, devices, and the values of non-tensor
+inputs except ints only usp ops read, such as ``max_seqlen``), so replays with new document
+boundaries and the same shapes pay for the check once.
 
 `ReplayGraphModule` is what the loader returns: an `fx.GraphModule` whose calls go through this
 check, run uninitialized allocations (``empty*``) zero-filled so that no bytes the allocator held
@@ -56,10 +57,12 @@ def _tensors(x: Any) -> Iterator[torch.Tensor]:
     return (t for t in leaves if isinstance(t, torch.Tensor))
 
 
-def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
+def _signature(args: tuple[Any, ...], keyed: list[bool]) -> tuple[Any, ...]:
     key = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
+    for a, k in zip(args, keyed, strict=False):
+        if not k and isinstance(a, int) and not isinstance(a, bool):
+            key.append(("int",))  # only read by usp ops (a max_seqlen): no size depends on its value
+        elif isinstance(a, torch.Tensor):
             key.append(
                 (
                     "t",
@@ -79,6 +82,10 @@ def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(key)
 
 
+def _is_usp_op(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "usp"
+
+
 def _where(node: fx.Node) -> str:
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.target)
     return f"node {node.name!r} ({target})"
@@ -90,9 +97,13 @@ class ReplayCheck:
     def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm
         self._passed: set[tuple[Any, ...]] = set()
+        self._keyed = [
+            not p.users or not all(_is_usp_op(u.target) for u in p.users)
+            for p in gm.graph.find_nodes(op="placeholder")
+        ]
 
     def __call__(self, args: tuple[Any, ...]) -> None:
-        key = _signature(args)
+        key = _signature(args, self._keyed)
         if key in self._passed:
             return
         self._propagate(args)
