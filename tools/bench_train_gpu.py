@@ -326,7 +326,7 @@ def main() -> int:
                     help="usp inner compiler (default: inductor on cuda, aot_eager on cpu)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--usp-kernels", default="auto",
-                    help="comma list of usp CUDA attention kernels to time, one path each (auto, flash, flex): "
+                    help="comma list of usp CUDA attention kernels to time, one path each (auto, flash, flex, cudnn): "
                          "the same compiled step, the kernel chosen at run time")  # fmt: skip
     ap.add_argument("--no-padded", action="store_true",
                     help="skip the padded SDPA baseline (then the first usp path is the reference)")  # fmt: skip
@@ -392,8 +392,8 @@ def main() -> int:
             step()  # warm-up
         else:
             _, calls = kernel_calls(step)  # also the warm-up
-            print(f"{name}: attention calls fwd {calls['fwd']} (flex {calls['flex_fwd']}), "
-                  f"bwd {calls['bwd']} (flex {calls['flex_bwd']})", flush=True)  # fmt: skip
+            print(f"{name}: attention calls fwd {calls['fwd']} (flex {calls['flex_fwd']}, cudnn {calls['cudnn_fwd']}), "
+                  f"bwd {calls['bwd']} (flex {calls['flex_bwd']}, cudnn {calls['cudnn_bwd']})", flush=True)  # fmt: skip
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         ms = timed(step, args.reps, device)

@@ -182,7 +182,9 @@ def _time(fn, reps=10):
 
 def check_determinism(gen):
     dev, h, g, d, t = "cuda", 16, 16, 128, 32768
-    lens = lognormal_lengths(t, 2048, seed=1)
+    # Documents of at most 2048 tokens: the deterministic backward's workspace grows with
+    # slots x S^2 (87.6 GB at 25 x 10421, 14.5 GB at 27 x 4096 on the H200), so S stays tight.
+    lens = [piece for n in lognormal_lengths(t, 2048, seed=1) for piece in [2048] * (n // 2048) + [n % 2048] if piece]  # fmt: skip
     cu = cu_of(lens, 4, dev)
     m = max(lens)
     q, k, v, dout = (torch.randn(t, x, d, generator=gen, device=dev).bfloat16() for x in (h, g, g, h))
@@ -213,7 +215,7 @@ def check_determinism(gen):
     info["det_vs_default_max_abs"] = {n: float((det[0][i].float() - default[0][i].float()).abs().max()) for i, n in enumerate(("dq", "dk", "dv"))}  # fmt: skip
     info["fwd_bitwise"] = fwd_eq
     ok = fwd_eq and all(info["det_bwd_bitwise"].values()) and info["det_ran_on_cudnn"]
-    return record("determinism (32K causal, H=16, K=128)", ok, **info)
+    return record("determinism (32K causal, H=16, K=128, documents <= 2048)", ok, **info)
 
 
 _CHILD = """

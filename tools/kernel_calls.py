@@ -5,14 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from usp_graph.ops import flex_kernel, varlen
+from usp_graph.ops import cudnn_kernel, flex_kernel, varlen
 
 
 def kernel_calls(step: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
     """Run `step` once; return its result and the attention kernel calls it made: all CUDA
-    forward/backward calls of usp's varlen op, and those of them that ran the flex kernel (so a
-    table row says which kernel it timed)."""
-    counts = {"fwd": 0, "bwd": 0, "flex_fwd": 0, "flex_bwd": 0}
+    forward/backward calls of usp's varlen op, and those of them that ran the flex or the cuDNN
+    kernel (so a table row says which kernel it timed)."""
+    counts = {"fwd": 0, "bwd": 0, "flex_fwd": 0, "flex_bwd": 0, "cudnn_fwd": 0, "cudnn_bwd": 0}
+    runs = dict(cudnn_kernel._runs)
     saved = varlen._cuda_fwd, varlen._cuda_bwd, flex_kernel.flex_fwd, flex_kernel.flex_bwd
 
     def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -28,4 +29,6 @@ def kernel_calls(step: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
         result = step()
     finally:
         varlen._cuda_fwd, varlen._cuda_bwd, flex_kernel.flex_fwd, flex_kernel.flex_bwd = saved
+    counts["cudnn_fwd"] = cudnn_kernel._runs["fwd"] - runs["fwd"]
+    counts["cudnn_bwd"] = cudnn_kernel._runs["bwd"] - runs["bwd"]
     return result, counts

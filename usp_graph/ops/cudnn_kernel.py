@@ -52,6 +52,8 @@ __all__ = [
     "module",
     "plan_key",
     "mask_settings",
+    "ragged_offsets",
+    "seq_lengths",
     "cudnn_fwd",
     "cudnn_bwd",
     "deterministic_workspace_limit",
@@ -114,6 +116,12 @@ def _round64(n: int) -> int:
     return max(64, (int(n) + 63) // 64 * 64)
 
 
+def _device_index(device: torch.device) -> int:
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if device.type == "cuda" else -1
+
+
 def plan_key(
     q: Tensor, k: Tensor, cu_q: Tensor, max_q: int, max_k: int, is_causal: bool, scale: float,
     window: tuple[int, int], *, square: bool, backward: bool = False, deterministic: bool = False,
@@ -123,7 +131,7 @@ def plan_key(
     if (left, right) != (-1, -1) and is_causal:
         right = 0
     return PlanKey(
-        device=q.device.index if q.device.index is not None else torch.cuda.current_device(),
+        device=_device_index(q.device),
         slots=cu_q.shape[0] - 1,
         s_q=_padded(max_q, q.shape[0]),
         s_k=_padded(max_k, k.shape[0]),
@@ -157,10 +165,16 @@ def mask_settings(key: PlanKey) -> dict[str, Any]:
     }
 
 
-def deterministic_workspace_limit() -> int:
-    """Bytes a deterministic backward plan may need (``USP_CUDNN_DETERMINISTIC_WORKSPACE_MB``,
-    default 8192): above it the plan is refused and flash varlen runs the shape."""
-    return int(os.environ.get("USP_CUDNN_DETERMINISTIC_WORKSPACE_MB", "8192")) * 2**20
+def deterministic_workspace_limit(device: int | None = None) -> int:
+    """Bytes a deterministic backward plan may need: ``USP_CUDNN_DETERMINISTIC_WORKSPACE_MB``, or
+    by default an eighth of the device's memory, at most 16 GiB (on the H200 the workspace was
+    ~32 bytes x slots x S^2 at H=16: 14.5 GB for 27 slots of S=4096). Above it the plan is
+    refused and flash varlen (deterministic in that mode) runs the shape."""
+    env = os.environ.get("USP_CUDNN_DETERMINISTIC_WORKSPACE_MB")
+    if env is not None:
+        return int(env) * 2**20
+    total = torch.cuda.get_device_properties(device if device is not None else 0).total_memory
+    return min(16 * 2**30, total // 8)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -264,11 +278,11 @@ def _build(kind: str, key: PlanKey) -> _Plan:
     if key.deterministic:
         # The deterministic backward's workspace grows with N x S^2 (35 GB at 17 x 8192): refuse
         # plans over the limit before building them.
-        graph.deselect_workspace_greater_than(deterministic_workspace_limit())
+        graph.deselect_workspace_greater_than(deterministic_workspace_limit(key.device))
     graph.check_support()
     graph.build_plans()
     workspace = int(graph.get_workspace_size())
-    if key.deterministic and workspace > deterministic_workspace_limit():
+    if key.deterministic and workspace > deterministic_workspace_limit(key.device):
         raise BuildError(f"deterministic backward workspace {workspace / 2**20:.0f} MiB is over the limit")
     return _Plan(graph, workspace)
 
@@ -306,7 +320,7 @@ def _plan(kind: str, key: PlanKey) -> _Plan:
 _factors: dict[tuple[Any, ...], Tensor] = {}
 
 
-def _offsets(cu_q: Tensor, cu_k: Tensor, h: int, g: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+def ragged_offsets(cu_q: Tensor, cu_k: Tensor, h: int, g: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
     """Ragged offsets in elements, int64 `(N + 1, 1, 1, 1)`: Q/O rows, K/V rows, stats rows."""
     key = (cu_q.device, h, g, d)
     fac = _factors.get(key)
@@ -337,16 +351,18 @@ def _execute(plan: _Plan, key: PlanKey, pack: dict[int, Tensor]) -> None:
 def cudnn_fwd(
     q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, is_causal: bool,
     scale: float, window: tuple[int, int] = (-1, -1), *, square: bool, lengths: tuple[Tensor, Tensor] | None = None,
+    key: PlanKey | None = None, offsets: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """`(out_THK, lse_HT)` by cuDNN's ragged forward. `square`: queries and keys share one boundary
-    tensor (every row then lies in a document with keys). `lengths`: `seq_lengths(cu_q, cu_k)`
-    when the caller has them already."""
-    key = plan_key(q, k, cu_q, max_q, max_k, is_causal, scale, window, square=square)
+    tensor (every row then lies in a document with keys). `lengths`: `seq_lengths(cu_q, cu_k)`,
+    `key`: `plan_key(...)`, `offsets`: `ragged_offsets(...)`, when the caller has them already."""
+    if key is None:
+        key = plan_key(q, k, cu_q, max_q, max_k, is_causal, scale, window, square=square)
     plan = _plan("fwd", key)
     t_q, h, d = q.shape
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     seq_q, seq_k = lengths if lengths is not None else seq_lengths(cu_q, cu_k)
-    off_q, off_k, off_s = _offsets(cu_q, cu_k, h, k.shape[1], d)
+    off_q, off_k, off_s = offsets if offsets is not None else ragged_offsets(cu_q, cu_k, h, k.shape[1], d)
     if square:
         out = torch.empty_like(q)
         stats = torch.empty(t_q, h, 1, dtype=torch.float32, device=q.device)
@@ -363,19 +379,22 @@ def cudnn_fwd(
 def cudnn_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor,
     max_q: int, max_k: int, is_causal: bool, scale: float, window: tuple[int, int] = (-1, -1), *, square: bool,
-    lengths: tuple[Tensor, Tensor] | None = None,
+    lengths: tuple[Tensor, Tensor] | None = None, key: PlanKey | None = None,
+    offsets: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """`(dq, dk, dv)` by cuDNN's ragged backward from the forward's `out` and natural-log `lse_HT`
-    (+inf rows add nothing; -inf rows see no key and add nothing either)."""
-    det = torch.are_deterministic_algorithms_enabled()
-    key = plan_key(q, k, cu_q, max_q, max_k, is_causal, scale, window, square=square, backward=True,
-                   deterministic=det)  # fmt: skip
+    (+inf rows add nothing; -inf rows see no key and add nothing either). The deterministic
+    backward is built under `torch.use_deterministic_algorithms(True)`."""
+    if key is None:
+        det = torch.are_deterministic_algorithms_enabled()
+        key = plan_key(q, k, cu_q, max_q, max_k, is_causal, scale, window, square=square, backward=True,
+                       deterministic=det)  # fmt: skip
     plan = _plan("bwd", key)
     t_q, h, d = q.shape
     q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
     stats = lse.float().masked_fill(lse == float("-inf"), float("inf")).t().contiguous().view(t_q, h, 1)
     seq_q, seq_k = lengths if lengths is not None else seq_lengths(cu_q, cu_k)
-    off_q, off_k, off_s = _offsets(cu_q, cu_k, h, k.shape[1], d)
+    off_q, off_k, off_s = offsets if offsets is not None else ragged_offsets(cu_q, cu_k, h, k.shape[1], d)
     new = torch.empty_like if square else torch.zeros_like  # rows outside every document: zero
     dq, dk, dv = new(q), new(k), new(v)
     pack = {_Q: q, _K: k, _V: v, _O: out, _DO: dout, _STATS: stats, _DQ: dq, _DK: dk, _DV: dv,

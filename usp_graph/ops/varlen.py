@@ -42,6 +42,7 @@ import contextlib
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -410,18 +411,19 @@ def _cudnn_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
     )
 
 
-# The measured choice (tools/bench_varlen_gpu.py, tools/bench_cudnn_gpu.py on the H200;
-# BENCHMARKS.md): rows in order, the first whose kernel applies to the call wins; flash varlen
-# where none does. Shapes and settings only, never boundary values. cuDNN ran faster than flex and
-# flash varlen at every measured shape (16K-256K tokens, head dims 64 and 128, MHA and GQA,
-# causal and not); flex measured faster than flash at T >= 16K with head dim 128 (and runs there
-# when the cuDNN package is absent).
+# The measured choice (tools/bench_cudnn_gpu.py and tools/bench_varlen_gpu.py on the H200,
+# BENCHMARKS.md): rows (kernel, least token count, head dims) in order, the first whose kernel
+# applies to the call wins; flash varlen where none does. Shapes and settings only, never boundary
+# values. Through usp's op, cuDNN ran 1.4-1.7x flash varlen for fwd+bwd at 32K-256K tokens (head
+# dims 64 and 128, MHA and GQA 16/4, causal and not) and at 16K with head dim 128; below that the
+# op's host-side cost decides (4K: flash 1.6 ms, cuDNN 2.4 ms per fwd+bwd; 16K with head dim 64:
+# flash ahead). flex measured faster than flash at T >= 16K with head dim 128, and runs there when
+# the cuDNN package is absent.
 FLEX_MIN_TOKENS = 16384
 FLEX_HEAD_DIMS = (128,)
-CUDNN_MIN_TOKENS = 1
-CUDNN_HEAD_DIMS = (64, 128)
 AUTO_TABLE: tuple[tuple[str, int, tuple[int, ...]], ...] = (
-    ("cudnn", CUDNN_MIN_TOKENS, CUDNN_HEAD_DIMS),
+    ("cudnn", 16384, (128,)),
+    ("cudnn", 32768, (64,)),
     ("flex", FLEX_MIN_TOKENS, FLEX_HEAD_DIMS),
 )
 
@@ -559,24 +561,29 @@ def _flex_checked_or_flash(
 # assertion stops the process (a device-side assert) when it is false.
 
 
-def _boundaries_ok(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, max_q: int, max_k: int) -> Tensor:
-    """A 0-d bool tensor on the boundaries' device: cu_q runs 0..t_q, cu_k stays in 0..t_k, both are
-    non-decreasing, and no document is longer than its max_seqlen."""
+def _boundaries_ok(
+    cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, max_q: int, max_k: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(ok, lengths_q, lengths_k): `ok` a 0-d bool tensor on the boundaries' device, true iff cu_q
+    runs 0..t_q, cu_k stays in 0..t_k, both are non-decreasing, and no document is longer than its
+    max_seqlen; the per-slot lengths (int32 `(N,)`) as a by-product the cuDNN kernel reuses."""
     if cu_q is cu_k:  # one boundary tensor (self-attention)
         lens = torch.diff(cu_q)
         ends = torch.stack((cu_q[0], cu_q[-1] - t_q))
         lo, hi = torch.aminmax(lens)
-        return (ends == 0).all() & (lo >= 0) & (hi <= min(max_q, max_k))
-    cu = torch.stack((cu_q, cu_k))
-    lens = torch.diff(cu, dim=1)
+        return (ends == 0).all() & (lo >= 0) & (hi <= min(max_q, max_k)), lens, lens
+    lens = torch.diff(torch.stack((cu_q, cu_k)), dim=1)
     lo, hi = torch.aminmax(lens, dim=1)
     # cu_q[0] == 0, cu_q[-1] == t_q, cu_k[0] >= 0, cu_k[-1] <= t_k, lengths in 0..max, in one tensor
     viol = torch.stack((cu_q[0].abs(), (cu_q[-1] - t_q).abs(), -cu_k[0], cu_k[-1] - t_k, -lo[0], -lo[1], hi[0] - max_q, hi[1] - max_k))  # fmt: skip
-    return (viol <= 0).all()
+    return (viol <= 0).all(), lens[0], lens[1]
 
 
-def _assert_boundaries(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, max_q: int, max_k: int) -> None:
-    ok = _boundaries_ok(cu_q, cu_k, t_q, t_k, max_q, max_k)
+def _assert_boundaries(
+    cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, max_q: int, max_k: int
+) -> tuple[Tensor, Tensor]:
+    """Assert `_boundaries_ok` without a host sync; returns the per-slot lengths as `(N, 1, 1, 1)`."""
+    ok, lens_q, lens_k = _boundaries_ok(cu_q, cu_k, t_q, t_k, max_q, max_k)
     if ok.device.type == "cuda":
         torch._assert_async(ok)  # no host sync; a failure is a device-side assert at the next sync
     else:
@@ -585,6 +592,53 @@ def _assert_boundaries(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, max_q: in
             f"usp::varlen: cu_seqlens must run 0..{t_q} (queries) / within 0..{t_k} (keys), non-decreasing, "
             f"with no document longer than max_seqlen_q={max_q} / max_seqlen_k={max_k}",
         )
+    return lens_q.view(-1, 1, 1, 1), lens_k.view(-1, 1, 1, 1)
+
+
+# The checks and what the cuDNN kernel derives from the boundaries are the same for every layer of a
+# step (one boundary tensor, forward and backward): computed once per boundary tensor object and
+# version. A hit needs the very same tensor objects (weak references, so a new tensor at a reused
+# address misses) at the same version (an in-place write misses); inference tensors, which track
+# no version, and calls during CUDA graph capture (whose kernels must be in the graph) never hit.
+_BOUNDARY_CACHE_SIZE = 64
+_boundary_cache: dict[tuple[object, ...], tuple[Any, Any, tuple[int, int], object]] = {}
+
+
+def _per_boundaries(name: str, cu_q: Tensor, cu_k: Tensor, settings: tuple[object, ...], compute: Any) -> Any:
+    """`compute()`, or what it returned for these boundary tensors (same objects, same versions)
+    and `settings` before."""
+    try:
+        versions = (cu_q._version, cu_k._version)
+    except RuntimeError:  # an inference tensor
+        return compute()
+    if cu_q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return compute()
+    key = (name, id(cu_q), id(cu_k), *settings)
+    hit = _boundary_cache.get(key)
+    if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k and hit[2] == versions:
+        return hit[3]
+    value = compute()
+    if len(_boundary_cache) >= _BOUNDARY_CACHE_SIZE:
+        for k in [k for k, e in _boundary_cache.items() if e[0]() is None or e[1]() is None]:
+            del _boundary_cache[k]
+        if len(_boundary_cache) >= _BOUNDARY_CACHE_SIZE:
+            _boundary_cache.clear()
+    _boundary_cache[key] = (weakref.ref(cu_q), weakref.ref(cu_k), versions, value)
+    return value
+
+
+def _checked_lengths(cu_q, cu_k, t_q, t_k, max_q, max_k):
+    return _per_boundaries(
+        "check", cu_q, cu_k, (t_q, t_k, max_q, max_k),
+        lambda: _assert_boundaries(cu_q, cu_k, t_q, t_k, max_q, max_k),
+    )  # fmt: skip
+
+
+def _cudnn_offsets(cu_q, cu_k, q, k):
+    h, g, d = q.shape[1], k.shape[1], q.shape[2]
+    return _per_boundaries(
+        "offsets", cu_q, cu_k, (h, g, d), lambda: cudnn_kernel.ragged_offsets(cu_q, cu_k, h, g, d)
+    )
 
 
 def _cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
@@ -592,7 +646,7 @@ def _cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, righ
         return _math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
     if cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape:
         cu_k = cu_q  # one tensor: one check
-    _assert_boundaries(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    lengths = _checked_lengths(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
 
     def flash() -> tuple[Tensor, Tensor]:
         return _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
@@ -602,7 +656,8 @@ def _cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, righ
         if _use_cudnn(q, k, v, (key, bkey)):
             try:
                 got = cudnn_kernel.cudnn_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, (left, right),
-                                             square=square)  # fmt: skip
+                                             square=square, lengths=lengths, key=key,
+                                             offsets=_cudnn_offsets(cu_q, cu_k, q, k))  # fmt: skip
             except cudnn_kernel.BuildError as exc:
                 _kernel_failed("cudnn", _cudnn_broken, key, exc)
             else:
@@ -625,7 +680,7 @@ def _cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scal
         return _math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
     if cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape:
         cu_k = cu_q
-    _assert_boundaries(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    lengths = _checked_lengths(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
 
     def flash() -> tuple[Tensor, Tensor, Tensor]:
         return _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
@@ -635,7 +690,8 @@ def _cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scal
         if _use_cudnn(q, k, v, (key, bkey)):
             try:
                 got = cudnn_kernel.cudnn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale,
-                                             (left, right), square=square)  # fmt: skip
+                                             (left, right), square=square, lengths=lengths, key=bkey,
+                                             offsets=_cudnn_offsets(cu_q, cu_k, q, k))  # fmt: skip
             except cudnn_kernel.BuildError as exc:
                 _kernel_failed("cudnn", _cudnn_broken, bkey, exc)
             else:

@@ -1,0 +1,354 @@
+"""The cuDNN kernel's pure logic, on CPU without the cuDNN frontend (CI has neither a GPU nor the
+package): graph keys, mask arguments, metadata, kernel choice, the fallbacks, and the device-side
+boundary check. The kernel itself is checked on the H200 by tools/check_cudnn_gpu.py.
+
+# T packed tokens, H query heads, G key/value heads, K head dim, N document slots
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from usp_graph.ops import cudnn_kernel, varlen
+
+
+def _cu(*bounds: int) -> torch.Tensor:
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
+def _qkv(t: int, h: int = 4, g: int = 4, d: int = 64, dtype=torch.bfloat16, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(t, x, d, generator=gen).to(dtype) for x in (h, g, g))
+
+
+# ------------------------------------------------------------------------------------------------
+# Graph keys: shapes and settings, never boundary values.
+
+
+def test_plan_key_depends_on_shapes_and_settings_not_boundary_values():
+    q, k, _ = _qkv(100, 4, 2, 64)
+    a, b = _cu(0, 30, 100, 100), _cu(0, 1, 2, 100)  # same capacity, other boundaries
+    key_a = cudnn_kernel.plan_key(q, k, a, 70, 70, True, 0.125, (-1, -1), square=True)
+    key_b = cudnn_kernel.plan_key(q, k, b, 70, 70, True, 0.125, (-1, -1), square=True)
+    assert key_a == key_b and hash(key_a) == hash(key_b)
+    assert (key_a.slots, key_a.s_q, key_a.heads, key_a.kv_heads, key_a.head_dim) == (3, 70, 4, 2, 64)
+    # each setting is part of the key
+    assert cudnn_kernel.plan_key(q, k, a, 71, 70, True, 0.125, (-1, -1), square=True) != key_a
+    assert cudnn_kernel.plan_key(q, k, a, 70, 70, False, 0.125, (-1, -1), square=True) != key_a
+    assert cudnn_kernel.plan_key(q, k, a, 70, 70, True, 0.25, (-1, -1), square=True) != key_a
+    assert cudnn_kernel.plan_key(q, k, a, 70, 70, True, 0.125, (8, -1), square=True) != key_a
+    assert cudnn_kernel.plan_key(q, k, a, 70, 70, True, 0.125, (-1, -1), square=False) != key_a
+    assert cudnn_kernel.plan_key(q, k, _cu(0, 30, 100), 70, 70, True, 0.125, (-1, -1), square=True) != key_a
+    assert cudnn_kernel.plan_key(q.half(), k.half(), a, 70, 70, True, 0.125, (-1, -1), square=True) != key_a
+
+
+def test_plan_key_padded_length_is_clamped_to_the_token_count():
+    q, k, _ = _qkv(100)
+    key = cudnn_kernel.plan_key(q, k[:40], _cu(0, 100), 10**6, 10**6, False, 1.0, (-1, -1), square=False)
+    assert (key.s_q, key.s_k) == (100, 40)
+    assert cudnn_kernel.plan_key(q[:0], k, _cu(0, 0), 0, 5, False, 1.0, (-1, -1), square=False).s_q == 1
+
+
+def test_backward_key_adds_totals_rounded_to_64_and_determinism():
+    q, k, _ = _qkv(100)
+    cu = _cu(0, 100)
+    fwd = cudnn_kernel.plan_key(q, k, cu, 100, 100, True, 1.0, (-1, -1), square=True)
+    bwd = cudnn_kernel.plan_key(q, k, cu, 100, 100, True, 1.0, (-1, -1), square=True, backward=True)
+    det = cudnn_kernel.plan_key(q, k, cu, 100, 100, True, 1.0, (-1, -1), square=True, backward=True,
+                                deterministic=True)  # fmt: skip
+    assert (fwd.total_q, fwd.total_k, fwd.deterministic) == (0, 0, False)
+    assert (bwd.total_q, bwd.total_k) == (128, 128) and not bwd.deterministic
+    assert det.deterministic and det != bwd
+    # determinism never splits forward keys
+    assert (
+        cudnn_kernel.plan_key(q, k, cu, 100, 100, True, 1.0, (-1, -1), square=True, deterministic=True) == fwd
+    )
+
+
+@pytest.mark.parametrize(
+    "causal,window,square,expected",
+    [
+        (False, (-1, -1), True, (None, None, None)),
+        (True, (-1, -1), True, ("top_left", None, 0)),  # square documents: top-left == bottom-right
+        (True, (-1, -1), False, ("bottom_right", None, 0)),
+        (True, (64, 0), True, ("top_left", 65, 0)),  # cuDNN's left bound counts the diagonal
+        (True, (16, -1), False, ("bottom_right", 17, 0)),  # causal folds into the right bound
+        (True, (16, 7), False, ("bottom_right", 17, 0)),
+        (False, (32, 16), True, ("top_left", 33, 16)),
+        (False, (-1, 5), False, ("bottom_right", None, 5)),
+        (False, (3, -1), False, ("bottom_right", 4, None)),
+    ],
+)
+def test_mask_settings_follow_the_flash_window_convention(causal, window, square, expected):
+    q, k, _ = _qkv(8)
+    key = cudnn_kernel.plan_key(q, k, _cu(0, 8), 8, 8, causal, 1.0, window, square=square)
+    m = cudnn_kernel.mask_settings(key)
+    assert (m["alignment"], m["left_bound"], m["right_bound"]) == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-call metadata.
+
+
+def test_ragged_offsets_are_elements_per_row_kind():
+    cu_q, cu_k = _cu(0, 3, 3, 10), _cu(2, 4, 9, 9)
+    off_q, off_k, off_s = cudnn_kernel.ragged_offsets(cu_q, cu_k, 8, 2, 64)
+    for off in (off_q, off_k, off_s):
+        assert off.dtype == torch.int64 and off.shape == (4, 1, 1, 1) and off.is_contiguous()
+    assert off_q.flatten().tolist() == [0, 3 * 512, 3 * 512, 10 * 512]
+    assert off_k.flatten().tolist() == [2 * 128, 4 * 128, 9 * 128, 9 * 128]
+    assert off_s.flatten().tolist() == [0, 24, 24, 80]
+
+
+def test_seq_lengths_are_int32_per_slot_with_empty_slots():
+    cu_q, cu_k = _cu(0, 3, 3, 10, 10), _cu(2, 4, 9, 9, 9)
+    seq_q, seq_k = cudnn_kernel.seq_lengths(cu_q, cu_k)
+    assert seq_q.dtype == torch.int32 and seq_q.shape == (4, 1, 1, 1)
+    assert seq_q.flatten().tolist() == [3, 0, 7, 0] and seq_k.flatten().tolist() == [2, 5, 0, 0]
+    same_q, same_k = cudnn_kernel.seq_lengths(cu_q, cu_q)
+    assert same_q is same_k
+
+
+def test_deterministic_workspace_limit_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("USP_CUDNN_DETERMINISTIC_WORKSPACE_MB", "12")
+    assert cudnn_kernel.deterministic_workspace_limit() == 12 * 2**20
+
+
+# ------------------------------------------------------------------------------------------------
+# Without the package.
+
+
+def test_missing_package_means_unavailable_and_build_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cudnn", None)  # `import cudnn` raises ImportError
+    cudnn_kernel.module.cache_clear()
+    try:
+        assert cudnn_kernel.module() is None and not cudnn_kernel.available()
+        q, k, _ = _qkv(8)
+        key = cudnn_kernel.plan_key(q, k, _cu(0, 8), 8, 8, False, 1.0, (-1, -1), square=True)
+        with pytest.raises(cudnn_kernel.BuildError, match="not installed"):
+            cudnn_kernel._plan("fwd", key)
+        assert not varlen._cudnn_applies(q, k, k)
+    finally:
+        cudnn_kernel.module.cache_clear()
+
+
+def test_importing_usp_graph_does_not_import_cudnn():
+    code = "import sys, usp_graph, usp_graph.ops.varlen; print('cudnn' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel choice.
+
+
+def test_kernel_setting_accepts_cudnn_from_the_environment():
+    code = "from usp_graph.ops import varlen; print(varlen._cuda_kernel)"
+    env = {**__import__("os").environ, "USP_CUDA_ATTENTION": "cudnn"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "cudnn"
+    with varlen.cuda_kernel("cudnn"):
+        assert varlen._cuda_kernel == "cudnn"
+    assert varlen._cuda_kernel == "auto"
+
+
+def test_auto_table_uses_shapes_only_and_cudnn_only_when_installed(monkeypatch):
+    long128 = torch.zeros(16384, 4, 128, dtype=torch.bfloat16)
+    long64 = torch.zeros(16384, 4, 64, dtype=torch.bfloat16)
+    longer64 = torch.zeros(32768, 4, 64, dtype=torch.bfloat16)
+    short = torch.zeros(4096, 4, 128, dtype=torch.bfloat16)
+    monkeypatch.setattr(cudnn_kernel, "available", lambda: False)
+    assert varlen._auto_kernel(long128) == "flex"  # today's choice without the package
+    assert varlen._auto_kernel(longer64) == "flash"
+    monkeypatch.setattr(cudnn_kernel, "available", lambda: True)
+    assert varlen._auto_kernels(long128) == ["cudnn", "flex", "flash"]
+    assert varlen._auto_kernel(long64) == "flash"  # measured: flash ahead at 16K with K=64
+    assert varlen._auto_kernel(longer64) == "cudnn"
+    assert varlen._auto_kernel(short) == "flash"
+
+
+def _fake_cuda(monkeypatch, cudnn_result=None, cudnn_grads=None, build_error=False):
+    """`_cuda_fwd`/`_cuda_bwd` on CPU: flash is the CPU kernel and cuDNN returns what the test
+    gives (a function of the CPU kernel's result); calls are counted."""
+    calls = {"flash_fwd": 0, "flash_bwd": 0, "cudnn_fwd": 0, "cudnn_bwd": 0}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return run
+
+    def fake_fwd(q, k, v, cu_q, cu_k, max_q, max_k, c, s, window=(-1, -1), **kw):
+        if build_error:
+            raise cudnn_kernel.BuildError("no engine")
+        return (cudnn_result or tuple)(varlen._cpu_fwd(q, k, v, cu_q, cu_k, max_q, max_k, c, s, *window))
+
+    def fake_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, c, s, window=(-1, -1), **kw):
+        return (cudnn_grads or tuple)(
+            varlen._cpu_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, c, s, *window)
+        )
+
+    monkeypatch.setattr(varlen, "_flash_fwd", counted("flash_fwd", varlen._cpu_fwd))
+    monkeypatch.setattr(varlen, "_flash_bwd", counted("flash_bwd", varlen._cpu_bwd))
+    monkeypatch.setattr(cudnn_kernel, "available", lambda: True)
+    monkeypatch.setattr(cudnn_kernel, "cudnn_fwd", counted("cudnn_fwd", fake_fwd))
+    monkeypatch.setattr(cudnn_kernel, "cudnn_bwd", counted("cudnn_bwd", fake_bwd))
+    monkeypatch.setattr(varlen, "_cudnn_checked", set())
+    monkeypatch.setattr(varlen, "_cudnn_broken", set())
+    monkeypatch.setattr(varlen, "_flex_broken", set())
+    cu = _cu(0, 40, 41, 41, 128)
+    q, k, v = _qkv(128, 4, 2, 64, seed=3)
+    dout = _qkv(128, 4, 4, 64, seed=4)[0]
+    return calls, (q, k, v, cu, cu, 87, 87, True, 0.125), dout
+
+
+def _same(got, ref):
+    return all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
+def test_cudnn_first_call_agrees_then_runs_unchecked(monkeypatch):
+    def nudge(res):
+        return tuple(x * (1 + 2e-3) for x in res)
+
+    calls, args, dout = _fake_cuda(monkeypatch, nudge, nudge)
+    with varlen.cuda_kernel("cudnn"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            out, lse = varlen._cuda_fwd(*args)
+            grads = varlen._cuda_bwd(dout, *args[:3], out, lse, *args[3:])
+    assert _same((out, lse), nudge(varlen._cpu_fwd(*args)))  # cuDNN's own result, not flash's
+    assert _same(grads, nudge(varlen._cpu_bwd(dout, *args[:3], out, lse, *args[3:])))
+    assert calls == {"flash_fwd": 1, "flash_bwd": 1, "cudnn_fwd": 2, "cudnn_bwd": 2}
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_cudnn_first_call_disagrees_falls_back_to_flash_for_good(monkeypatch, where):
+    def bad(res):
+        return (res[0] * 1.1, *res[1:])
+
+    calls, args, dout = _fake_cuda(
+        monkeypatch, bad if where == "forward" else None, bad if where == "backward" else None
+    )
+    with varlen.cuda_kernel("cudnn"):
+        with pytest.warns(RuntimeWarning, match=f"cudnn {where} kernel .* disagrees with flash varlen"):
+            out, lse = varlen._cuda_fwd(*args)
+            grads = varlen._cuda_bwd(dout, *args[:3], out, lse, *args[3:])
+        assert _same((out, lse), varlen._cpu_fwd(*args))  # flash's result, exactly
+        assert _same(grads, varlen._cpu_bwd(dout, *args[:3], out, lse, *args[3:]))
+        seen = dict(calls)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            varlen._cuda_fwd(*args)
+            varlen._cuda_bwd(dout, *args[:3], out, lse, *args[3:])
+    # the shape runs flash from then on (a failed forward takes the backward along: one key set)
+    assert calls["cudnn_fwd"] == seen["cudnn_fwd"] and calls["cudnn_bwd"] == seen["cudnn_bwd"]
+    assert calls["flash_fwd"] == seen["flash_fwd"] + 1 and calls["flash_bwd"] == seen["flash_bwd"] + 1
+
+
+def test_cudnn_build_error_warns_and_runs_flash(monkeypatch):
+    calls, args, dout = _fake_cuda(monkeypatch, build_error=True)
+    with varlen.cuda_kernel("cudnn"):
+        with pytest.warns(RuntimeWarning, match="no engine; flash varlen runs this shape"):
+            out, lse = varlen._cuda_fwd(*args)
+        assert _same((out, lse), varlen._cpu_fwd(*args))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            varlen._cuda_fwd(*args)
+    assert calls["cudnn_fwd"] == 1 and calls["flash_fwd"] == 2
+
+
+def test_cudnn_asked_for_without_the_package_warns_once_and_runs_flash(monkeypatch):
+    calls, args, dout = _fake_cuda(monkeypatch)
+    monkeypatch.setattr(cudnn_kernel, "available", lambda: False)
+    monkeypatch.setattr(varlen, "_cudnn_warned_missing", False)
+    with varlen.cuda_kernel("cudnn"):
+        with pytest.warns(RuntimeWarning, match="nvidia-cudnn-frontend"):
+            varlen._cuda_fwd(*args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            varlen._cuda_fwd(*args)
+    assert calls["cudnn_fwd"] == 0 and calls["flash_fwd"] == 2
+
+
+def test_flash_or_flex_setting_never_runs_cudnn(monkeypatch):
+    calls, args, dout = _fake_cuda(monkeypatch)
+    monkeypatch.setattr(varlen, "_use_flex", lambda *a: False)  # flex cannot build on CPU
+    for kernel in ("flash", "flex"):
+        with varlen.cuda_kernel(kernel):
+            varlen._cuda_fwd(*args)
+    assert calls["cudnn_fwd"] == 0 and calls["flash_fwd"] == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# The device-side boundary check (issue 17): no host sync on CUDA; on CPU the same check raises.
+
+
+@pytest.mark.parametrize(
+    "cu_q,cu_k,t_q,t_k,max_q,max_k,ok",
+    [
+        ((0, 300, 512), None, 512, 512, 300, 300, True),
+        ((0, 300, 512), None, 512, 512, 64, 64, False),  # max_seqlen below the longest document
+        ((0, 300, 512), None, 512, 512, 300, 212, False),  # one boundary tensor: both bounds hold
+        ((0, 300, 511), None, 512, 512, 300, 300, False),  # queries must end at the token count
+        ((0, 300, 200, 512), None, 512, 512, 512, 512, False),  # decreasing
+        ((0, 10, 20), (5, 15, 25), 20, 30, 10, 10, True),  # keys outside every document
+        ((0, 10, 20), (5, 15, 31), 20, 30, 10, 16, False),  # keys past the key count
+        ((0, 10, 20), (-1, 15, 25), 20, 30, 16, 16, False),
+        ((0, 10, 20), (5, 15, 25), 20, 30, 10, 9, False),  # a key range longer than max_seqlen_k
+        ((0, 10, 20), (5, 2, 25), 20, 30, 10, 30, False),
+    ],
+)
+def test_boundaries_ok(cu_q, cu_k, t_q, t_k, max_q, max_k, ok):
+    a = _cu(*cu_q)
+    b = a if cu_k is None else _cu(*cu_k)
+    got, lens_q, lens_k = varlen._boundaries_ok(a, b, t_q, t_k, max_q, max_k)
+    assert bool(got) is ok
+    assert lens_q.tolist() == torch.diff(a).tolist() and lens_k.tolist() == torch.diff(b).tolist()
+
+
+def test_max_seqlen_below_a_document_raises_in_the_cuda_dispatch(monkeypatch):
+    """The CUDA dispatch (run here on CPU tensors, flash replaced by the CPU kernel) refuses the
+    issue-17 case; on CUDA the same check is a device-side assertion."""
+    monkeypatch.setattr(varlen, "_flash_fwd", varlen._cpu_fwd)
+    q, k, v = _qkv(512, 4, 4, 64)
+    cu = _cu(0, 300, 512)
+    with pytest.raises(RuntimeError, match="no document longer than max_seqlen_q=64"):
+        varlen._cuda_fwd(q, k, v, cu, cu, 64, 64, False, 0.125)
+    out, _ = varlen._cuda_fwd(q, k, v, cu, cu, 300, 300, False, 0.125)
+    assert out.shape == q.shape
+
+
+def test_boundary_check_runs_once_per_tensor_and_version(monkeypatch):
+    runs = []
+    real = varlen._assert_boundaries
+
+    def counted(*args):
+        runs.append(args[0])
+        return real(*args)
+
+    monkeypatch.setattr(varlen, "_assert_boundaries", counted)
+    monkeypatch.setattr(varlen, "_boundary_cache", {})
+    cu = _cu(0, 3, 8)
+    for _ in range(3):
+        varlen._checked_lengths(cu, cu, 8, 8, 5, 5)
+    assert len(runs) == 1
+    cu.add_(0)  # an in-place write: a new version, checked again
+    varlen._checked_lengths(cu, cu, 8, 8, 5, 5)
+    twin = cu.clone()  # equal values, another tensor: checked again
+    varlen._checked_lengths(twin, twin, 8, 8, 5, 5)
+    varlen._checked_lengths(cu, cu, 8, 8, 6, 6)  # other settings
+    assert len(runs) == 4
+    cu[2] = 9  # a bad value written in place is caught
+    with pytest.raises(RuntimeError):
+        varlen._checked_lengths(cu, cu, 8, 8, 5, 5)
+    with torch.inference_mode():
+        inf_cu = _cu(0, 3, 8)
+    varlen._checked_lengths(inf_cu, inf_cu, 8, 8, 5, 5)
+    varlen._checked_lengths(inf_cu, inf_cu, 8, 8, 5, 5)  # no version counter: never cached
+    assert len(runs) == 7
