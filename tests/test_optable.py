@@ -169,6 +169,20 @@ def test_a_node_bigger_than_the_limit_or_on_another_device_is_refused_before_any
     monkeypatch.setenv("USP_GRAPHFILE_MAX_TENSOR_BYTES", "64")
     with pytest.raises(GraphReplayError, match="over the limit"):
         _load(_file(tmp_path, lambda x: x.new_zeros([8, 8]).sum(), torch.randn(3)))(torch.randn(3))
+    monkeypatch.setenv("USP_GRAPHFILE_MAX_TENSOR_BYTES", "1024")  # 8 x 800 bytes alive at once > 4 x 1024
+
+    def many(x):
+        parts = [x * float(i) for i in range(8)]
+        return sum(p.sum() for p in parts)
+
+    x = torch.randn(200)
+    with pytest.raises(GraphReplayError, match="at once"):
+        _load(_file(tmp_path, many, x))(x)
+
+    def few(x):  # the same products, each dead before the next: 800 bytes live at most
+        return sum((x * float(i)).sum() for i in range(8))
+
+    assert torch.equal(_load(_file(tmp_path, few, x))(x), few(x))
     monkeypatch.delenv("USP_GRAPHFILE_MAX_TENSOR_BYTES")
     doc = _file(tmp_path, lambda x: x.to(torch.float64), torch.randn(3))
     to = next(n for n in doc["graph"]["nodes"] if n["op"] == "call_function")

@@ -7,7 +7,7 @@ here: on the first call with a given input signature, every node runs on fake te
 inputs' real sizes (no data is read or written), each op's own validator runs first
 (`optable.validate`: explicit sizes and strides against the storage they view, indices of
 ``getitem``), and every tensor a node makes is bounded in size and must live on a device the inputs
-use. Any refusal is a `GraphReplayError` naming the node, raised before the real graph runs; a
+use, and the intermediates alive at once are bounded too. Any refusal is a `GraphReplayError` naming the node, raised before the real graph runs; a
 signature that passed is remembered (sizes, strides, dtypes, devices, and the values of non-tensor
 inputs except ints only usp ops read, such as ``max_seqlen``), so replays with new document
 boundaries and the same shapes pay for the check once.
@@ -34,12 +34,14 @@ from .optable import UNINITIALIZED, op_name, validate
 __all__ = ["ReplayCheck", "ReplayGraphModule", "max_tensor_bytes"]
 
 _ENV = "USP_GRAPHFILE_MAX_TENSOR_BYTES"
-_DEFAULT_FLOOR = 1 << 30
+_DEFAULT_FLOOR = 1 << 28
+PEAK_FACTOR = 4
 
 
 def max_tensor_bytes(input_bytes: int) -> int:
     """The largest tensor one node may make: ``$USP_GRAPHFILE_MAX_TENSOR_BYTES`` if set, else
-    ``max(1 GiB, 16 x the bytes of all inputs together)``."""
+    ``max(256 MiB, 16 x the bytes of all inputs together)``. The graph's intermediates alive at
+    once (beyond the inputs) may hold `PEAK_FACTOR` times that."""
     env = os.environ.get(_ENV)
     if env:
         try:
@@ -128,6 +130,19 @@ class ReplayCheck:
         env: dict[fx.Node, Any] = {}
         for p, a in zip(placeholders, args, strict=True):
             env[p] = mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+        # Live bytes as the generated code frees them: a node's value dies after its last user.
+        last_use: dict[fx.Node, fx.Node] = {}
+        for node in self.gm.graph.nodes:
+            for used in node.all_input_nodes:
+                last_use[used] = node
+        dying: dict[fx.Node, list[fx.Node]] = {}
+        for used, user in last_use.items():
+            dying.setdefault(user, []).append(used)
+        holders: dict[int, int] = {}  # storage -> live nodes holding it
+        sizes: dict[int, int] = {}
+        owned: dict[fx.Node, list[int]] = {}
+        live = 0
+        inputs = {t.untyped_storage()._cdata for p in placeholders for t in _tensors(env[p])}
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
                 continue
@@ -155,14 +170,32 @@ class ReplayCheck:
                 if nbytes > limit:
                     raise GraphReplayError(
                         f"{where} would make a tensor of {nbytes} bytes (shape {tuple(t.shape)}), over the "
-                        f"limit of {limit} (1 GiB or 16x the inputs; set {_ENV} to raise it); nothing ran"
+                        f"limit of {limit} (256 MiB or 16x the inputs; set {_ENV} to raise it); nothing ran"
                     )
                 if t.device not in devices:
                     raise GraphReplayError(
                         f"{where} would put a tensor on {t.device}, a device none of the inputs is on "
                         f"({', '.join(sorted(map(str, devices)))}); nothing ran"
                     )
+                sid = t.untyped_storage()._cdata
+                if sid in inputs or (node in owned and sid in owned[node]):
+                    continue
+                owned.setdefault(node, []).append(sid)
+                if holders.get(sid, 0) == 0:
+                    sizes[sid] = nbytes
+                    live += nbytes
+                holders[sid] = holders.get(sid, 0) + 1
+            if live > PEAK_FACTOR * limit:
+                raise GraphReplayError(
+                    f"{where}: the graph would hold {live} bytes of intermediates at once, over "
+                    f"{PEAK_FACTOR} x the per-tensor limit of {limit} (set {_ENV} to raise it); nothing ran"
+                )
             env[node] = value
+            for dead in dying.get(node, ()):
+                for sid in owned.pop(dead, ()):
+                    holders[sid] -= 1
+                    if holders[sid] == 0:
+                        live -= sizes.pop(sid)
 
 
 def _zero_filled(op: torch._ops.OpOverload) -> Any:
