@@ -19,20 +19,25 @@ Semantics (the flash-attention varlen convention):
 
 Kernels:
 - CPU: per document over ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward op),
-  which was bitwise deterministic across runs and thread counts; GQA is native to it.
+  which was bitwise deterministic across runs and thread counts; GQA is native to it. A value head
+  dim Kv != K runs it on inputs zero-padded to max(K, Kv), the result cut back (issue 17).
 - CUDA: ``aten._flash_attention_forward/backward`` in their varlen form (the kernel behind
-  ``torch.nn.attention.varlen.varlen_attn``; GQA native) for fp16/bf16; or flex_attention with a
-  document block mask (`flex_kernel`; deterministic backward, 4-19% faster for forward+backward at
-  16K-128K tokens on the H200) for self-attention: queries and keys share one ``cu_seqlens``
-  tensor and T is a multiple of 128. `cuda_kernel("flash" | "flex" | "auto")` or
-  ``USP_CUDA_ATTENTION`` picks; "auto" (the default) follows `_auto_kernel`. The choice depends on
-  shapes, dtype and settings only, never on boundary values, so a step runs the same kernels
-  wherever it runs. flex's first forward and first backward per shape are checked against flash
-  varlen on the same inputs; a disagreement warns and moves that shape to flash for good. Other
-  dtypes and head dims use a per-document math path in fp32 (fp64 for fp64).
+  ``torch.nn.attention.varlen.varlen_attn``; GQA native) for fp16/bf16; cuDNN's ragged attention
+  (`cudnn_kernel`, with the optional ``nvidia-cudnn-frontend`` package; every varlen form, 1.4-1.7x
+  flash for forward+backward at 32K-256K tokens on the H200); or flex_attention with a document
+  block mask (`flex_kernel`; deterministic backward, 4-19% faster than flash at 16K-128K tokens)
+  for self-attention: queries and keys share one ``cu_seqlens`` tensor and T is a multiple of 128.
+  `cuda_kernel("flash" | "flex" | "cudnn" | "auto")` or ``USP_CUDA_ATTENTION`` picks; "auto" (the
+  default) follows `AUTO_TABLE`. The choice depends on shapes, dtype and settings only, never on
+  boundary values, so a step runs the same kernels wherever it runs. cuDNN's and flex's first
+  forward and first backward per shape are checked against flash varlen on the same inputs; a
+  disagreement (or a graph that cannot be built) warns and moves that shape to flash for good.
+  Before any of them runs, the boundaries and max_seqlen are checked on the device and asserted
+  asynchronously (no host sync; `_checked_lengths`). Other dtypes and head dims use a
+  per-document math path in fp32 (fp64 for fp64).
 - Windows: on CPU a document the window cuts runs in blocks of query rows, each over the keys its
   rows can see with an additive mask (memory rows x (rows + window), not lq x lk); a document it
-  does not cut runs the windowless call. On CUDA windows run on flash's local-attention kernels
+  does not cut runs the windowless call. On CUDA windows run on cuDNN's diagonal band or flash's local-attention kernels
   (flex is windowless only), or the math path.
 """
 
