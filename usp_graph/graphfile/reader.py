@@ -35,6 +35,11 @@ from .values import decode_arg, decode_device, decode_dtype, decode_tensor_data,
 __all__ = ["GraphFile", "read_document", "load_graph_module", "loads_graph_module"]
 
 
+# Symbolic sizes a file may declare: traced graphs have a handful (T, N1, max_seqlen, one per
+# dynamic dim); each costs a ShapeEnv symbol to rebuild.
+MAX_SYMBOLS = 256
+
+
 def _schema(where: str, msg: str) -> GraphFileSchemaError:
     return GraphFileSchemaError(f"{where}: {msg}")
 
@@ -373,7 +378,10 @@ def read_document(doc: dict[str, Any], *, source: str, values: bool, strict_vers
     hints: dict[str, int | None] = {}
     ranges: dict[str, tuple[int, int | None]] = {}
     symbols: dict[str, torch.SymInt] = {}
-    for name, info in _field(doc, "symbols", dict, "file").items():
+    declared = _field(doc, "symbols", dict, "file")
+    if len(declared) > MAX_SYMBOLS:
+        raise _schema("symbols", f"{len(declared)} symbols declared; graph files hold at most {MAX_SYMBOLS}")
+    for name, info in declared.items():
         where = f"symbols.{name[:40]}"
         if not SYMBOL_NAME.fullmatch(name):
             raise _schema(where, "not a symbol name")
