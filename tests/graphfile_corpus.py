@@ -932,6 +932,40 @@ def _table_ops() -> tuple[str, ...]:
                         if isinstance(t, str) and t.count(".") == 2))  # fmt: skip
 
 
+def _signature(target: str) -> tuple[str, ...] | None:
+    ns, op, overload = target.split(".")
+    try:
+        schema = getattr(getattr(getattr(torch.ops, ns), op), overload)._schema
+    except (AttributeError, RuntimeError):
+        return None
+    return tuple(str(a.type) for a in schema.arguments if not a.kwarg_only and not a.has_default_value())
+
+
+@cache
+def _same_signature() -> dict[tuple[str, ...], tuple[str, ...]]:
+    """Required positional argument types -> the table's ops (plus RISKY_OPS) that take exactly them."""
+    out: dict[tuple[str, ...], list[str]] = {}
+    for t in sorted(set(_table_ops()) | set(RISKY_OPS)):
+        sig = _signature(t)
+        if sig is not None:
+            out.setdefault(sig, []).append(t)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _swap_same_types(doc: dict, rng: random.Random) -> str:
+    """Swap an op for one taking the same argument types (add <-> mul, view <-> expand, ...): such
+    files pass the argument-kind checks and reach the replay-time validators."""
+    calls = [n for n in _calls(doc) if isinstance(n.get("target"), str) and n["target"].count(".") == 2]
+    rng.shuffle(calls)
+    for node in calls[:10]:
+        sig = _signature(node["target"])
+        pool = [t for t in _same_signature().get(sig, ()) if t != node["target"]] if sig is not None else []
+        if pool:
+            old, node["target"] = node["target"], rng.choice(pool)
+            return f"node {node['name']!r}: {old} -> {node['target']} (same argument types)"
+    return _change_ints(doc, rng)
+
+
 def _swap_op(doc: dict, rng: random.Random) -> str:
     node = rng.choice([n for n in _calls(doc) if n["target"].count(".") == 2] or _calls(doc))
     n_args = len(node.get("args", []))
@@ -1067,7 +1101,7 @@ def _reserved_name(doc: dict, rng: random.Random) -> str:
     return f"node {old!r} renamed {name!r}"
 
 
-SEMANTIC = (_swap_op, _swap_op, _change_ints, _change_ints, _change_scalars, _rewire, _insert_in_place,
+SEMANTIC = (_swap_op, _swap_same_types, _swap_same_types, _change_ints, _change_ints, _change_scalars, _rewire, _insert_in_place,
             _insert_in_place, _reserved_name)  # fmt: skip
 
 
