@@ -347,6 +347,40 @@ def _memory_safety(b: dict[str, bytes]) -> list[Crafted]:
         # An uninitialized tensor is heap content too; a zero-filling replay is also correct there.
         expect = "no_side_effects" if "empty" in name else "refused"
         out.append(Crafted(name, "memory_safety", to_bytes(doc), expect))
+    # backward kernels that trust the shape of a saved statistic (mean, rstd, softmax output,
+    # logsumexp) and read it once per row of the gradient: a 1-element statistic for 16K rows
+    rows = 1 << 14
+    stats = {
+        "layer_norm_backward_short_stats": (
+            [call("g", "aten.full.default", [rows, 3], 1.0), get_attr("m"), get_attr("w"),
+             call("r", "aten.native_layer_norm_backward.default", ref("g"), ref("g"), [3], ref("m"), ref("m"), ref("w"),
+                  ref("w"), [True, True, True]),
+             call("o", "operator.getitem", ref("r"), 0), output("o")],
+            {"m": torch.ones(1, 1), "w": torch.ones(3)}),
+        "log_softmax_backward_short_output": (
+            [call("g", "aten.full.default", [rows, 3], 1.0), get_attr("m"),
+             call("o", "aten._log_softmax_backward_data.default", ref("g"), ref("m"), 1, {"dtype": "float32"}),
+             output("o")],
+            {"m": torch.ones(1, 3)}),
+        "softmax_backward_short_output": (
+            [call("g", "aten.full.default", [rows, 3], 1.0), get_attr("m"),
+             call("o", "aten._softmax_backward_data.default", ref("g"), ref("m"), 1, {"dtype": "float32"}),
+             output("o")],
+            {"m": torch.ones(1, 3)}),
+        "sdpa_cpu_backward_short_logsumexp": (
+            [call("g", "aten.full.default", [1, 1, 4096, 8], 1.0), get_attr("m"),
+             call("r", "aten._scaled_dot_product_flash_attention_for_cpu_backward.default", ref("g"), ref("g"), ref("g"),
+                  ref("g"), ref("g"), ref("m"), 0.0, False),
+             call("o", "operator.getitem", ref("r"), 1), output("o")],
+            {"m": torch.ones(1, 1, 1)}),
+        "rms_norm_backward_short_rstd": (
+            [call("g", "aten.full.default", [rows, 3], 1.0), get_attr("m"), get_attr("w"),
+             call("r", "aten._fused_rms_norm_backward.default", ref("g"), ref("g"), [3], ref("m"), ref("w"), [True, True]),
+             call("o", "operator.getitem", ref("r"), 0), output("o")],
+            {"m": torch.ones(1, 1), "w": torch.ones(3)}),
+    }  # fmt: skip
+    for name, (nodes, consts) in stats.items():
+        out.append(Crafted(name, "memory_safety", to_bytes(gm_doc(b, x + nodes, constants=consts, static=True)), "refused"))
     # sparse tensors built from unchecked indices, then densified
     for name, index, target in (
         ("sparse_coo_dims_2pow40_to_dense", 2**40, "aten._to_dense.default"),
