@@ -732,6 +732,28 @@ def _replay_time(b: dict[str, bytes]) -> list[Crafted]:
         if n.get("target") == "aten.view.default" and isinstance(n["args"][1], list):
             n["args"][1] = [9 if isinstance(d, int) and d == 8 else d for d in n["args"][1]]
     out.append(Crafted("step_view_with_wrong_static_size", "replay_time", to_bytes(doc), "refused", base=STEP))
+    # usp's attention ops fed boundaries or a max_seqlen from the file instead of the metadata
+    for name, target, arg, value, expect in (
+        ("varlen_fwd_cu_q_past_tokens", "usp.varlen_fwd.default", 3, [0, 1000, 2000, 3000, 4000], "refused"),
+        ("varlen_fwd_cu_k_past_tokens", "usp.varlen_fwd.default", 4, [0, 1000, 2000, 3000, 4000], "refused"),
+        ("varlen_fwd_cu_not_monotonic", "usp.varlen_fwd.default", 3, [0, 6, 2, 8, 8], "refused"),
+        ("varlen_fwd_cu_negative", "usp.varlen_fwd.default", 3, [-100, 0, 8, 8, 8], "refused"),
+        ("varlen_fwd_cu_too_few_tokens", "usp.varlen_fwd.default", 3, [0, 8], "refused"),
+        ("varlen_bwd_cu_past_tokens", "usp.varlen_bwd.default", 3, [0, 1000, 2000, 3000, 4000], "refused"),
+        ("varlen_fwd_max_seqlen_0", "usp.varlen_fwd.default", 5, 0, "refused"),
+        ("varlen_fwd_max_seqlen_negative", "usp.varlen_fwd.default", 5, -5, "refused"),
+        ("varlen_fwd_max_seqlen_2pow40", "usp.varlen_fwd.default", 5, 2**40, "no_side_effects"),
+    ):
+        doc = load_doc(b[STEP])
+        nodes = doc["graph"]["nodes"]
+        k = next(i for i, n in enumerate(nodes) if n.get("target") == target)
+        if isinstance(value, list):
+            nodes.insert(k, get_attr("evil_cu"))
+            doc["constants"]["evil_cu"] = tensor_data(torch.tensor(value, dtype=torch.int32))
+            nodes[k + 1]["args"][arg] = ref("evil_cu")
+        else:
+            nodes[k]["args"][arg] = value
+        out.append(Crafted(name, "replay_time", to_bytes(doc), expect, base=STEP))
     return out
 
 
