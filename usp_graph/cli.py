@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -36,13 +37,33 @@ class _Unreadable(Exception):
 _DUMP_FORMAT = "usp_graph.compile_dump"  # backend.dump.FORMAT, without importing torch for --help
 
 
+class _Usage(_Unreadable):
+    """A bad command-line value (exit code 2, one line saying what to fix)."""
+
+
+def _regular(path: str) -> str:
+    """`path`, or _Unreadable when it is a FIFO, a device or a socket: opening a FIFO waits for a
+    writer forever (issue 17). `_load` re-checks on the opened descriptor, so a swap after this
+    check is refused too."""
+    from .graphfile.document import not_regular
+
+    try:
+        what = not_regular(os.stat(path).st_mode)
+    except OSError as e:
+        raise _Unreadable(f"{path}: {e.strerror or e}") from None
+    if what is not None:
+        raise _Unreadable(f"{path} is {what}, not a regular file: graph files are regular files")
+    return path
+
+
 def _graph_files(path: str) -> tuple[list[str], list[tuple[str, str]]]:
     """(graph files, files a compile dump failed to write): the graph file itself, or every *.uspg
-    under a directory (a compile dump_dir), with each (path, error) its manifests record."""
+    under a directory (a compile dump_dir), with each (path, error) its manifests record. A
+    non-regular file where a graph file is expected is refused (exit 2), never opened."""
     if os.path.isdir(path):
         files, failed = [], []
         for root, _, names in sorted(os.walk(path)):
-            files += sorted(os.path.join(root, f) for f in names if f.endswith(".uspg"))
+            files += sorted(_regular(os.path.join(root, f)) for f in names if f.endswith(".uspg"))
             if "summary.json" in names:
                 failed += _failed_files(root)
         if not files and not failed:
@@ -50,19 +71,24 @@ def _graph_files(path: str) -> tuple[list[str], list[tuple[str, str]]]:
         return files, failed
     if not os.path.exists(path):
         raise _Unreadable(f"{path}: no such file")
-    return [path], []
+    return [_regular(path)], []
 
 
 def _manifest(folder: str) -> dict[str, Any] | None:
     """The summary.json of one compiled graph's dump in `folder`, or None where there is none."""
+    from .graphfile.document import MAX_FILE_BYTES, open_regular
+
     path = os.path.join(folder, "summary.json")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return None
     try:
-        with open(path) as fh:
-            manifest = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise _Unreadable(f"{path}: {e}") from e
+        with open_regular(path) as fh:  # a FIFO named summary.json is refused, not waited on
+            data = fh.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise ValueError(f"over {MAX_FILE_BYTES} bytes: not a compile dump's manifest")
+        manifest = json.loads(data)
+    except (OSError, ValueError, RecursionError) as e:
+        raise _Unreadable(f"{path}: {e}") from None
     return manifest if isinstance(manifest, dict) and manifest.get("format") == _DUMP_FORMAT else None
 
 
@@ -179,12 +205,30 @@ def _report_failed(failed: list[tuple[str, str]]) -> None:
         print(f"usp-graph: the compile dump could not write {path}: {error}", file=sys.stderr)
 
 
+# Sizes are int64 and a graph file's symbol ranges stay below 2**62; 19 digits covers every size
+# and stops a 5000-digit value before int() refuses it with a traceback (issue 17).
+_MAX_VALUE_DIGITS = 19
+_VALUE = re.compile(rf"[0-9]{{1,{_MAX_VALUE_DIGITS}}}", re.ASCII)
+_NAME = re.compile(r"\$?[A-Za-z_][A-Za-z0-9_]{0,99}", re.ASCII)
+
+
 def _parse_values(items: Sequence[str] | None) -> dict[str, int]:
-    out = {}
+    """``["T=65536", ...]`` -> ``{"T": 65536}``; anything else is a usage error naming the item."""
+    out: dict[str, int] = {}
     for item in items or ():
-        name, _, value = item.partition("=")
-        if not name or not value.isdigit():
-            raise _Unreadable(f"--values expects NAME=INT (e.g. T=65536), got {item!r}")
+        name, eq, value = item.partition("=")
+        shown = repr(item) if len(item) <= 60 else repr(item[:40]) + f"... ({len(item)} characters)"
+        if not eq or not _NAME.fullmatch(name):
+            raise _Usage(
+                f"--values expects NAME=INT with NAME a symbol such as T (e.g. T=65536), got {shown}"
+            )
+        if not _VALUE.fullmatch(value) or int(value) >= 2**63:
+            raise _Usage(
+                "--values expects NAME=INT with INT a non-negative integer in ASCII digits below 2**63 "
+                f"(e.g. {name}=65536), got {shown}"
+            )
+        if name in out:
+            raise _Usage(f"--values gives {name} twice; give each symbol once")
         out[name] = int(value)
     return out
 

@@ -12,8 +12,9 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
-from typing import Any
+from typing import Any, BinaryIO
 
 from .errors import CorruptGraphFileError, FingerprintError, GraphFileVersionError
 
@@ -34,8 +35,45 @@ def canonical_bytes(doc: dict[str, Any]) -> bytes:
 
 
 def fingerprint(doc: dict[str, Any]) -> str:
-    """sha256 over the canonical content (every field but ``fingerprint`` itself)."""
-    return "sha256:" + hashlib.sha256(canonical_bytes(doc)).hexdigest()
+    """sha256 over the canonical content (every field but ``fingerprint`` itself).
+
+    Hashed piece by piece (the same bytes as `canonical_bytes`): encoding the whole document at
+    once held about 7x the file size in memory on top of the parsed document (issue 17)."""
+    h = hashlib.sha256()
+    _hash_canonical(h, {k: v for k, v in doc.items() if k != "fingerprint"})
+    return "sha256:" + h.hexdigest()
+
+
+def _hash_canonical(h: Any, v: Any) -> None:
+    # json.dumps(sort_keys=True, separators=(",", ":")) writes an object as {"k":v,...} in key order
+    # and a list as [a,...]. A flat container of up to 256 scalars is encoded at once; anything
+    # larger is walked, so no encoding holds more than one small piece.
+    if not isinstance(v, (dict, list)):
+        h.update(_canonical_piece(v))
+        return
+    values = v.values() if isinstance(v, dict) else v
+    if len(v) <= 256 and not any(isinstance(x, (dict, list)) for x in values):
+        h.update(_canonical_piece(v))
+        return
+    if isinstance(v, list):  # walked in place: a list of pairs would cost 64 bytes an item
+        h.update(b"[")
+        for i, x in enumerate(v):
+            if i:
+                h.update(b",")
+            _hash_canonical(h, x)
+        h.update(b"]")
+        return
+    h.update(b"{")
+    for i, k in enumerate(sorted(v)):
+        if not isinstance(k, str):  # json.dumps would write it as a string; no parsed key is one
+            raise TypeError(f"keys must be str, got {type(k).__name__}")
+        h.update((b"," if i else b"") + _canonical_piece(k) + b":")
+        _hash_canonical(h, v[k])
+    h.update(b"}")
+
+
+def _canonical_piece(v: Any) -> bytes:
+    return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
 def _compact(v: Any) -> str:
@@ -91,8 +129,24 @@ def _no_constants(name: str) -> Any:
 
 
 # The largest file `load` reads: a 32-layer train step is a few MB; this is far above any real
-# graph and stops a wrong path (a checkpoint, a dataset) from being read into memory whole.
-MAX_FILE_BYTES = 512 * 2**20
+# graph and stops a wrong path (a checkpoint, a dataset) from being read into memory whole. With
+# MAX_PARSE_MULTIPLE it bounds what parsing any file can allocate (issue 17: it was 512 MiB, and a
+# file of small containers then took ~12 GiB).
+MAX_FILE_BYTES = 128 * 2**20
+
+# Parsing builds Python objects that are larger than their JSON: a list is 56+ bytes for "[]", an
+# object 64-184 bytes for "{}", a string 49 bytes plus its text. Before json.loads, `parse_cost`
+# bounds from above what the parse can allocate, from byte counts alone (C speed, no allocation),
+# and a file whose bound is over MAX_PARSE_MULTIPLE times its size is refused. Real graph files
+# bound at 11-13x and take 5-6x (measured: tests/test_graphfile_limits.py); a file of nothing but
+# small containers took 24-34x before this check.
+MAX_PARSE_MULTIPLE = 20
+# Upper bounds (bytes, CPython 3.10-3.13, 64-bit) of what one such character can make the parse
+# allocate, the slot in its container included: "[" a list; "{" a dict of up to 5 keys; ":" one
+# more key (dict growth); "," one more value (a slot, a float or int); '"' half a string (a new
+# string object, or a new key in the decoder's key memo). Measured worst cases per shape are in
+# the test; string contents count once more through the bytes themselves.
+_COST = {b"[": 88, b"{": 184, b":": 40, b",": 40, b'"': 30}
 
 
 def check_size(nbytes: int, source: str) -> None:
@@ -104,11 +158,60 @@ def check_size(nbytes: int, source: str) -> None:
         )
 
 
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}  # fmt: skip
+
+
+def not_regular(mode: int) -> str | None:
+    """What a file of this `st_mode` is when it is not a regular file (None for a regular file)."""
+    if stat.S_ISREG(mode):
+        return None
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def open_regular(path: Any) -> BinaryIO:
+    """`path` opened for reading in binary mode, or CorruptGraphFileError when it is not a regular
+    file. Opened non-blocking first, so a FIFO (which would wait for a writer forever) or a device
+    is refused instead of hanging or streaming; the check is on the opened descriptor, so swapping
+    the file between a check and the open changes nothing (issue 17)."""
+    fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        what = not_regular(os.fstat(fd).st_mode)
+        if what is not None:
+            raise CorruptGraphFileError(
+                f"{os.fspath(path)} is {what}, not a regular file: graph files are regular files"
+            )
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_file(path: Any) -> bytes:
-    """The bytes of the file at `path`, refused before reading when over `MAX_FILE_BYTES`."""
-    with open(path, "rb") as fh:
+    """The bytes of the regular file at `path`, refused before reading when over `MAX_FILE_BYTES`
+    (and when it is a FIFO, a device or a directory)."""
+    with open_regular(path) as fh:
         check_size(os.fstat(fh.fileno()).st_size, os.fspath(path))
         return fh.read(MAX_FILE_BYTES + 1)
+
+
+def parse_cost(data: bytes) -> int:
+    """An upper bound on the bytes `json.loads` allocates for `data` (the decoded text included)."""
+    width = 1 if data.isascii() else (4 if max(data) >= 0xF0 else 2)  # str: 1, 2 or 4 bytes a char
+    return width * len(data) + sum(w * data.count(c) for c, w in _COST.items())
+
+
+def check_parse_cost(data: bytes, source: str) -> None:
+    cost = parse_cost(data)
+    if cost > MAX_PARSE_MULTIPLE * len(data) + 2**16:
+        raise CorruptGraphFileError(
+            f"{source} is not a usp_graph graph file: parsing its {len(data)} bytes could take up to "
+            f"{cost / 2**20:.1f} MiB ({cost / max(len(data), 1):.0f}x its size; graph files stay under "
+            f"{MAX_PARSE_MULTIPLE}x): it is packed with more brackets, separators and strings than a graph "
+            "file holds"
+        )
 
 
 def parse(data: bytes, *, source: str = "graph file") -> dict[str, Any]:
@@ -118,8 +221,10 @@ def parse(data: bytes, *, source: str = "graph file") -> dict[str, Any]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"expected the file's bytes, got {type(data).__name__}")
     check_size(len(data), source)
+    data = bytes(data)
+    check_parse_cost(data, source)
     try:
-        text = bytes(data).decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CorruptGraphFileError(
             f"{source} is not a usp_graph graph file: not UTF-8 text (byte {e.start}); the file is damaged "
