@@ -19,6 +19,54 @@ __all__ = ["AttentionMetadata"]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
+# cu_seqlens is int32 (the varlen kernels' type): no document, total or bound may pass it.
+INT32_MAX = 2**31 - 1
+# Capacity is one int32 slot per document; 2**24 slots (64 MiB) is far above any batch (a 1M-token
+# batch of 64-token documents has 16k) and stops max_docs=10**9 from allocating gigabytes (issue 17).
+MAX_DOCS = 2**24
+
+
+def _check_device(device: Any) -> torch.device | None:
+    """`device` as a torch.device, or ValueError/TypeError naming it (before any tensor moves).
+
+    Issue 17: 'cuda' on a CPU build raised AssertionError, 'bogus' RuntimeError, and 3.5 was taken
+    as a dtype by Tensor.to with a misleading message."""
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(
+            f"device must be a torch.device, a string such as 'cpu' or 'cuda:0', or a CUDA device index, "
+            f"got {device!r} ({type(device).__name__})"
+        )
+    if isinstance(device, int) and device < 0:
+        raise ValueError(f"device={device!r}: a CUDA device index is >= 0")
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"device={device!r} is not a device: use 'cpu', 'cuda' or 'cuda:<index>'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r}, but this torch has no usable CUDA device (torch.cuda.is_available() is "
+                "False); use device='cpu' or a CUDA build of torch"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device={device!r}, but there are {torch.cuda.device_count()} CUDA device(s) "
+                f"(indices 0..{torch.cuda.device_count() - 1})"
+            )
+    return dev
+
+
+def _move(t: torch.Tensor, device: Any) -> torch.Tensor:
+    dev = _check_device(device)
+    if dev is None:
+        return t
+    try:
+        return t.to(dev)
+    except (RuntimeError, AssertionError, ValueError) as e:  # a backend this torch lacks (mps, xpu, ...)
+        raise ValueError(f"device={device!r} cannot hold tensors in this process: {e}") from None
+
 
 def _is_real(t: torch.Tensor) -> bool:
     """False for fake/meta/functional tensors, whose values cannot (and need not) be read."""
@@ -83,10 +131,16 @@ class AttentionMetadata:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
                 raise ValueError(f"{name} must be an int, got {value!r}")
-        if isinstance(self.max_seqlen, int) and self.max_seqlen < 0:
-            raise ValueError(f"max_seqlen must be >= 0, got {self.max_seqlen}")
+        if isinstance(self.max_seqlen, int) and not 0 <= self.max_seqlen <= INT32_MAX:
+            raise ValueError(
+                f"max_seqlen must be in [0, 2**31 - 1] (kernels take int32 sizes), got {self.max_seqlen}"
+            )
+        if isinstance(self.total_tokens, int) and not 0 <= self.total_tokens <= INT32_MAX:
+            raise ValueError(
+                f"total_tokens must be in [0, 2**31 - 1] (cu_seqlens is int32), got {self.total_tokens}"
+            )
         if _is_real(cu):
-            _check_cu_seqlens(cu.tolist(), self.max_seqlen, self.total_tokens)
+            _check_cu_seqlens(cu, self.max_seqlen, self.total_tokens)
 
     # ---- constructors -------------------------------------------------------------------------
 
@@ -153,6 +207,12 @@ class AttentionMetadata:
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        _check_capacity(batch_size, "batch_size")
+        if batch_size * seq_len > INT32_MAX:
+            raise ValueError(
+                f"batch_size * seq_len = {batch_size} * {seq_len} = {batch_size * seq_len} tokens, over the "
+                f"{INT32_MAX} (2**31 - 1) that int32 cu_seqlens can count"
+            )
         return cls._build([seq_len] * batch_size, max_docs=None, max_seqlen=None, device=device)
 
     @classmethod
@@ -177,18 +237,29 @@ class AttentionMetadata:
         max_seqlen: int | None,
         device: torch.device | str | None,
     ) -> AttentionMetadata:
+        _check_device(device)  # before any work: a bad device is the caller's first thing to fix
         n = len(lens)
         if max_docs is None:
             max_docs = n
         if isinstance(max_docs, bool) or not isinstance(max_docs, int) or max_docs < 1:
             raise ValueError(f"max_docs must be a positive int, got {max_docs!r}")
+        _check_capacity(max_docs, "max_docs")
         if n > max_docs:
             raise ValueError(f"{n} documents exceed the capacity max_docs={max_docs}; raise max_docs")
         longest = max(lens)
+        if longest > INT32_MAX:
+            doc = lens.index(longest)
+            raise ValueError(
+                f"document {doc} has {longest} tokens, over {INT32_MAX} (2**31 - 1): cu_seqlens is int32"
+            )
         if max_seqlen is None:
             max_seqlen = longest
         if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
             raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+        if max_seqlen > INT32_MAX:
+            raise ValueError(
+                f"max_seqlen={max_seqlen} is over {INT32_MAX} (2**31 - 1): kernels take int32 sizes"
+            )
         if longest > max_seqlen:
             doc = lens.index(longest)
             raise ValueError(
@@ -197,11 +268,15 @@ class AttentionMetadata:
         cu = [0]
         for length in lens:
             cu.append(cu[-1] + length)
-        cu += [cu[-1]] * (max_docs - n)
-        cu_t = torch.tensor(cu, dtype=torch.int32)
-        if device is not None:
-            cu_t = cu_t.to(device)
-        return cls(cu_t, max_seqlen, cu[-1])
+        if cu[-1] > INT32_MAX:
+            raise ValueError(
+                f"the documents hold {cu[-1]} tokens in total, over the {INT32_MAX} (2**31 - 1) that int32 "
+                "cu_seqlens can count"
+            )
+        # The unused tail repeats the total: filled as a tensor, never as a Python list.
+        cu_t = torch.full((max_docs + 1,), cu[-1], dtype=torch.int32)
+        cu_t[: n + 1] = torch.tensor(cu, dtype=torch.int32)
+        return cls(_move(cu_t, device), max_seqlen, cu[-1])
 
     # ---- views ---------------------------------------------------------------------------------
 
@@ -216,7 +291,9 @@ class AttentionMetadata:
         return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
-        return AttentionMetadata(self.cu_seqlens.to(device), self.max_seqlen, self.total_tokens)
+        if device is None:
+            raise TypeError("to() needs a device, got None")
+        return AttentionMetadata(_move(self.cu_seqlens, device), self.max_seqlen, self.total_tokens)
 
     def __repr__(self) -> str:
         return (
@@ -225,19 +302,34 @@ class AttentionMetadata:
         )
 
 
-def _check_cu_seqlens(cu: list[int], max_seqlen: int, total: int) -> None:
+def _check_capacity(max_docs: int, name: str) -> None:
+    if max_docs > MAX_DOCS:
+        raise ValueError(
+            f"{name}={max_docs} document slots is over the {MAX_DOCS} (2**24) a metadata may hold (cu_seqlens "
+            f"would take {4 * (max_docs + 1) / 2**20:.0f} MiB); capacity needs one slot per document a batch can "
+            "hold, at most one per token"
+        )
+
+
+def _check_cu_seqlens(cu_t: torch.Tensor, max_seqlen: Any, total: Any) -> None:
+    # On tensors, not a Python list: a capacity of millions of slots stays cheap (reads the values:
+    # a host sync on GPU, as before).
+    cu = cu_t.detach().to("cpu", torch.int64)
     if cu[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {cu[0]}")
-    for i in range(1, len(cu)):
-        if cu[i] < cu[i - 1]:
-            raise ValueError(
-                f"cu_seqlens must be non-decreasing: cu_seqlens[{i}] = {cu[i]} < cu_seqlens[{i - 1}] = {cu[i - 1]}"
-            )
-    if isinstance(total, int) and cu[-1] != total:
-        raise ValueError(f"cu_seqlens must end at the token count {total}, got cu_seqlens[-1] = {cu[-1]}")
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {int(cu[0])}")
+    lens = cu[1:] - cu[:-1]
+    bad = (lens < 0).nonzero()
+    if bad.numel():
+        i = int(bad[0]) + 1
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing: cu_seqlens[{i}] = {int(cu[i])} < cu_seqlens[{i - 1}] = {int(cu[i - 1])}"
+        )
+    if isinstance(total, int) and int(cu[-1]) != total:
+        raise ValueError(
+            f"cu_seqlens must end at the token count {total}, got cu_seqlens[-1] = {int(cu[-1])}"
+        )
     if isinstance(max_seqlen, int):
-        for i in range(1, len(cu)):
-            if cu[i] - cu[i - 1] > max_seqlen:
-                raise ValueError(
-                    f"document {i - 1} has {cu[i] - cu[i - 1]} tokens, more than max_seqlen={max_seqlen}"
-                )
+        bad = (lens > max_seqlen).nonzero()
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(f"document {i} has {int(lens[i])} tokens, more than max_seqlen={max_seqlen}")

@@ -62,6 +62,11 @@ def documents(
                 f"documents(metadata, kv=...): metadata has {metadata.cu_seqlens.numel() - 1} document slots and kv "
                 f"{kv.cu_seqlens.numel() - 1}; build both with the same max_docs"
             )
+        if kv.cu_seqlens.device != metadata.cu_seqlens.device:
+            raise ValueError(
+                f"documents(metadata, kv=...): metadata is on {metadata.cu_seqlens.device} and kv on "
+                f"{kv.cu_seqlens.device}; build both for the same device (AttentionMetadata.to(device))"
+            )
     if metadata is not None:
         _guard_eager_sdpa()
     token = _CURRENT.set((metadata, kv))
