@@ -656,7 +656,7 @@ def _cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, righ
     def flash() -> tuple[Tensor, Tensor]:
         return _flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
 
-    if _cuda_kernel != "flash" and _cudnn_applies(q, k, v) or _cuda_kernel == "cudnn":
+    if _cuda_kernel == "cudnn" or (_cuda_kernel == "auto" and _auto_kernels(q)[0] == "cudnn"):
         square, key, bkey = _cudnn_keys(q, k, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
         if _use_cudnn(q, k, v, (key, bkey)):
             try:
@@ -690,7 +690,7 @@ def _cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scal
     def flash() -> tuple[Tensor, Tensor, Tensor]:
         return _flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
 
-    if _cuda_kernel != "flash" and _cudnn_applies(q, k, v) or _cuda_kernel == "cudnn":
+    if _cuda_kernel == "cudnn" or (_cuda_kernel == "auto" and _auto_kernels(q)[0] == "cudnn"):
         square, key, bkey = _cudnn_keys(q, k, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
         if _use_cudnn(q, k, v, (key, bkey)):
             try:
