@@ -349,7 +349,7 @@ def _reshape_alias(args: Sequence[Any], kwargs: dict[str, Any], where: str, targ
 def _need(ok: bool, where: str, what: str) -> None:
     if not ok:
         raise GraphReplayError(
-            f"{where}: {what}; a backward kernel reads saved statistics by the grad's shape"
+            f"{where}: {what}; the kernel trusts these shapes, so nothing ran"
         )
 
 
@@ -388,6 +388,26 @@ def _rms_norm_bwd(args: Sequence[Any], kwargs: dict[str, Any], where: str, targe
     _need(b["rstd"].numel() == rows, where, f"rstd has {b['rstd'].numel()} elements for {rows} rows")
     w = b.get("weight")
     _need(w is None or tuple(w.shape) == tuple(shape), where, f"weight is not of shape {shape}")
+
+
+def _rms_norm_fwd(args: Sequence[Any], kwargs: dict[str, Any], where: str, target: Any) -> None:
+    b = _bound(target, args, kwargs)
+    x, shape, w = b["input"], [int(d) for d in b["normalized_shape"]], b.get("weight")
+    _need(x.dim() >= len(shape) and list(x.shape[x.dim() - len(shape) :]) == shape, where,
+          f"input {tuple(x.shape)} does not end in normalized_shape {shape}")  # fmt: skip
+    _need(w is None or list(w.shape) == shape, where, f"weight is not of shape {shape}")
+
+
+def _group_norm_fwd(args: Sequence[Any], kwargs: dict[str, Any], where: str, target: Any) -> None:
+    b = _bound(target, args, kwargs)
+    x = b["input"]
+    n, c, hw, groups = (int(b[k]) for k in ("N", "C", "HxW", "group"))
+    _need(x.dim() >= 2 and int(x.shape[0]) == n and int(x.shape[1]) == c and x.numel() == n * c * hw, where,
+          f"input {tuple(x.shape)} is not N={n}, C={c}, HxW={hw}")  # fmt: skip
+    _need(groups > 0 and c % groups == 0, where, f"C={c} is not a multiple of group={groups}")
+    for name in ("weight", "bias"):
+        t = b.get(name)
+        _need(t is None or t.numel() == c, where, f"{name} is not of size C={c}")
 
 
 def _group_norm_bwd(args: Sequence[Any], kwargs: dict[str, Any], where: str, target: Any) -> None:
@@ -462,6 +482,8 @@ def _varlen_bwd(args: Sequence[Any], kwargs: dict[str, Any], where: str, target:
 _REPLAY: dict[str, Callable[..., None]] = {
     "aten.native_layer_norm_backward.default": _layer_norm_bwd,
     "aten._fused_rms_norm_backward.default": _rms_norm_bwd,
+    "aten._fused_rms_norm.default": _rms_norm_fwd,
+    "aten.native_group_norm.default": _group_norm_fwd,
     "aten.native_group_norm_backward.default": _group_norm_bwd,
     "aten._log_softmax_backward_data.default": _softmax_bwd,
     "aten._softmax_backward_data.default": _softmax_bwd,

@@ -20,6 +20,7 @@ range, say) into a `GraphReplayError` too. Calls save and restore the global RNG
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -112,6 +113,16 @@ class ReplayCheck:
         self._passed.add(key)
 
     def _propagate(self, args: tuple[Any, ...]) -> None:
+        # A refused op is reported once, as GraphReplayError; fake tensors would also log it.
+        log = logging.getLogger("torch._subclasses.fake_tensor")
+        level = log.level
+        log.setLevel(logging.CRITICAL)
+        try:
+            self._fake_run(args)
+        finally:
+            log.setLevel(level)
+
+    def _fake_run(self, args: tuple[Any, ...]) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         placeholders = list(self.gm.graph.find_nodes(op="placeholder"))
