@@ -28,7 +28,7 @@ from usp_graph.graphfile import (
     save,
 )
 from usp_graph.graphfile.document import dumps, fingerprint
-from usp_graph.graphfile.exprs import decode_expr
+from usp_graph.graphfile.exprs import ExprDecoder, decode_expr
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -118,6 +118,34 @@ def test_size_expressions_a_tracer_writes_decode_unchanged():
     assert _decode(["Mul", 4, ["Pow", "T", 64]]) == 4 * T**64
     assert _decode(["Pow", ["Add", "T", "a"], 7]) == (T + a) ** 7  # 8 terms expanded: fine
     assert _decode(["Mod", ["FloorDiv", ["Mod", ["FloorDiv", "T", 2], 3], 4], 5]) is not None
+
+
+def test_identical_expressions_decode_once_and_cost_once():
+    decoder = ExprDecoder(lambda where: SYMS.__getitem__)
+    first = decoder.decode(["FloorDiv", ["Add", "T", "a"], 2], "x")
+    for _ in range(10_000):
+        assert decoder.decode(["FloorDiv", ["Add", "T", "a"], 2], "y") is first
+    assert decoder.work == 5 + 5  # 5 nodes, and the FloorDiv's subtree of 5
+
+
+def test_a_file_whose_expressions_together_ask_too_much_is_refused():
+    decoder = ExprDecoder(lambda where: SYMS.__getitem__)
+    big = ["Max", *(["Add", "T", i] for i in range(80))]  # 241 nodes, 482 units; distinct each time
+    with pytest.raises(GraphFileSchemaError, match=r"together are over the 32768 units of work"):
+        for i in range(100):
+            decoder.decode(["Ge", big, i], f"guards[{i}]")
+    assert 60 <= i < 70
+
+
+def test_loading_counts_every_expression_of_the_file(guarded, tmp_path, monkeypatch):
+    from usp_graph.graphfile import exprs
+
+    guards = [[["Ge", ["FloorDiv", ["Add", "T", i], 2], 0], f"g{i}"] for i in range(40)]
+    _rewrite(guarded, tmp_path / "many.uspg", lambda d: d["guards"].extend(guards))
+    assert load(tmp_path / "many.uspg").graph_module is not None
+    monkeypatch.setattr(exprs, "MAX_FILE_WORK", 200)
+    with pytest.raises(GraphFileSchemaError, match=r"guards\[\d+\].*together are over the 200 units"):
+        load(tmp_path / "many.uspg")
 
 
 # ---- parsing memory -----------------------------------------------------------------------------

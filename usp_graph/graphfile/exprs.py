@@ -12,6 +12,7 @@ results are bounded so a hostile file cannot make evaluation explode.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -147,9 +148,48 @@ _FUNCTIONS = (
 _ADDITIVE = ("Add", "Max", "Min", "Mod", "PythonMod", "Eq", "Ne", "Lt", "Le", "Gt", "Ge", *_LOGIC)
 
 
+# What one file's expressions may cost in all: nodes, plus for each division, remainder or Max/Min
+# the size of its subtree (what its evaluation walks). The slowest expression within the bounds
+# above took about 0.6 ms a unit to build (random search, tests/test_graphfile_limits.py), so a
+# file's expressions build in seconds at most; a traced file's distinct expressions cost tens to
+# hundreds of units (identical ones are decoded once).
+MAX_FILE_WORK = 32_768
+
+
 @dataclass
 class _Budget:
     nodes: int = 0
+    work: int = 0
+
+
+class ExprDecoder:
+    """Decodes the expressions of one file: identical ones once (a memo), all of them together
+    within MAX_FILE_WORK. `symbol_for(where)` returns the `symbol` function of `decode_expr`."""
+
+    def __init__(self, symbol_for: Callable[[str], Callable[[str], sympy.Basic]]) -> None:
+        self.symbol_for = symbol_for
+        self.memo: dict[str, sympy.Basic] = {}
+        self.work = 0
+
+    def decode(self, data: Any, where: str) -> sympy.Basic:
+        try:
+            key = json.dumps(data, separators=(",", ":"))
+        except (TypeError, ValueError, RecursionError):
+            key = None
+        if key is not None and key in self.memo:
+            return self.memo[key]
+        budget = _Budget()
+        out = _decode(data, self.symbol_for(where), where, 0, budget)[0]
+        self.work += budget.nodes + budget.work
+        if self.work > MAX_FILE_WORK:
+            raise _fail(
+                where,
+                f"the file's size expressions together are over the {MAX_FILE_WORK} units of work a graph "
+                "file may ask for (nodes, plus the subtree of every division, remainder, Max and Min)",
+            )
+        if key is not None:
+            self.memo[key] = out
+        return out
 
 
 def decode_expr(
@@ -211,7 +251,10 @@ def _decode(
         exp = raw[1]
         if isinstance(exp, bool) or not isinstance(exp, int) or abs(exp) > _MAX_POW:
             raise _fail(where, f"{name} exponents must be integer literals within +-{_MAX_POW}")
+    first = budget.nodes
     decoded = [_decode(a, symbol, f"{where}[{i + 1}]", depth + 1, budget) for i, a in enumerate(raw)]
+    if name in _FUNCTIONS:
+        budget.work += budget.nodes - first + 1
     args = [a for a, *_ in decoded]
     degrees = [d for _, d, *_ in decoded]
     bits = [b for _, _, b, *_ in decoded]

@@ -25,7 +25,7 @@ from ..trace import evaluate_recorded
 from . import document
 from .allowlist import check_call, resolve_target, result_kind
 from .errors import GraphFileError, GraphFileSchemaError, GraphFileVersionError, GraphFileVersionWarning
-from .exprs import SYMBOL_NAME, decode_expr
+from .exprs import SYMBOL_NAME, ExprDecoder
 from .groups import GroupSpec, WorldSpec, rename_groups, resolve_groups
 from .optable import check_static
 from .replay import ReplayGraphModule
@@ -103,6 +103,7 @@ class GraphFile:
     section: Any = None
     path: str | None = None
     _bound: dict[str, str] | None = field(default=None, repr=False)
+    _exprs: ExprDecoder | None = field(default=None, repr=False)  # issue 17: one memo and budget a file
 
     def __repr__(self) -> str:
         where = f" from {self.path}" if self.path else ""
@@ -113,7 +114,11 @@ class GraphFile:
 
     def expr(self, data: Any, where: str) -> sympy.Basic:
         """Decode an expression of this file's symbols (for kind-specific sections)."""
-        return decode_expr(data, self._symbol(where), where)
+        # issue 17: identical expressions decode once; all of a file's together stay within
+        # exprs.MAX_FILE_WORK (each one is bounded in size, degree and nesting by decode_expr).
+        if self._exprs is None:
+            self._exprs = ExprDecoder(self._symbol)
+        return self._exprs.decode(data, where)
 
     def _symbol(self, where: str) -> Callable[[str], sympy.Basic]:
         def get(name: str) -> sympy.Basic:
