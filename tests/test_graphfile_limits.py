@@ -131,10 +131,10 @@ def test_identical_expressions_decode_once_and_cost_once():
 def test_a_file_whose_expressions_together_ask_too_much_is_refused():
     decoder = ExprDecoder(lambda where: SYMS.__getitem__)
     big = ["Max", *(["Add", "T", i] for i in range(80))]  # 241 nodes, 482 units; distinct each time
-    with pytest.raises(GraphFileSchemaError, match=r"together are over the 32768 units of work"):
+    with pytest.raises(GraphFileSchemaError, match=r"together are over the 8192 units of work"):
         for i in range(100):
             decoder.decode(["Ge", big, i], f"guards[{i}]")
-    assert 60 <= i < 70
+    assert 15 <= i <= 18  # 17 expressions of 482 units fit
 
 
 def test_loading_counts_every_expression_of_the_file(guarded, tmp_path, monkeypatch):

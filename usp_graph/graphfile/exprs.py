@@ -149,11 +149,11 @@ _ADDITIVE = ("Add", "Max", "Min", "Mod", "PythonMod", "Eq", "Ne", "Lt", "Le", "G
 
 
 # What one file's expressions may cost in all: nodes, plus for each division, remainder or Max/Min
-# the size of its subtree (what its evaluation walks). The slowest expression within the bounds
-# above took about 0.6 ms a unit to build (random search, tests/test_graphfile_limits.py), so a
-# file's expressions build in seconds at most; a traced file's distinct expressions cost tens to
-# hundreds of units (identical ones are decoded once).
-MAX_FILE_WORK = 32_768
+# the size of its subtree (what sympy's evaluation of it walks). Within the bounds above, building
+# took at most about 0.6 ms a unit (random search) and 0.25 ms for crafted polynomial remainders,
+# so a file's expressions build in a few seconds at most. Traced files spend 0-13 units (identical
+# expressions are decoded once).
+MAX_FILE_WORK = 8192
 
 
 @dataclass
