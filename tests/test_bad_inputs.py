@@ -136,7 +136,7 @@ METADATA_CASES: list[Any] = [
     ),
     pytest.param(
         lambda w: AttentionMetadata(w.watch(i32([0, 3, 8])), -1, 8),
-        r"max_seqlen must be >= 0, got -1",
+        r"max_seqlen must be in \[0, 2\*\*31 - 1\].*got -1",
         id="direct_negative_max_seqlen",
     ),
     pytest.param(
