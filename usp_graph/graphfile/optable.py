@@ -360,34 +360,24 @@ def _rows(x: torch.Tensor, trailing: int) -> int:
     return n
 
 
-def _layer_norm_bwd(args: Sequence[Any], kwargs: dict[str, Any], where: str, target: Any) -> None:
-    b = _bound(target, args, kwargs)
-    x, g, shape = b["input"], b["grad_out"], [int(d) for d in b["normalized_shape"]]
-    _need(
-        tuple(g.shape) == tuple(x.shape), where, f"grad_out {tuple(g.shape)} is not input's {tuple(x.shape)}"
-    )
-    _need(x.dim() >= len(shape) and list(x.shape[x.dim() - len(shape):]) == shape, where,
-          f"input {tuple(x.shape)} does not end in normalized_shape {shape}")  # fmt: skip
-    rows = _rows(x, len(shape))
-    for name in ("mean", "rstd"):
-        _need(b[name].numel() == rows, where, f"{name} has {b[name].numel()} elements for {rows} rows")
-    for name in ("weight", "bias"):
-        t = b.get(name)
-        _need(t is None or tuple(t.shape) == tuple(shape), where, f"{name} is not of shape {shape}")
+def _norm_bwd(stats: tuple[str, ...], weights: tuple[str, ...]) -> Callable[..., None]:
+    """Layer/RMS norm backward: grad_out like input, input ends in normalized_shape, each statistic
+    one value per row, each weight of normalized_shape."""
 
+    def check(args: Sequence[Any], kwargs: dict[str, Any], where: str, target: Any) -> None:
+        b = _bound(target, args, kwargs)
+        x, g, shape = b["input"], b["grad_out"], [int(d) for d in b["normalized_shape"]]
+        _need(tuple(g.shape) == tuple(x.shape), where, f"grad_out {tuple(g.shape)} is not input's {tuple(x.shape)}")
+        _need(x.dim() >= len(shape) and list(x.shape[x.dim() - len(shape):]) == shape, where,
+              f"input {tuple(x.shape)} does not end in normalized_shape {shape}")  # fmt: skip
+        rows = _rows(x, len(shape))
+        for name in stats:
+            _need(b[name].numel() == rows, where, f"{name} has {b[name].numel()} elements for {rows} rows")
+        for name in weights:
+            t = b.get(name)
+            _need(t is None or list(t.shape) == shape, where, f"{name} is not of shape {shape}")
 
-def _rms_norm_bwd(args: Sequence[Any], kwargs: dict[str, Any], where: str, target: Any) -> None:
-    b = _bound(target, args, kwargs)
-    x, g, shape = b["input"], b["grad_out"], [int(d) for d in b["normalized_shape"]]
-    _need(
-        tuple(g.shape) == tuple(x.shape), where, f"grad_out {tuple(g.shape)} is not input's {tuple(x.shape)}"
-    )
-    _need(x.dim() >= len(shape) and list(x.shape[x.dim() - len(shape):]) == shape, where,
-          f"input {tuple(x.shape)} does not end in normalized_shape {shape}")  # fmt: skip
-    rows = _rows(x, len(shape))
-    _need(b["rstd"].numel() == rows, where, f"rstd has {b['rstd'].numel()} elements for {rows} rows")
-    w = b.get("weight")
-    _need(w is None or tuple(w.shape) == tuple(shape), where, f"weight is not of shape {shape}")
+    return check
 
 
 def _rms_norm_fwd(args: Sequence[Any], kwargs: dict[str, Any], where: str, target: Any) -> None:
@@ -480,8 +470,8 @@ def _varlen_bwd(args: Sequence[Any], kwargs: dict[str, Any], where: str, target:
 
 
 _REPLAY: dict[str, Callable[..., None]] = {
-    "aten.native_layer_norm_backward.default": _layer_norm_bwd,
-    "aten._fused_rms_norm_backward.default": _rms_norm_bwd,
+    "aten.native_layer_norm_backward.default": _norm_bwd(("mean", "rstd"), ("weight", "bias")),
+    "aten._fused_rms_norm_backward.default": _norm_bwd(("rstd",), ("weight",)),
     "aten._fused_rms_norm.default": _rms_norm_fwd,
     "aten.native_group_norm.default": _group_norm_fwd,
     "aten.native_group_norm_backward.default": _group_norm_bwd,
