@@ -18,23 +18,12 @@ from torch import Tensor
 from . import masks
 from .metadata import AttentionMetadata
 from .ops import varlen
+from .packing import pack, unpack
 
 if TYPE_CHECKING:
     from .cp import ContextParallel
 
 __all__ = ["sdpa_to_usp", "pack", "unpack"]
-
-
-def pack(x_BHLK: Tensor) -> Tensor:
-    """(B, H, L, K) -> (B*L, H, K): tokens of all rows back to back, row-major."""
-    b, h, seq, k = x_BHLK.shape
-    return x_BHLK.transpose(1, 2).reshape(b * seq, h, k)
-
-
-def unpack(x_THK: Tensor, batch: int) -> Tensor:
-    """(B*L, H, K) -> (B, H, L, K), the inverse of `pack`."""
-    t, h, k = x_THK.shape
-    return x_THK.reshape(batch, t // batch, h, k).transpose(1, 2)
 
 
 def _as_bhlk(name: str, x: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..ops import varlen
 from ..ops.window import NO_WINDOW, bounds
-from ..sdpa import pack, unpack
+from ..packing import pack, unpack
 
 if TYPE_CHECKING:
     from .context import ContextParallel
