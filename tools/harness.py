@@ -1,0 +1,245 @@
+"""The one timing and results harness of the scripts in tools/.
+
+Timing has one policy per kind of measurement:
+
+- `time_ms`: a call repeated. On a GPU, CUDA events around each repetition, recorded back to back
+  and read after one synchronize (with `barrier=`, the ranks meet before each repetition and each
+  one is synchronized); median, min and max. On the CPU, `torch.utils.benchmark.Timer`: the mean of
+  `reps` calls in one block (its own two warm-up calls count toward `warmup`).
+- `time_interleaved`: several calls, alternating in each round (so drift hits them alike).
+- `stopwatch`: something that happens once (a compile, a trace, a save): wall clock between device
+  synchronizes.
+
+Results: `Results(path, bench=...)` appends one JSON line per `write(...)`, each with the torch
+version, the device name, the git commit, the command line and the measured fields, so a line is
+self-describing and runs accumulate in one file.
+
+Scripts run as ``python tools/NAME.py`` have tools/ on sys.path, so ``import harness`` just works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import json
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils.benchmark as torch_benchmark
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WARMUP = 3
+REPS = 20
+_CPU_TIMER_WARMUP = 2  # Timer.timeit(n) first runs max(n // 100, 2) calls untimed
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds per call; `timer` says how they were taken."""
+
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    reps: int
+    timer: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def sync(device: torch.device | str | None) -> None:
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _summary(times_ms: list[float], timer: str) -> Timing:
+    return Timing(statistics.median(times_ms), min(times_ms), max(times_ms), len(times_ms), timer)
+
+
+def time_ms(
+    fn: Callable[[], Any],
+    device: torch.device | str,
+    *,
+    warmup: int = WARMUP,
+    reps: int = REPS,
+    barrier: Callable[[], Any] | None = None,
+) -> Timing:
+    """Time `fn()` after `warmup` untimed calls (see the module docstring for the policy)."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    device = torch.device(device)
+    if device.type != "cuda":
+        for _ in range(max(warmup - _CPU_TIMER_WARMUP, 0)):
+            fn()
+        if barrier is not None:
+            barrier()
+        timer = torch_benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+        mean_ms = timer.timeit(reps).mean * 1e3
+        return Timing(mean_ms, mean_ms, mean_ms, reps, "torch.utils.benchmark mean")
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        if barrier is not None:
+            barrier()
+        start.record()
+        fn()
+        end.record()
+        if barrier is not None:
+            sync(device)
+    sync(device)
+    return _summary([start.elapsed_time(end) for start, end in events], "cuda events")
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], device: torch.device | str, *, warmup: int = 1, reps: int = REPS
+) -> dict[str, Timing]:
+    """Time each of `fns` once per round, in turn, for `reps` rounds after `warmup` rounds."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                sync(device)
+                start.record()
+                fn()
+                end.record()
+                sync(device)
+                times[name].append(start.elapsed_time(end))
+            else:
+                with stopwatch(device) as watch:
+                    fn()
+                times[name].append(watch.seconds * 1e3)
+    timer = "cuda events, interleaved" if device.type == "cuda" else "wall clock, interleaved"
+    return {name: _summary(t, timer) for name, t in times.items()}
+
+
+@dataclass
+class Stopwatch:
+    seconds: float = float("nan")
+
+
+@contextlib.contextmanager
+def stopwatch(device: torch.device | str | None = None) -> Iterator[Stopwatch]:
+    """``with stopwatch(device) as w: ...`` then ``w.seconds``: wall clock of a one-off, with the
+    device synchronized before and after."""
+    watch = Stopwatch()
+    sync(device)
+    t0 = time.perf_counter()
+    try:
+        yield watch
+    finally:
+        sync(device)
+        watch.seconds = time.perf_counter() - t0
+
+
+def peak_extra_gib(fn: Callable[[], Any], device: torch.device | str) -> float:
+    """GiB that one call of `fn` allocates above what was held before it (activations, workspaces,
+    results); 0.0 off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0.0
+    sync(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    sync(device)
+    del result
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**30
+
+
+def free_memory(device: torch.device | str) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+_START = time.perf_counter()
+
+
+def log(message: str) -> None:
+    """A progress line with the seconds since start (compiles make some steps slow)."""
+    print(f"[{time.perf_counter() - _START:6.1f}s] {message}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Results
+
+
+def git_commit() -> str | None:
+    """The checkout's commit, with "+dirty" when tracked files differ from it."""
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(
+                ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
+
+        commit = git("rev-parse", "--short=12", "HEAD")
+        return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except Exception:
+        return None
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def environment(device: torch.device | str) -> dict[str, Any]:
+    """What every result line carries besides its own fields."""
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except Exception:
+        triton_version = None
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "device": str(device),
+        "device_name": device_name(device),
+        "git_commit": git_commit(),
+        "command": shlex.join(sys.argv),
+    }
+
+
+class Results:
+    """Appends result records as JSON lines to `path` (nothing is written when `path` is None)."""
+
+    def __init__(self, path: str | Path | None, *, bench: str, device: torch.device | str) -> None:
+        self.path = None if path is None else Path(path)
+        self.header = {"bench": bench, **environment(device)}
+
+    def write(self, **fields: Any) -> dict[str, Any]:
+        record = {**self.header, **fields}
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:
+                f.write(json.dumps(record, default=str) + "\n")
+        return record
+
+
+def add_json_arg(parser: Any) -> None:
+    """The `--json PATH` option every benchmark takes."""
+    parser.add_argument("--json", type=Path, default=None, help="append the results here as JSON lines")
