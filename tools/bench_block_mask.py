@@ -4,41 +4,26 @@
     PYTHONUNBUFFERED=1 python tools/bench_block_mask.py --device cuda  # on a GPU
 
 Log-normal document lengths (mean 2048, seeded). Both masks are compared block for block first
-(`to_dense`, kv block counts, full block counts), then timed: `document_block_mask` as the median of
-several builds, `create_block_mask` once (it takes seconds).
+(`to_dense`, kv block counts, full block counts), then timed (tools/harness.py): `document_block_mask`
+repeated (`time_ms`), `create_block_mask` once (`stopwatch`; it takes seconds). `--json PATH` appends
+one JSON line per row.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
-import time
 import warnings
 
 import torch
+from doc_lengths import lognormal_lengths
+from harness import Results, add_json_arg, stopwatch, time_ms
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from usp_graph import AttentionMetadata  # noqa: E402
-from usp_graph.flex import document_block_mask, document_ids  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from doc_lengths import lognormal_lengths  # noqa: E402
+from usp_graph import AttentionMetadata
+from usp_graph.flex import document_block_mask, document_ids
 
 
-def timed(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def row(total: int, causal: bool, device: torch.device, reps: int) -> str:
+def row(total: int, causal: bool, device: torch.device, reps: int, results: Results) -> str:
     from torch.nn.attention.flex_attention import create_block_mask
 
     lens = lognormal_lengths(total, 2048, total)
@@ -53,16 +38,18 @@ def row(total: int, causal: bool, device: torch.device, reps: int) -> str:
         return create_block_mask(mask_mod, None, None, total, total, device=device)
 
     got = document_block_mask(meta, is_causal=causal)
-    t_ref = timed(reference, device)
-    ref = reference()
+    with stopwatch(device) as watch:
+        ref = reference()
     equal = (
         torch.equal(got.to_dense(), ref.to_dense())
         and torch.equal(got.kv_num_blocks, ref.kv_num_blocks)
         and torch.equal(got.full_kv_num_blocks, ref.full_kv_num_blocks)
     )
-    times = [timed(lambda: document_block_mask(meta, is_causal=causal), device) for _ in range(reps)]
+    ours = time_ms(lambda: document_block_mask(meta, is_causal=causal), device, warmup=1, reps=reps)
     mode = "causal" if causal else "bi"
-    return f"| {total} | {len(lens)} | {mode} | {equal} | {statistics.median(times):.2f} | {t_ref:.0f} |"
+    results.write(tokens=total, documents=len(lens), mode=mode, equal=equal,
+                  document_block_mask=ours.as_dict(), create_block_mask_ms=watch.seconds * 1e3)  # fmt: skip
+    return f"| {total} | {len(lens)} | {mode} | {equal} | {ours.median_ms:.2f} | {watch.seconds * 1e3:.0f} |"
 
 
 def main() -> int:
@@ -70,15 +57,17 @@ def main() -> int:
     ap.add_argument("--tokens", default="32768")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=10)
+    add_json_arg(ap)
     args = ap.parse_args()
     device = torch.device(args.device)
+    results = Results(args.json, bench="block_mask", device=device)
     warnings.filterwarnings("ignore")
     print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads")
     print("| tokens | documents | mode | equal | document_block_mask ms | create_block_mask ms |")
     print("|---|---|---|---|---|---|")
     for total in (int(x) for x in args.tokens.split(",")):
         for causal in (True, False):
-            print(row(total, causal, device, args.reps), flush=True)
+            print(row(total, causal, device, args.reps, results), flush=True)
     return 0
 
 
