@@ -7,23 +7,21 @@ For the reference Llama-style model at several depths, times (one run each, same
   with SDPA left alone (what a user would get without usp_graph).
 
   python tools/bench_trace.py                     # 8, 16, 32 layers
-  python tools/bench_trace.py --layers 4 8 --docs 5 9 3
+  python tools/bench_trace.py --layers 4 8 --docs 5 9 3 --json out/bench.jsonl
+
+Times are one-offs (`harness.stopwatch`); `--json PATH` appends one JSON line per depth.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import time
 
 import torch
+from harness import Results, add_json_arg, stopwatch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from usp_graph import AttentionMetadata, trace_train_step  # noqa: E402
-from usp_graph.models import Llama, LlamaConfig, llama_loss, make_llama_batch  # noqa: E402
+from usp_graph import AttentionMetadata, trace_train_step
+from usp_graph.models import Llama, LlamaConfig, llama_loss, make_llama_batch
 
 
 def plain_make_fx(model: Llama, batch: dict[str, torch.Tensor]) -> tuple[float, int]:
@@ -37,9 +35,9 @@ def plain_make_fx(model: Llama, batch: dict[str, torch.Tensor]) -> tuple[float, 
         return loss, torch.autograd.grad(loss, params)
 
     params = [p.detach().requires_grad_() for p in model.parameters()]
-    t0 = time.perf_counter()
-    gm = make_fx(step, tracing_mode="symbolic")(params, batch)
-    return time.perf_counter() - t0, len(gm.graph.nodes)
+    with stopwatch() as watch:
+        gm = make_fx(step, tracing_mode="symbolic")(params, batch)
+    return watch.seconds, len(gm.graph.nodes)
 
 
 def main() -> None:
@@ -48,7 +46,9 @@ def main() -> None:
     )
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--docs", type=int, nargs="+", default=[37, 5, 60, 1, 25], help="document lengths")
+    add_json_arg(parser)
     args = parser.parse_args()
+    results = Results(args.json, bench="trace", device="cpu")
     torch.manual_seed(0)
     # Warm up imports and dispatcher caches so the first row is not charged for them.
     warm = Llama(LlamaConfig(n_layers=1))
@@ -67,14 +67,16 @@ def main() -> None:
         model = Llama(config)
         batch = make_llama_batch(config, args.docs, generator=torch.Generator().manual_seed(layers))
         meta = AttentionMetadata.from_position_ids(batch["position_ids"], max_docs=len(args.docs) + 4)
-        t0 = time.perf_counter()
-        graph = trace_train_step(model, llama_loss, batch, meta)
-        usp = time.perf_counter() - t0
+        with stopwatch() as watch:
+            graph = trace_train_step(model, llama_loss, batch, meta)
+        usp = watch.seconds
         passes = {r.name: r.seconds for r in graph.run.results}
         forward = usp - sum(passes.values())
         split = " / ".join(f"{s:.2f}" for s in (forward, *passes.values()))
         plain, plain_nodes = plain_make_fx(model, batch)
         nodes = len(graph.graph_module.graph.nodes)
+        results.write(layers=layers, documents=args.docs, usp_trace_s=usp, forward_s=forward, passes_s=passes,
+                      usp_nodes=nodes, plain_make_fx_s=plain, plain_nodes=plain_nodes, ratio=usp / plain)  # fmt: skip
         print(
             f"| {layers} | {usp:.2f} | {split} | {nodes} | {plain:.2f} | {plain_nodes} | {usp / plain:.2f}x |",
             flush=True,
