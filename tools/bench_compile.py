@@ -15,28 +15,25 @@ a shared machine OpenMP threads that wait on each other made a warm step 300x sl
 swamped the subtraction.
 
   python tools/bench_compile.py                    # 2, 4, 8 layers, 3 rounds
-  python tools/bench_compile.py --layers 4 --rounds 5 --json out/bench_compile.json
+  python tools/bench_compile.py --layers 4 --rounds 5 --json out/bench.jsonl   # + one JSON line per depth
+
+Times are one-offs (`harness.stopwatch`): a compile happens once per round.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import statistics
-import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from harness import Results, add_json_arg, stopwatch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from usp_graph import AttentionMetadata, documents, usp_backend  # noqa: E402
-from usp_graph.models import Llama, LlamaConfig, make_llama_batch  # noqa: E402
+from usp_graph import AttentionMetadata, documents, usp_backend
+from usp_graph.models import Llama, LlamaConfig, make_llama_batch
 
 BACKENDS = ("aot_eager", "usp")
 
@@ -52,11 +49,10 @@ def _timed_backend(name: str, spent: list[float]) -> Callable[..., Any]:
     inner = usp_backend if name == "usp" else lookup_backend(name)
 
     def backend(gm: Any, example_inputs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return inner(gm, example_inputs)
-        finally:
-            spent.append(time.perf_counter() - t0)
+        with stopwatch() as watch:
+            compiled = inner(gm, example_inputs)
+        spent.append(watch.seconds)
+        return compiled
 
     return backend
 
@@ -72,12 +68,12 @@ def measure(
     ctx = (lambda: documents(meta)) if name == "usp" else (lambda: documents(None))
 
     def step() -> float:
-        t0 = time.perf_counter()
-        with ctx():
-            loss = _loss(compiled, batch)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
+        with stopwatch() as watch:
+            with ctx():
+                loss = _loss(compiled, batch)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+        return watch.seconds
 
     first = step()
     warm = statistics.median(step() for _ in range(3))
@@ -93,8 +89,9 @@ def main() -> None:
     parser.add_argument("--docs", type=int, nargs="+", default=[37, 5, 60, 1, 25], help="document lengths")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    parser.add_argument("--json", help="also write the results here")
+    add_json_arg(parser)
     args = parser.parse_args()
+    results = Results(args.json, bench="compile", device="cpu")
     torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
@@ -112,7 +109,6 @@ def main() -> None:
         "| layers | aot_eager compile s | usp compile s | ratio | aot_eager backend s | usp backend s | ratio |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    rows = []
     for layers in args.layers:
         config = LlamaConfig(n_layers=layers)
         model = Llama(config)
@@ -132,17 +128,13 @@ def main() -> None:
             "compile_ratio": med["usp"]["compile"] / med["aot_eager"]["compile"],
             "backend_ratio": med["usp"]["backend"] / med["aot_eager"]["backend"],
         }
-        rows.append(row)
+        results.write(documents=args.docs, rounds=args.rounds, threads=torch.get_num_threads(), **row)
         print(
             f"| {layers} | {med['aot_eager']['compile']:.2f} | {med['usp']['compile']:.2f} | "
             f"{row['compile_ratio']:.2f} | {med['aot_eager']['backend']:.2f} | {med['usp']['backend']:.2f} | "
             f"{row['backend_ratio']:.2f} |",
             flush=True,
         )
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "docs": args.docs, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
