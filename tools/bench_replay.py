@@ -12,27 +12,27 @@ For the reference Llama-style and Flux-style models, in one run (same process, s
 
   python tools/bench_replay.py                       # both models, default sizes, torch's threads
   python tools/bench_replay.py --threads 1 --steps 20
-  python tools/bench_replay.py --json out/bench_replay.json
+  python tools/bench_replay.py --json out/bench.jsonl   # + one JSON line per model
+
+Every time here is a one-off (`harness.stopwatch`): the steps change inputs each iteration and
+alternate with eager, so each is timed alone and the medians are taken here.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
+from harness import Results, add_json_arg, stopwatch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import usp_graph  # noqa: E402
-from usp_graph import AttentionMetadata, attention_mode, trace_train_step  # noqa: E402
-from usp_graph.models import (  # noqa: E402
+import usp_graph
+from usp_graph import AttentionMetadata, attention_mode, trace_train_step
+from usp_graph.models import (
     Flux,
     FluxConfig,
     Llama,
@@ -103,7 +103,8 @@ def _eager_step(model, loss_fn, batch, meta):
 
 
 def _cold_load_s(path: str) -> tuple[float, float]:
-    """(import usp_graph s, first load s) in a fresh interpreter."""
+    """(import usp_graph s, first load s) in a fresh interpreter (timed inside it: loading the
+    harness there first would import torch before usp_graph and hide that cost)."""
     code = (
         "import time; t0 = time.perf_counter(); import usp_graph; t1 = time.perf_counter(); "
         f"usp_graph.load({path!r}); print(t1 - t0, time.perf_counter() - t1)"
@@ -116,20 +117,19 @@ def _cold_load_s(path: str) -> tuple[float, float]:
 def bench(setup, args: argparse.Namespace, folder: str) -> dict:
     name, model, loss_fn, inputs, dynamic = setup(args)
     batch, meta = inputs(0)
-    t0 = time.perf_counter()
-    graph = trace_train_step(model, loss_fn, batch, meta, dynamic=dynamic)
-    trace_s = time.perf_counter() - t0
+    with stopwatch() as trace_watch:
+        graph = trace_train_step(model, loss_fn, batch, meta, dynamic=dynamic)
     path = os.path.join(folder, f"{name}.usp.json")
-    t0 = time.perf_counter()
-    usp_graph.save(graph, path)
-    save_s = time.perf_counter() - t0
+    with stopwatch() as save_watch:
+        usp_graph.save(graph, path)
+    trace_s, save_s = trace_watch.seconds, save_watch.seconds
     loads = []
     for values in (True, False):
         times = []
         for _ in range(args.loads):
-            t0 = time.perf_counter()
-            step = usp_graph.load(path, values=values)
-            times.append(time.perf_counter() - t0)
+            with stopwatch() as watch:
+                step = usp_graph.load(path, values=values)
+            times.append(watch.seconds)
         loads.append(statistics.median(times))
     cold_import, cold_load = _cold_load_s(path)
     step = usp_graph.load(path)
@@ -140,14 +140,13 @@ def bench(setup, args: argparse.Namespace, folder: str) -> dict:
         ref_loss = ref_grads = loss = grads = None  # neither run pays for the other's live results
         # Alternate which goes first, so allocator and cache state favour neither.
         for which in ("eager", "replay") if i % 2 == 0 else ("replay", "eager"):
-            t0 = time.perf_counter()
-            if which == "eager":
-                ref_loss, ref_grads = _eager_step(model, loss_fn, b, m)
-            else:
-                loss, grads = step.replay(params, b, m)
-            dt = time.perf_counter() - t0
+            with stopwatch() as watch:
+                if which == "eager":
+                    ref_loss, ref_grads = _eager_step(model, loss_fn, b, m)
+                else:
+                    loss, grads = step.replay(params, b, m)
             if i >= args.warmup:
-                (eager_t if which == "eager" else replay_t).append(dt)
+                (eager_t if which == "eager" else replay_t).append(watch.seconds)
         if not (torch.equal(loss, ref_loss) and all(torch.equal(grads[n], g) for n, g in ref_grads.items())):
             raise SystemExit(f"{name}: replay differs from eager at step {i}")
     eager_ms, replay_ms = statistics.median(eager_t) * 1e3, statistics.median(replay_t) * 1e3
@@ -181,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--loads", type=int, default=5, help="timed loads (median; default 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--json", default=None, help="also write the results here")
+    add_json_arg(parser)
     args = parser.parse_args(argv)
+    results = Results(args.json, bench="replay", device="cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     setups = {"llama": _llama, "flux": _flux}
@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models:
             rows.append(bench(setups[name], args, folder))
+            results.write(settings={k: v for k, v in vars(args).items() if k != "json"}, **rows[-1])
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, dim {args.dim}, {args.layers} layers, "
         f"~{args.tokens} tokens/step, median of {args.steps} steps"
@@ -205,10 +206,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['load_ms']:.0f} | {r['load_no_values_ms']:.0f} | {r['cold_import_s']:.2f}, {r['cold_load_ms']:.0f} | "
             f"{r['eager_ms']:.1f} | {r['replay_ms']:.1f} | {r['ratio']:.2f} |"
         )
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "torch": torch.__version__, "rows": rows}, f, indent=1)
     return 0
 
 
