@@ -74,7 +74,7 @@ def llama_traced():
 
 @pytest.fixture(scope="module")
 def llama_file(llama_traced, tmp_path_factory):
-    path = tmp_path_factory.mktemp("graphs") / "llama.usp.json"
+    path = tmp_path_factory.mktemp("graphs") / "llama.uspg"
     save(llama_traced[1], path)
     return path
 
@@ -146,7 +146,7 @@ def test_llama_and_flux_loaded_in_a_fresh_process_replay_10_adamw_steps_bitwise_
     for name, setup, loss_fn in (("llama", _llama_setup, llama_loss), ("flux", _flux_setup, flux_loss)):
         model, graph, inputs = setup()
         assert len({m.total_tokens for _, m in inputs}) > 5  # token counts change step to step
-        path = tmp_path / f"{name}.usp.json"
+        path = tmp_path / f"{name}.uspg"
         save(graph, path)
         eager = _adamw_steps(copy.deepcopy(model), loss_fn, inputs)
         in_process = _adamw_steps(copy.deepcopy(model), loss_fn, inputs, replay_fn=graph.replay)
@@ -225,7 +225,7 @@ def test_loaded_graph_keeps_inputs_symbols_sites_and_node_metadata(llama_traced,
 
 
 def test_save_load_save_is_byte_identical(llama_file, tmp_path):
-    again = tmp_path / "again.usp.json"
+    again = tmp_path / "again.uspg"
     save(load(llama_file, values=True), again)
     assert open(again, "rb").read() == open(llama_file, "rb").read()
 
@@ -655,7 +655,7 @@ def _cp_trace_save_and_eager(rank: int, world: int, folder: str) -> dict:
         cp = _cp(strategy)
         model = _cp_model()
         graph = trace_train_step(model, _cp_step, *_cp_inputs([9, 7, 11, 5], 50, cp), cp=cp)
-        save(graph, os.path.join(folder, f"{strategy}.rank{rank}.usp.json"))
+        save(graph, os.path.join(folder, f"{strategy}.rank{rank}.uspg"))
         local, meta = _cp_inputs([3, 17, 1, 4, 6, 5], 51, cp)  # 32 -> 36 tokens, new boundaries
         model.zero_grad(set_to_none=True)
         with attention_mode(meta, cp=cp):
@@ -674,21 +674,21 @@ def _cp_load_and_replay(rank: int, world: int, folder: str) -> dict:
     out = {}
     for strategy in CP_STRATEGIES:
         cp = _cp(strategy)
-        step = load(os.path.join(folder, f"{strategy}.rank{rank}.usp.json"))
+        step = load(os.path.join(folder, f"{strategy}.rank{rank}.uspg"))
         local, meta = _cp_inputs([3, 17, 1, 4, 6, 5], 51, cp)
         loss, grads = step.replay(dict(_cp_model().named_parameters()), local, meta)
         out[strategy] = (loss, grads, step.file.bind_groups())
     params = dict(_cp_model().named_parameters())
     args = _cp_inputs([3, 17, 1, 4, 6, 5], 51, _cp("usp"))
-    path = os.path.join(folder, f"usp.rank{rank}.usp.json")
+    path = os.path.join(folder, f"usp.rank{rank}.uspg")
     (pair,) = [g.name for g in load(path).file.world.groups if g.ranks == (0, 1)]
     # An explicit mapping wins over the rank-list search; it must span the recorded ranks.
     out["explicit"] = load(path, groups={pair: dist.group.WORLD}).replay(params, *args)
     out["explicit_mapping"] = load(path, groups={pair: dist.group.WORLD}).bind_groups()[pair]
     singles = [dist.new_group([r]) for r in range(world)]  # new_group is collective: all ranks, all groups
     for name, file, groups in (
-        ("wrong_rank", f"ulysses.rank{1 - rank}.usp.json", None),
-        ("wrong_group", f"usp.rank{rank}.usp.json", {pair: singles[rank]}),
+        ("wrong_rank", f"ulysses.rank{1 - rank}.uspg", None),
+        ("wrong_group", f"usp.rank{rank}.uspg", {pair: singles[rank]}),
     ):
         try:
             load(os.path.join(folder, file), groups=groups).replay(params, *args)
@@ -722,7 +722,7 @@ def test_cp_graphs_saved_per_rank_replay_in_fresh_ranks_bitwise_equal_to_eager_c
         assert torch.equal(loss, eager[rank]["usp"][0]) and replayed[rank]["explicit_mapping"] == "0"
         assert_bitwise(grads, eager[rank]["usp"][1], f"rank {rank} usp (explicit groups) grad")
     # Inspection needs no process group; replay does, and says how to get one.
-    step = load(tmp_path / "usp.rank0.usp.json")
+    step = load(tmp_path / "usp.rank0.uspg")
     assert step.file.world.size == 2 and {g.ranks for g in step.file.world.groups} == {(0,), (0, 1)}
     batch, meta = _cp_inputs_single([3, 17, 1, 4, 6, 5], 51)
     with pytest.raises(

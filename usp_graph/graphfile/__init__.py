@@ -1,11 +1,11 @@
 """Graph files: save a traced graph, load it in any process, replay it. No pickle, no exec.
 
-    usp_graph.save(graph, "step.usp.json")        # a TrainStepGraph (CP: one file per rank)
-    step = usp_graph.load("step.usp.json")        # in a fresh process
+    usp_graph.save(graph, "step.uspg")            # a TrainStepGraph (CP: one file per rank)
+    step = usp_graph.load("step.uspg")            # in a fresh process
     loss, grads = step.replay(params, batch, metadata)   # validated first; new boundaries are fine
 
-    usp_graph.save_graph_module(gm, "bwd.usp.json", meta={"stage": "backward"})  # any FX graph
-    f = usp_graph.load_graph_module("bwd.usp.json")      # GraphFile: .graph_module, .inputs, ...
+    usp_graph.save_graph_module(gm, "bwd.uspg", meta={"stage": "backward"})      # any FX graph
+    f = usp_graph.load_graph_module("bwd.uspg")       # GraphFile: .graph_module, .inputs, ...
 
 Where things live: `document` (JSON, fingerprint, format version), `writer` (FX graph -> document),
 `reader` (document -> `GraphFile`: where a graph file is read and checked), `specs` (`InputSpec`,
@@ -60,7 +60,7 @@ ranks (`groups` says how, and what a replaying job must do first).
 
 from __future__ import annotations
 
-from .document import FORMAT, FORMAT_VERSION
+from .document import FORMAT, FORMAT_VERSION, SUFFIX
 from .errors import (
     CorruptGraphFileError,
     DisallowedTargetError,
@@ -80,6 +80,7 @@ from .writer import save_graph_module
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "SUFFIX",
     "CorruptGraphFileError",
     "DisallowedTargetError",
     "FingerprintError",

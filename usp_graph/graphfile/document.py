@@ -21,6 +21,9 @@ from .errors import CorruptGraphFileError, FingerprintError, GraphFileVersionErr
 __all__ = ["FORMAT", "FORMAT_VERSION", "fingerprint", "dumps", "parse", "write_atomic"]
 
 FORMAT = "usp_graph.graphfile"
+# The one extension graph files carry: what `save` examples, compile dumps, the demo and the CLI's
+# directory scan use (loading reads any name; the content decides what a file is).
+SUFFIX = ".uspg"
 # Bump on any change a version-1 reader would misread; readers refuse every other version.
 FORMAT_VERSION = 1
 
