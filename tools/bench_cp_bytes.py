@@ -3,7 +3,7 @@
 # T global tokens, H heads, G kv heads, K head dim, P ranks
 
     torchrun --nproc-per-node 2 tools/bench_cp_bytes.py
-    torchrun --nproc-per-node 4 tools/bench_cp_bytes.py
+    torchrun --nproc-per-node 4 tools/bench_cp_bytes.py --json out/bench.jsonl   # + JSON lines
 
 Runs one causal attention call forward + backward per strategy on gloo (CPU) with log-normal
 documents, counts what usp's ops send (`usp_graph.distributed.count_bytes_sent`), and prints it
@@ -14,20 +14,16 @@ documents that span ranks; `usp_graph.cp.cost.document_lower_bound`). Bytes are 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 import torch.distributed as dist
+from doc_lengths import lognormal_lengths
+from harness import Results, add_json_arg
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from usp_graph import AttentionMetadata, ContextParallel, sdpa_to_usp  # noqa: E402
-from usp_graph.cp.cost import bytes_sent, document_lower_bound  # noqa: E402
-from usp_graph.distributed import count_bytes_sent  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from doc_lengths import lognormal_lengths  # noqa: E402
+from usp_graph import AttentionMetadata, ContextParallel, sdpa_to_usp
+from usp_graph.cp.cost import bytes_sent, document_lower_bound
+from usp_graph.distributed import count_bytes_sent
 
 
 def main() -> int:
@@ -37,6 +33,7 @@ def main() -> int:
     ap.add_argument("--kv-heads", default="16,4")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--doc-mean", type=float, default=512)
+    add_json_arg(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -82,6 +79,11 @@ def main() -> int:
         for g in {r[0] for r in rows}
     }
     if rank == 0:
+        results = Results(args.json, bench="cp_bytes", device="cpu")
+        for g, s, m, mdl in rows:
+            results.write(world=world, tokens=args.tokens, documents=len(meta.lengths()), doc_mean=args.doc_mean,
+                          heads=h, kv_heads=g, head_dim=k, strategy=s, measured_bytes=m, cost_model_bytes=mdl,
+                          document_lower_bound_bytes=bound[g])  # fmt: skip
         print(
             f"P={world}, T={args.tokens}, {len(meta.lengths())} documents (log-normal mean {args.doc_mean}), "
             f"H={h}, K={k}, bf16, causal, fwd+bwd, rank 0"
