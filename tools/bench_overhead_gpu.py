@@ -9,25 +9,21 @@ fwd+bwd of one attention call on packed documents (bf16, H=16, K=128, log-normal
 ways: `varlen_attn` on already-packed (T, H, K) tensors (the floor); `sdpa_to_usp` on the layout
 models produce, q = (B, L, H, K).transpose(1, 2) (pack is then a free view); and `sdpa_to_usp` on
 contiguous (B, H, L, K) tensors (pack and unpack copy). Overhead = extra time / floor. Median of
-CUDA-event timings; the three alternate in each round.
+CUDA-event timings; the three alternate in each round (`harness.time_interleaved`). `--json PATH`
+appends one JSON line per row.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import os
-import statistics
 import sys
 
 import torch
+from doc_lengths import lognormal_lengths
+from harness import Results, add_json_arg, time_interleaved
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from usp_graph import AttentionMetadata, sdpa_to_usp, varlen_attn  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from doc_lengths import lognormal_lengths  # noqa: E402
+from usp_graph import AttentionMetadata, sdpa_to_usp, varlen_attn
 
 
 def bare(packed, meta, causal):
@@ -45,30 +41,16 @@ def via_usp(inputs, meta, causal):
     out.backward(inputs[3])
 
 
-def event_ms(fn, device) -> float:
-    if device.type != "cuda":
-        import time
-
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    a.record()
-    fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="32768,65536")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
+    add_json_arg(ap)
     args = ap.parse_args()
     device = torch.device(args.device)
+    results = Results(args.json, bench="overhead", device=device)
     h, k, mean = (16, 128, 2048) if not args.quick else (4, 16, 40)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokens = [int(t) for t in args.tokens.split(",")] if not args.quick else [256]
@@ -89,13 +71,10 @@ def main() -> int:
                 "model": functools.partial(via_usp, model_layout, meta, causal),
                 "contig": functools.partial(via_usp, contiguous, meta, causal),
             }
-            for fn in fns.values():  # warm up
-                fn()
-            times: dict[str, list[float]] = {name: [] for name in fns}
-            for _ in range(args.reps):
-                for name, fn in fns.items():
-                    times[name].append(event_ms(fn, device))
-            med = {name: statistics.median(v) for name, v in times.items()}
+            timings = time_interleaved(fns, device, warmup=1, reps=args.reps)
+            med = {name: t.median_ms for name, t in timings.items()}
+            results.write(tokens=t, mode="causal" if causal else "bi", heads=h, head_dim=k, doc_mean=mean,
+                          dtype=str(dtype), **{name: t.as_dict() for name, t in timings.items()})  # fmt: skip
             print(
                 f"| {t} | {'causal' if causal else 'bi'} | {med['bare']:.3f} | {med['model']:.3f} | "
                 f"{(med['model'] / med['bare'] - 1) * 100:+.1f}% | {med['contig']:.3f} | "
