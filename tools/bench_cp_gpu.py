@@ -4,13 +4,14 @@
 
 Run under torchrun on one host (NVLink multicast off, as the device README asks):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
-    torchrun --nproc-per-node 2 tools/bench_cp_gpu.py --json $OUT/cp.json
+    torchrun --nproc-per-node 2 tools/bench_cp_gpu.py --json $OUT/bench.jsonl
 Smoke test of the logic on CPU (gloo, tiny shapes):
     torchrun --nproc-per-node 2 tools/bench_cp_gpu.py --device cpu --quick
 
 For each strategy x shape: every rank computes the single-device reference on the same global
 inputs (usp's varlen path), then the CP call on its shard; out and dq/dk/dv are compared shard by
-shard (rel err, bf16 tolerance 2e-2), then fwd+bwd is timed (median, CUDA events, barrier per rep).
+shard (rel err, bf16 tolerance 2e-2), then fwd+bwd is timed (`harness.time_ms`: median of CUDA
+events, ranks meeting at a barrier before each rep). `--json PATH` appends one JSON line per row.
 Memory: what one fwd+bwd call allocates above the tensors held before it (activations, workspaces,
 out and grads), on one GPU for the whole stream and per rank under CP: ideally 1/P of it.
 Per-GPU efficiency = t_single / (P * t_cp). Bytes sent per rank per attention call (fwd + bwd) come
@@ -28,28 +29,18 @@ import datetime
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
+from doc_lengths import lognormal_lengths
+from harness import Results, add_json_arg, attention_flops, peak_extra_gib, time_ms
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from usp_graph import AttentionMetadata, ContextParallel, sdpa_to_usp  # noqa: E402
-from usp_graph.cp import balance_documents, shard_work  # noqa: E402
-from usp_graph.cp.cost import bytes_sent  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from doc_lengths import lognormal_lengths  # noqa: E402
+from usp_graph import AttentionMetadata, ContextParallel, sdpa_to_usp
+from usp_graph.cp import balance_documents, shard_work
+from usp_graph.cp.cost import bytes_sent
 
 STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo", "usp_halo")
-
-
-def useful_flops(lens: list[int], h: int, k: int, causal: bool) -> float:
-    fwd = sum(4 * (n * (n + 1) / 2 if causal else n * n) * h * k for n in lens)
-    return 3.5 * fwd
 
 
 def fwd_bwd(tensors, causal, meta, cp):
@@ -58,40 +49,6 @@ def fwd_bwd(tensors, causal, meta, cp):
     out = sdpa_to_usp(q, k, v, is_causal=causal, metadata=meta, cp=cp)
     out.backward(tensors[3])
     return out, q.grad, k.grad, v.grad
-
-
-def timed(fn, reps: int, device: torch.device) -> float:
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def extra_memory(fn, device: torch.device) -> float:
-    """GiB that one call of `fn` allocates above what was held before it (its activations,
-    workspaces and results): the per-rank memory that CP should divide by P."""
-    if device.type != "cuda":
-        return 0.0
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    result = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    del result
-    return (peak - base) / 2**30
 
 
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -113,7 +70,7 @@ def main() -> int:
     )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default=None)
+    add_json_arg(ap)
     args = ap.parse_args()
     if args.quick:
         args.tokens, args.heads, args.head_dim, args.doc_mean, args.reps = "256", 4, 16, 40, 2
@@ -131,6 +88,7 @@ def main() -> int:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
         dtype = torch.float32
     h, k = args.heads, args.head_dim
+    results = Results(args.json if rank == 0 else None, bench="cp", device=device)
     rows = []
     if rank == 0:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -150,14 +108,14 @@ def main() -> int:
             q, kk, v, go = (
                 torch.randn(1, h, total, k, generator=gen, device=device, dtype=dtype) for _ in range(4)
             )
-            flops = useful_flops(lens, h, k, causal)
+            flops = attention_flops(lens, h, k, causal)[1]
 
             single = functools.partial(fwd_bwd, (q, kk, v, go), causal, meta, None)
 
-            ref = single()
-            t_single = timed(single, args.reps, device)
+            ref = single()  # also the warm-up
+            t_single = time_ms(single, device, warmup=0, reps=args.reps, barrier=dist.barrier).median_ms
             del ref
-            mem_single = extra_memory(single, device)
+            mem_single = peak_extra_gib(single, device)
             for strategy in args.strategies.split(","):
                 for lb in (None, "zigzag") if causal and not args.no_zigzag else (None,):
                     kw = {"ulysses_degree": 2 if world >= 4 else 1} if strategy == "usp" else {}
@@ -176,8 +134,8 @@ def main() -> int:
                         ref = single()
                         errs = [rel(a, cp.shard(b, 2)) for a, b in zip(got, ref, strict=True)]
                         del got, ref
-                        t_cp = timed(step, args.reps, device)
-                        mem_cp = extra_memory(step, device)
+                        t_cp = time_ms(step, device, warmup=0, reps=args.reps, barrier=dist.barrier).median_ms
+                        mem_cp = peak_extra_gib(step, device)
                         row = {
                             "tokens": total,
                             "docs": len(lens),
@@ -221,6 +179,7 @@ def main() -> int:
                     rows.append(row)
                     if rank == 0:
                         print(json.dumps(row), flush=True)
+                        results.write(heads=h, head_dim=k, dtype=str(dtype), reps=args.reps, **row)
     if rank == 0:
         print(
             "\n| tokens | docs | mode | strategy | lb | shard balance | check | ms 1 GPU | ms CP | TFLOP/s/GPU 1 | TFLOP/s/GPU CP | eff | GiB 1 GPU | GiB/rank CP | MB sent/rank |"
@@ -239,9 +198,6 @@ def main() -> int:
                 f"| {r['tflops_per_gpu_single']:.0f} | {r['tflops_per_gpu_cp']:.0f} | {r['efficiency']:.2f} "
                 f"| {r['extra_gib_single']:.2f} | {r['extra_gib_rank']:.2f} | {r['bytes_sent_rank'] / 1e6:.0f} |"
             )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"torch": torch.__version__, "world": world, "rows": rows}, f, indent=1)
     dist.destroy_process_group()
     return 0
 

@@ -163,6 +163,21 @@ def peak_extra_gib(fn: Callable[[], Any], device: torch.device | str) -> float:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**30
 
 
+FLOP_CONVENTION = (
+    "useful FLOPs only; per document of n tokens fwd = 4*n^2*H*K (bidirectional) or "
+    "4*n(n+1)/2*H*K (causal); fwd+bwd = 3.5 * fwd"
+)
+
+
+def attention_flops(lengths: list[int], heads: int, head_dim: int, causal: bool) -> tuple[float, float]:
+    """(fwd, fwd+bwd) useful FLOPs of attention over documents of these lengths: no padding, no
+    cross-document or masked-out work; backward = 2.5 x forward (the FlashAttention benchmark
+    convention)."""
+    pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+    fwd = 4.0 * pairs * heads * head_dim
+    return fwd, 3.5 * fwd
+
+
 def free_memory(device: torch.device | str) -> None:
     gc.collect()
     if torch.device(device).type == "cuda":
