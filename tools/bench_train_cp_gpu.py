@@ -4,7 +4,7 @@
 
 Run under torchrun on one host (NVLink multicast off, as the device README asks):
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
-    torchrun --nproc-per-node 2 tools/bench_train_cp_gpu.py --json $OUT/train_cp2.json
+    torchrun --nproc-per-node 2 tools/bench_train_cp_gpu.py --json $OUT/bench.jsonl
 Smoke test of the logic on CPU (gloo, tiny model, aot_eager inner compiler):
     torchrun --nproc-per-node 2 tools/bench_train_cp_gpu.py --device cpu --quick
 
@@ -15,7 +15,8 @@ baseline each rank measures itself, in the same run. Then, per strategy, the mod
 ``usp_graph.documents(global metadata)``, the loss is the global token mean (`cp.token_mean`),
 and the step is fwd + bwd + `cp.reduce_grads` (the rank-ordered gradient sum that CP needs, as data
 parallelism would). Checked first: the CP loss (summed over ranks) and every gradient vs the one-GPU
-step. Timed: median step after warm-up, compile excluded, with a barrier before each step.
+step. Timed (`harness.time_ms`): median step after warm-up, compile excluded, CUDA events, with a
+barrier before each CP step. `--json PATH` appends one JSON line per row.
 Scaling efficiency = tokens/s on P GPUs / (P x tokens/s on one GPU). Memory: peak allocated per
 rank during a step, above what was held before it.
 """
@@ -27,56 +28,22 @@ import contextlib
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from doc_lengths import lognormal_lengths
+from harness import Results, add_json_arg, peak_extra_gib, stopwatch, time_ms
+from kernel_calls import kernel_calls
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import usp_graph  # noqa: E402
-from usp_graph import AttentionMetadata, ContextParallel  # noqa: E402
-from usp_graph.cp import balance_documents, shard_work  # noqa: E402
-from usp_graph.models import Llama, LlamaConfig, make_llama_batch  # noqa: E402
-from usp_graph.ops.varlen import CUDA_KERNELS, cuda_kernel  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from doc_lengths import lognormal_lengths  # noqa: E402
-from kernel_calls import kernel_calls  # noqa: E402
+import usp_graph
+from usp_graph import AttentionMetadata, ContextParallel
+from usp_graph.cp import balance_documents, shard_work
+from usp_graph.models import Llama, LlamaConfig, make_llama_batch
+from usp_graph.ops.varlen import CUDA_KERNELS, cuda_kernel
 
 STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo", "usp_halo")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, reps: int, device: torch.device, barrier: bool) -> float:
-    times = []
-    for _ in range(reps):
-        if barrier:
-            dist.barrier()
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def peak_extra_gib(fn, device: torch.device) -> float:
-    if device.type != "cuda":
-        return 0.0
-    sync(device)
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    sync(device)
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -107,7 +74,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--usp-kernel", choices=CUDA_KERNELS, default="auto",
                     help="usp's CUDA attention kernel for every step (usp_graph.ops.varlen.cuda_kernel)")  # fmt: skip
-    ap.add_argument("--json", default=None)
+    add_json_arg(ap)
     args = ap.parse_args()
     if args.quick:
         args.tokens, args.doc_mean, args.dim, args.layers, args.heads, args.kv_heads, args.reps = (
@@ -170,12 +137,12 @@ def main() -> int:
         loss.backward()
         return loss
 
-    t0 = time.perf_counter()
-    ref_loss, calls = kernel_calls(single_step)
+    with stopwatch(device) as watch:
+        ref_loss, calls = kernel_calls(single_step)  # also the warm-up
     ref_loss = ref_loss.detach()
-    compile_single = time.perf_counter() - t0
+    compile_single = watch.seconds
     ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    ms_single = timed(single_step, args.reps, device, barrier=False)
+    ms_single = time_ms(single_step, device, warmup=0, reps=args.reps).median_ms
     gib_single = peak_extra_gib(single_step, device)
     model.zero_grad(set_to_none=True)
     rows = [{"strategy": "1 GPU", "world": 1, "ms": ms_single, "tokens_per_s": total / ms_single * 1e3,
@@ -207,12 +174,12 @@ def main() -> int:
                 cp.reduce_grads(model.parameters())
                 return loss
 
-            t0 = time.perf_counter()
-            loss, calls = kernel_calls(cp_step)
-            compile_s = time.perf_counter() - t0
+            with stopwatch(device) as watch:
+                loss, calls = kernel_calls(cp_step)  # also the warm-up
+            compile_s = watch.seconds
             loss_err = rel(cp.global_sum(loss), ref_loss)
             grad_err = max(rel(p.grad, ref_grads[n]) for n, p in model.named_parameters())
-            ms = timed(cp_step, args.reps, device, barrier=True)
+            ms = time_ms(cp_step, device, warmup=0, reps=args.reps, barrier=dist.barrier).median_ms
             gib = peak_extra_gib(cp_step, device)
             tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
             row = {
@@ -267,19 +234,11 @@ def main() -> int:
             )
             print(f"| {r['world']} | {r['strategy']} | {check} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} "
                   f"| {r['efficiency']:.2f} | {r['peak_extra_gib']:.2f} | {calls_text(r['kernel_calls'])} |")  # fmt: skip
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(
-                    {
-                        "torch": torch.__version__,
-                        "world": world,
-                        "lengths": lengths,
-                        "balance": balance,
-                        "rows": rows,
-                    },
-                    f,
-                    indent=1,
-                )
+        results = Results(args.json, bench="train_cp", device=device)
+        settings = {k: v for k, v in vars(args).items() if k != "json"}
+        for r in rows:
+            results.write(settings=settings, inner=inner, dtype=str(dtype), lengths=lengths, shard_balance=balance,
+                          **r)  # fmt: skip
     dist.destroy_process_group()
     return 0
 
