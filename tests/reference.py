@@ -1,12 +1,7 @@
-"""Shared numeric helpers for the tests."""
+"""Shared numeric helpers for the tests (they live in `usp_graph.testing`, shared with the benchmarks)."""
 
 from __future__ import annotations
 
-import torch
+from usp_graph.testing import rel_err
 
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref|| in float64; absolute when ref is exactly zero (e.g. dq of a length-1 document)."""
-    x, ref = x.double(), ref.double()
-    denom = ref.norm().item()
-    return (x - ref).norm().item() / (denom if denom > 0 else 1.0)
+__all__ = ["rel_err"]
