@@ -2,9 +2,9 @@
 
 # B padded batch rows, L length, T packed tokens, N documents (samples)
 
-    PYTHONUNBUFFERED=1 python tools/bench_train_gpu.py --json $OUT/train.json                  # Llama, GPU
-    PYTHONUNBUFFERED=1 python tools/bench_train_gpu.py --model flux --json $OUT/flux.json      # Flux, GPU
-    PYTHONUNBUFFERED=1 python tools/bench_train_gpu.py --usp-kernels flash,flex --json $OUT/k.json  # kernels
+    PYTHONUNBUFFERED=1 python tools/bench_train_gpu.py --json $OUT/bench.jsonl                  # Llama, GPU
+    PYTHONUNBUFFERED=1 python tools/bench_train_gpu.py --model flux --json $OUT/bench.jsonl     # Flux, GPU
+    PYTHONUNBUFFERED=1 python tools/bench_train_gpu.py --usp-kernels flash,flex --json $OUT/bench.jsonl  # kernels
     python tools/bench_train_gpu.py --device cpu --quick                                       # smoke tests
     python tools/bench_train_gpu.py --model flux --device cpu --quick
 
@@ -12,7 +12,8 @@ Both paths train the same model (bf16 on GPU) on the same documents: usp packs t
 of T tokens and compiles with ``torch.compile(backend="usp", options={"inner": "inductor"})``
 under ``usp_graph.documents``; the baseline pads them into N rows and compiles with the default
 inductor backend. Equal useful tokens; one fwd+bwd step (no optimizer) timed as the median of
-several after warm-up (compile excluded). The two losses (float32, same model, same tokens) are
+several after warm-up (compile excluded; `harness.time_ms`, CUDA events). `--json PATH` appends one
+JSON line per path. The two losses (float32, same model, same tokens) are
 compared first: PASS when their relative difference is below 2e-2.
 
 ``--model llama`` (default): a Llama-style decoder on documents of log-normal lengths; the
@@ -32,29 +33,22 @@ compiles slowly and is not what is measured); ``--inner`` overrides it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from doc_lengths import lognormal_lengths
+from harness import Results, add_json_arg, stopwatch, time_ms
+from kernel_calls import kernel_calls
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import usp_graph  # noqa: E402
-from usp_graph import AttentionMetadata  # noqa: E402
-from usp_graph.models import Flux, FluxConfig, Llama, LlamaConfig, make_packed_flux_batch  # noqa: E402
-from usp_graph.ops.varlen import CUDA_KERNELS, cuda_kernel  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from doc_lengths import lognormal_lengths  # noqa: E402
-from kernel_calls import kernel_calls  # noqa: E402
+import usp_graph
+from usp_graph import AttentionMetadata
+from usp_graph.models import Flux, FluxConfig, Llama, LlamaConfig, make_packed_flux_batch
+from usp_graph.ops.varlen import CUDA_KERNELS, cuda_kernel
 
 TOLERANCE = 2e-2
 
@@ -290,27 +284,6 @@ def _under_kernel(step: Callable[[], torch.Tensor], kernel: str) -> Callable[[],
     return run
 
 
-# -- timing -----------------------------------------------------------------------------------------
-
-
-def timed(fn, reps, device):
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("llama", "flux"), default="llama")
@@ -332,7 +305,7 @@ def main() -> int:
                     help="skip the padded SDPA baseline (then the first usp path is the reference)")  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", default=None)
+    add_json_arg(ap)
     args = ap.parse_args()
     if args.quick:
         args.tokens, args.doc_mean, args.dim, args.layers, args.heads, args.kv_heads, args.reps = (
@@ -370,11 +343,9 @@ def main() -> int:
     # First steps (compile) of every path, then their losses compared before any timing.
     first = {}
     for name, step in paths:
-        t0 = time.perf_counter()
-        loss = step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        first[name] = (float(loss.detach()), time.perf_counter() - t0)
+        with stopwatch(device) as watch:
+            loss = step()
+        first[name] = (float(loss.detach()), watch.seconds)
     ref_loss = first[ref_name][0]
     rels = {name: abs(first[name][0] - ref_loss) / abs(ref_loss) for name, _ in paths if name != ref_name}
     rel = max(rels.values(), default=0.0)
@@ -396,7 +367,7 @@ def main() -> int:
                   f"bwd {calls['bwd']} (flex {calls['flex_bwd']}, cudnn {calls['cudnn_bwd']})", flush=True)  # fmt: skip
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        ms = timed(step, args.reps, device)
+        ms = time_ms(step, device, warmup=0, reps=args.reps).median_ms
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
         loss, compile_s = first[name]
         rows[name] = {"loss": loss, "ms": ms, "compile_s": compile_s, "peak_gib": peak,
@@ -412,11 +383,11 @@ def main() -> int:
             f"| {name} | {r['loss']:.5f} | {r['ms']:.2f} | {r['tokens_per_s']:.0f} | {b['ms'] / r['ms']:.2f}x "
             f"| {r['peak_gib']:.2f} |"
         )
-    if args.json:
-        result = {"torch": torch.__version__, "model": args.model, **setup.info}
-        result.update(rows=rows, reference=ref_name, loss_rel_diff=rel, loss_pass=rel < TOLERANCE)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    results = Results(args.json, bench="train", device=device)
+    settings = {k: v for k, v in vars(args).items() if k != "json"}
+    for name, r in rows.items():
+        results.write(settings=settings, **setup.info, path=name, reference=ref_name, speedup=b["ms"] / r["ms"],
+                      loss_rel_diff=rel, loss_pass=rel < TOLERANCE, **r)  # fmt: skip
     return 0
 
 
