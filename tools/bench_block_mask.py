@@ -16,11 +16,11 @@ import sys
 import warnings
 
 import torch
-from doc_lengths import lognormal_lengths
 from harness import Results, add_json_arg, stopwatch, time_ms
 
 from usp_graph import AttentionMetadata
 from usp_graph.flex import document_block_mask, document_ids
+from usp_graph.testing import lognormal_lengths
 
 
 def row(total: int, causal: bool, device: torch.device, reps: int, results: Results) -> str:

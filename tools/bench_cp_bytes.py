@@ -18,12 +18,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from doc_lengths import lognormal_lengths
 from harness import Results, add_json_arg
 
 from usp_graph import AttentionMetadata, ContextParallel, sdpa_to_usp
 from usp_graph.cp.cost import bytes_sent, document_lower_bound
 from usp_graph.distributed import count_bytes_sent
+from usp_graph.testing import lognormal_lengths
 
 
 def main() -> int:

@@ -33,12 +33,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from doc_lengths import lognormal_lengths
 from harness import Results, add_json_arg, attention_flops, peak_extra_gib, time_ms
 
 from usp_graph import AttentionMetadata, ContextParallel, sdpa_to_usp
 from usp_graph.cp import balance_documents, shard_work
 from usp_graph.cp.cost import bytes_sent
+from usp_graph.testing import lognormal_lengths
 
 STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo", "usp_halo")
 

@@ -41,7 +41,7 @@ from usp_graph import AttentionMetadata  # noqa: E402
 from usp_graph.models import Llama, LlamaConfig  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from doc_lengths import lognormal_lengths  # noqa: E402
+from usp_graph.testing import lognormal_lengths
 
 TOLERANCE = 2e-2
 

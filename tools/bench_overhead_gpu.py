@@ -20,10 +20,10 @@ import functools
 import sys
 
 import torch
-from doc_lengths import lognormal_lengths
 from harness import Results, add_json_arg, time_interleaved
 
 from usp_graph import AttentionMetadata, sdpa_to_usp, varlen_attn
+from usp_graph.testing import lognormal_lengths
 
 
 def bare(packed, meta, causal):

@@ -33,7 +33,6 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from doc_lengths import lognormal_lengths
 from harness import Results, add_json_arg, peak_extra_gib, stopwatch, time_ms
 from kernel_calls import kernel_calls
 
@@ -42,6 +41,7 @@ from usp_graph import AttentionMetadata, ContextParallel
 from usp_graph.cp import balance_documents, shard_work
 from usp_graph.models import Llama, LlamaConfig, make_llama_batch
 from usp_graph.ops.varlen import CUDA_KERNELS, cuda_kernel
+from usp_graph.testing import lognormal_lengths
 
 STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo", "usp_halo")
 

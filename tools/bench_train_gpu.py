@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from doc_lengths import lognormal_lengths
 from harness import Results, add_json_arg, stopwatch, time_ms
 from kernel_calls import kernel_calls
 
@@ -49,6 +48,7 @@ import usp_graph
 from usp_graph import AttentionMetadata
 from usp_graph.models import Flux, FluxConfig, Llama, LlamaConfig, make_packed_flux_batch
 from usp_graph.ops.varlen import CUDA_KERNELS, cuda_kernel
+from usp_graph.testing import lognormal_lengths
 
 TOLERANCE = 2e-2
 

@@ -41,7 +41,7 @@ from usp_graph.ops import cudnn_kernel, varlen  # noqa: E402
 from usp_graph.ops.varlen import _math_bwd, _math_fwd, cuda_kernel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from doc_lengths import lognormal_lengths  # noqa: E402
+from usp_graph.testing import lognormal_lengths
 
 RESULTS: list[dict] = []
 TOL = 2e-2

@@ -31,7 +31,7 @@ import usp_graph  # noqa: E402
 from usp_graph import AttentionMetadata  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from doc_lengths import lognormal_lengths  # noqa: E402
+from usp_graph.testing import lognormal_lengths
 
 FAILED: list[str] = []
 
