@@ -2,7 +2,7 @@
 
 # T packed tokens (one row), N documents, D hidden, V vocabulary
 
-    PYTHONUNBUFFERED=1 python tools/bench_hf_gpu.py --json $OUT/hf.json      # the H200 figure
+    PYTHONUNBUFFERED=1 python tools/bench_hf_gpu.py --json $OUT/bench.jsonl  # the H200 figure
     python tools/bench_hf_gpu.py --device cpu --quick                          # smoke test
 
 One row of T tokens holding N documents (log-normal lengths, position ids restarting at 0 per
@@ -17,30 +17,23 @@ document), bf16 on GPU. Rows:
 - ``own_usp``: usp_graph's own Llama-style model of the same size under backend usp: the speed
   the transformers model should reach.
 
-Each row: median ms of several steps after warm-up (compile excluded), peak memory, and the loss;
+Each row: median ms of several steps after warm-up (compile excluded; `harness.time_ms`), peak
+memory, and the loss (`--json PATH` appends one JSON line per row);
 the transformers rows share weights, so their losses are compared (PASS below 2e-2 relative).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import sys
-import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from harness import Results, add_json_arg, stopwatch, time_ms
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import usp_graph  # noqa: E402
-from usp_graph import AttentionMetadata  # noqa: E402
-from usp_graph.models import Llama, LlamaConfig  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import usp_graph
+from usp_graph import AttentionMetadata
+from usp_graph.models import Llama, LlamaConfig
 from usp_graph.testing import lognormal_lengths
 
 TOLERANCE = 2e-2
@@ -65,26 +58,15 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _time(step, device: str, warmup: int, iters: int) -> tuple[float, float, float]:
     """(median ms, peak GiB, loss) of `step()` (which returns the loss and runs backward)."""
+    losses = []
     for _ in range(warmup):
-        loss = step()
+        losses.append(step())
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            loss = step()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            loss = step()
-            times.append((time.perf_counter() - t0) * 1e3)
+    ms = time_ms(lambda: losses.append(step()), device, warmup=0, reps=iters).median_ms
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-    return statistics.median(times), peak, float(loss)
+    return ms, peak, float(losses[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rows", default="hf_eager,hf_compile,hf_usp,own_usp")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
-    p.add_argument("--json", default=None)
+    add_json_arg(p)
     a = p.parse_args(argv)
     if a.quick:
         a.tokens, a.docs, a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab = 256, 5, 64, 2, 4, 2, 128, 128
@@ -166,14 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"T={a.tokens} N={len(lengths)} D={a.hidden} layers={a.layers} H={a.heads}/{a.kv_heads} {dtype} on {device}")
     for name in a.rows.split(","):
         torch._dynamo.reset()
-        t0 = time.perf_counter()
         try:
-            ms, peak, loss = _time(makers[name](), device, a.warmup, a.iters)
+            with stopwatch(device) as watch:
+                ms, peak, loss = _time(makers[name](), device, a.warmup, a.iters)
         except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
             print(f"{name:10s} FAILED: {type(e).__name__}: {str(e)[:300]}")
             results.append({"row": name, "error": f"{type(e).__name__}: {e}"[:2000]})
             continue
-        results.append({"row": name, "ms": ms, "peak_gib": peak, "loss": loss, "setup_s": time.perf_counter() - t0})
+        results.append({"row": name, "ms": ms, "peak_gib": peak, "loss": loss, "setup_s": watch.seconds})
         print(f"{name:10s} {ms:9.1f} ms  peak {peak:6.1f} GiB  loss {loss:.5f}  (setup+timing {results[-1]['setup_s']:.0f} s)")
     by = {r["row"]: r for r in results if "ms" in r}
     if "hf_eager" in by and "hf_usp" in by:
@@ -183,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"speed-up hf_usp over hf_eager: {by['hf_eager']['ms'] / by['hf_usp']['ms']:.2f}x")
     if "own_usp" in by and "hf_usp" in by:
         print(f"hf_usp / own_usp time: {by['hf_usp']['ms'] / by['own_usp']['ms']:.3f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "lengths": lengths, "results": results}, f, indent=1)
+    out = Results(a.json, bench="hf", device=device)
+    settings = {k: v for k, v in vars(a).items() if k != "json"}
+    for r in results:
+        out.write(settings=settings, lengths=lengths, **r)
     return 0
 
 
