@@ -18,7 +18,7 @@ import networkx as nx
 import torch
 from torch import fx
 
-from . import registry
+from .passes.pairing import pair_backward
 
 __all__ = ["summarize", "to_networkx", "to_dot", "diff"]
 
@@ -376,34 +376,15 @@ def _source(node: fx.Node, sites: Any) -> str:
 def _pairing(
     gm: fx.GraphModule, backward: fx.GraphModule | None = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Forward usp ops with a rule whose backward op (or adjoint collective) is in the backward:
-    in `gm` itself, and in `backward` when the backward is another graph."""
-    backward_by_fwd: dict[str, list[fx.Node]] = {}
-    backward_nodes = [n for m in (gm, backward) if m is not None for n in m.graph.nodes]
-    for n in backward_nodes:
-        if n.meta.get("usp_phase") == "backward" and n.meta.get("usp_fwd_node"):
-            backward_by_fwd.setdefault(n.meta["usp_fwd_node"], []).append(n)
-    has_backward = any(n.meta.get("usp_phase") == "backward" for n in backward_nodes)
-    pairs, unpaired = [], []
-    for n in gm.graph.nodes:
-        if n.meta.get("usp_phase") != "forward" or _usp_name(n) is None:
-            continue
-        try:
-            rule = registry.rule_for(n.target)
-        except NotImplementedError:
-            unpaired.append(
-                {"node": n.name, "op": _target_name(n), "missing": "no backward rule in the registry"}
-            )
-            continue
-        if not n.meta.get("usp_requires_grad", True) or not has_backward:
-            continue
-        want = {rule.adjoint} if rule.kind == "collective" else set(rule.backward_ops)
-        got = [b for b in backward_by_fwd.get(n.name, []) if b.target in want]
-        if got:
-            pairs.append({"forward": n.name, "backward": [b.name for b in got], "op": _target_name(n)})
-        else:
-            what = ", ".join(sorted(str(w) for w in want))
-            unpaired.append({"node": n.name, "op": _target_name(n), "missing": f"no {what} in the backward"})
+    """`usp_graph.passes.pairing` (the verify pass's analysis) as rows: forward usp ops with a rule
+    whose backward op (or adjoint collective) is in the backward, in `gm` itself and in `backward`
+    when the backward is another graph; and those whose backward is missing."""
+    result = pair_backward(gm, backward)
+    pairs = [
+        {"forward": p.forward.name, "backward": [b.name for b in p.backward], "op": _target_name(p.forward)}
+        for p in result.pairs
+    ]
+    unpaired = [{"node": u.node.name, "op": _target_name(u.node), "missing": u.missing} for u in result.unpaired]
     return pairs, unpaired
 
 

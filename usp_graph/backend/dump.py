@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from .. import registry
 from ..passes.base import graph_text
-from ..passes.joint import PHASE_META
+from ..passes.provenance import PHASE_META
 from ..sites import AttentionSite, node_value
 
 __all__ = ["GraphDump", "FORMAT", "VERSION"]

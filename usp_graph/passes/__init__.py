@@ -5,21 +5,30 @@ The default pipeline (``print(default_pipeline())``):
 1. ``rewrite_sdpa``: each SDPA site -> `sdpa_to_usp` re-traced in place (`rewrite.py`);
 2. ``joint``: the train-step graph, backward from the ops' registered rules (`joint.py`);
 3. ``verify``: no unreported SDPA, every usp op has a rule, every forward op its backward, every
-   trainable parameter a gradient (`verify.py`).
+   trainable parameter a gradient (`verify.py`; the pairing of forward ops with their backward is
+   `pairing.py`, which inspect reads too).
+
+Provenance tags of joint graphs (phase, forward origin) are written by `provenance.py`, for the
+traced joint and for AOTAutograd's in the compile backend alike.
 """
 
 from __future__ import annotations
 
 from .base import PASS_META, Pass, PassContext, PassResult, Pipeline, PipelineRun, graph_text, tag_nodes
 from .joint import build_joint, joint_pass
+from .pairing import Pairing, pair_backward
+from .provenance import ORIGIN_META, PHASE_META
 from .rewrite import metadata_inputs, rewrite_pass, rewrite_sdpa
 from .verify import VerifyError, verify, verify_pass
 
 __all__ = [
+    "ORIGIN_META",
     "PASS_META",
+    "PHASE_META",
     "Pass",
     "PassContext",
     "PassResult",
+    "Pairing",
     "Pipeline",
     "PipelineRun",
     "VerifyError",
@@ -27,6 +36,7 @@ __all__ = [
     "default_pipeline",
     "graph_text",
     "metadata_inputs",
+    "pair_backward",
     "rewrite_sdpa",
     "tag_nodes",
     "verify",

@@ -8,9 +8,10 @@ for collectives): the graph cannot hold a backward that eager would not run.
 
 Provenance: each joint node records the forward node it came from (``meta["usp_fwd_node"]``), its
 phase (``meta["usp_phase"]``: ``"forward"`` or ``"backward"``) and the forward node's stack trace,
-so verify can name a source location for a backward op too. Backward nodes are attributed with
-a pre-hook on each forward op's autograd node: what the engine runs after that hook fires, until
-the next one, is that op's backward.
+so verify can name a source location for a backward op too (`usp_graph.passes.provenance`, which
+the compile backend's joint uses as well). Backward nodes are attributed with a pre-hook on each
+forward op's autograd node: what the engine runs after that hook fires, until the next one, is
+that op's backward.
 """
 
 from __future__ import annotations
@@ -19,86 +20,27 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-from torch.utils import _pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..sites import node_value
 from .base import PASS_META, PassContext, PassResult
+from .provenance import ORIGIN_META, PHASE_META, TraceProvenance
 from .rewrite import INPUT_META
 
 __all__ = ["build_joint", "PASS_NAME", "PHASE_META", "ORIGIN_META"]
 
 PASS_NAME = "joint"
-PHASE_META = "usp_phase"
-ORIGIN_META = "usp_fwd_node"
-
-
-class _Recorder:
-    """Tags nodes appended to the graph being traced with the forward node they belong to."""
-
-    def __init__(self) -> None:
-        self.graph: fx.Graph | None = None
-        self.mark = 0
-        self.owner: fx.Node | None = None
-        # Holding the grad_fn objects keeps their ids (and Python wrappers) from being reused.
-        self.seen: dict[Any, fx.Node] = {}
-        self.requires_grad = False
-
-    def start(self) -> None:
-        mode = get_proxy_mode()
-        assert mode is not None, "the joint pass must run under make_fx"
-        self.graph = mode.tracer.graph
-        self.mark = self.graph._len
-
-    def flush(self, phase: str) -> None:
-        """Tag the nodes appended since the last flush as `phase` nodes of `self.owner`."""
-        graph = self.graph
-        new = graph._len - self.mark
-        node = graph._root.prev
-        owner = self.owner
-        for _ in range(new):
-            meta = node.meta
-            if owner is not None:
-                meta[ORIGIN_META] = owner.name
-                meta[PASS_META] = owner.meta.get(PASS_META, "trace") if phase == "forward" else PASS_NAME
-                if owner.meta.get("stack_trace"):
-                    meta["stack_trace"] = owner.meta["stack_trace"]
-                if "usp_site" in owner.meta:
-                    meta["usp_site"] = owner.meta["usp_site"]
-            else:
-                meta[PASS_META] = PASS_NAME
-            meta[PHASE_META] = phase
-            if phase == "forward":
-                meta["usp_requires_grad"] = self.requires_grad
-            node = node.prev
-        self.mark = graph._len
-
-    def backward_hook(self, owner: fx.Node):
-        def hook(grad_outputs: Any) -> None:
-            self.flush("backward")
-            self.owner = owner
-
-        return hook
 
 
 class _Interpreter(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, recorder: _Recorder) -> None:
+    def __init__(self, gm: fx.GraphModule, provenance: TraceProvenance) -> None:
         super().__init__(gm)
-        self.recorder = recorder
+        self.provenance = provenance
 
     def run_node(self, n: fx.Node) -> Any:
-        rec = self.recorder
-        rec.owner = n
+        self.provenance.owner = n
         result = super().run_node(n)
-        rec.requires_grad = False
-        for t in pytree.tree_leaves(result):
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                rec.requires_grad = True
-                grad_fn = t.grad_fn
-                if grad_fn not in rec.seen:  # a multi-output op's outputs share one grad_fn
-                    rec.seen[grad_fn] = n
-                    grad_fn.register_prehook(rec.backward_hook(n))
-        rec.flush("forward")
+        self.provenance.forward_done(result)
         return result
 
 
@@ -136,18 +78,18 @@ def build_joint(gm: fx.GraphModule) -> PassResult:
         raise ValueError(
             "the graph has no trainable parameter inputs (meta['usp_input']); nothing to differentiate"
         )
-    recorder = _Recorder()
+    provenance = TraceProvenance(PASS_NAME)
 
     def joint(*args: Any) -> tuple[Any, ...]:
-        recorder.start()
-        loss = _Interpreter(gm, recorder).run(*args)
+        provenance.start()
+        loss = _Interpreter(gm, provenance).run(*args)
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
             raise ValueError(f"step_fn must return a scalar floating-point loss, got {loss!r}")
         if not loss.requires_grad:
             raise ValueError("the loss does not depend on any trainable parameter")
-        recorder.owner = None
+        provenance.owner = None
         grads = torch.autograd.grad(loss, [args[i] for i in trainable], allow_unused=True)
-        recorder.flush("backward")
+        provenance.backward_done()
         return (loss, *grads)
 
     with torch.enable_grad():

@@ -5,7 +5,7 @@
    rule's backward op.
 3. Every forward op with a rule that needs a gradient has its backward in the backward graph:
    an attention op one of its ``backward_ops``, a collective its ``adjoint``, attributed to the
-   same forward node (see the joint pass's provenance).
+   same forward node (`usp_graph.passes.pairing`: the analysis ``usp-graph inspect`` shows too).
 4. Every trainable parameter has a gradient output.
 
 A failure raises `VerifyError` naming the node and its source location.
@@ -13,8 +13,6 @@ A failure raises `VerifyError` naming the node and its source location.
 
 from __future__ import annotations
 
-import operator
-from collections import Counter
 from typing import Any
 
 import torch
@@ -23,7 +21,8 @@ import torch.fx as fx
 from .. import registry
 from ..sites import find_sites, source_location
 from .base import PassContext, PassResult
-from .joint import ORIGIN_META, PHASE_META
+from .pairing import pair_backward
+from .provenance import ORIGIN_META
 
 __all__ = ["VerifyError", "verify", "PASS_NAME"]
 
@@ -46,29 +45,6 @@ def _where(node: fx.Node) -> str:
 
 def _is_usp_op(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.namespace == registry.NAMESPACE
-
-
-def _consumes_outputs_of(node: fx.Node, fwd: fx.Node) -> bool:
-    """Whether `node` reads `fwd`'s output (directly or through a getitem of a tuple output)."""
-    for inp in node.all_input_nodes:
-        if inp is fwd or (inp.target is operator.getitem and inp.args[0] is fwd):
-            return True
-    return False
-
-
-def _ancestors_of_loss(gm: fx.GraphModule) -> set[fx.Node] | None:
-    """Every node the loss output depends on (None when the graph does not name its outputs)."""
-    if "usp_outputs" not in gm.meta:
-        return None
-    (values,) = gm.graph.find_nodes(op="output")[0].args
-    seen: set[fx.Node] = set()
-    stack = [values[0]] if isinstance(values[0], fx.Node) else []
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return seen
 
 
 def verify(gm: fx.GraphModule) -> PassResult:
@@ -101,34 +77,16 @@ def verify(gm: fx.GraphModule) -> PassResult:
                     "usp_graph.registry; register one with usp_graph.registry.register_rule(...)"
                 )
 
-    phases = {node.meta.get(PHASE_META) for node in gm.graph.nodes}
-    matches = 0
-    if "forward" in phases:
-        feeds_loss = _ancestors_of_loss(gm)
-        backward = [n for n in gm.graph.nodes if n.meta.get(PHASE_META) == "backward"]
-        by_origin = Counter((n.meta.get(ORIGIN_META), n.target) for n in backward)
-        for node in gm.graph.nodes:
-            if node.meta.get(PHASE_META) != "forward" or node.op != "call_function":
-                continue
-            rule = rules.get(node.target)
-            if rule is None or not node.meta.get("usp_requires_grad", True):
-                continue
-            if feeds_loss is not None and node not in feeds_loss:
-                continue  # dead forward code: autograd rightly runs no backward for it
-            expected = (rule.adjoint,) if rule.kind == "collective" else rule.backward_ops
-            origin = node.meta.get(ORIGIN_META)
-            found = any(by_origin[(origin, op)] for op in expected) or (
-                rule.kind != "collective"
-                and any(n.target in expected and _consumes_outputs_of(n, node) for n in backward)
-            )
-            if not found:
-                names = ", ".join(str(op) for op in expected) or "(the rule lists none)"
-                what = "adjoint collective" if rule.kind == "collective" else "backward op"
-                raise VerifyError(
-                    f"forward node {node.name} ({node.target}) {_where(node)} has no {what} {names} in the "
-                    f"backward graph; its registered rule ({rule.doc or rule.kind}) did not run for it"
-                )
-            matches += 1
+    pairing = pair_backward(gm)
+    for missing in pairing.unpaired:
+        node, rule = missing.node, missing.rule
+        assert rule is not None, "check 2 rejects a usp op without a rule before pairing"
+        names = ", ".join(str(op) for op in missing.expected) or "(the rule lists none)"
+        raise VerifyError(
+            f"forward node {node.name} ({node.target}) {_where(node)} has no {missing.what} {names} in the "
+            f"backward graph; its registered rule ({rule.doc or rule.kind}) did not run for it"
+        )
+    matches = len(pairing.pairs)
 
     out = gm.meta.get("usp_outputs")
     if out is not None:
