@@ -119,7 +119,7 @@ def bench(setup, args: argparse.Namespace, folder: str) -> dict:
     batch, meta = inputs(0)
     with stopwatch() as trace_watch:
         graph = trace_train_step(model, loss_fn, batch, meta, dynamic=dynamic)
-    path = os.path.join(folder, f"{name}.usp.json")
+    path = os.path.join(folder, name + usp_graph.graphfile.SUFFIX)
     with stopwatch() as save_watch:
         usp_graph.save(graph, path)
     trace_s, save_s = trace_watch.seconds, save_watch.seconds

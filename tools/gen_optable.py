@@ -54,7 +54,7 @@ def _record() -> set[str]:
 
 def _llama(folder: str, *, cp=None, lengths=(9, 7, 11, 5)):
     from usp_graph import AttentionMetadata, trace_train_step
-    from usp_graph.graphfile import save
+    from usp_graph.graphfile import SUFFIX, save
     from usp_graph.models import Llama, LlamaConfig, llama_loss, make_llama_batch
 
     config = LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64)
@@ -72,13 +72,13 @@ def _llama(folder: str, *, cp=None, lengths=(9, 7, 11, 5)):
             return F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100, reduction="sum")
 
         graph = trace_train_step(model, step, local, meta, cp=cp)
-    save(graph, os.path.join(folder, f"llama_{getattr(cp, 'strategy', None)}.json"))
+    save(graph, os.path.join(folder, f"llama_{getattr(cp, 'strategy', None)}{SUFFIX}"))
     return model, batch, meta
 
 
 def _flux(folder: str):
     from usp_graph import AttentionMetadata, trace_train_step
-    from usp_graph.graphfile import save
+    from usp_graph.graphfile import SUFFIX, save
     from usp_graph.models import Flux, FluxConfig, flux_loss, make_flux_batch
 
     config = FluxConfig(hidden=32, n_heads=2, n_double=1, n_single=1)
@@ -87,7 +87,7 @@ def _flux(folder: str):
     model = Flux(config)
     batch = make_flux_batch(config, 2, 4, 9, generator=torch.Generator().manual_seed(6), grid_width=3)
     graph = trace_train_step(model, flux_loss, batch, AttentionMetadata.per_sample(2, 13), dynamic=dynamic)
-    save(graph, os.path.join(folder, "flux.json"))
+    save(graph, os.path.join(folder, "flux" + SUFFIX))
     return model, batch
 
 
@@ -113,11 +113,15 @@ def _compiled(folder: str, name: str, model: torch.nn.Module, run) -> None:
 
 
 def _realmodels(folder: str) -> None:
-    sys.path.insert(0, str(ROOT))
-    try:
-        from tests import realmodels as rm
-    except ImportError:
+    import importlib.util
+
+    # tests/ is not a package on sys.path: load the one module by its file
+    spec = importlib.util.spec_from_file_location("realmodels", ROOT / "tests" / "realmodels.py")
+    if spec is None or spec.loader is None:
         return
+    rm = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = rm  # dataclasses look their module up by name
+    spec.loader.exec_module(rm)
     try:
         import transformers  # noqa: F401
     except ImportError:

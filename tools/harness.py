@@ -89,7 +89,9 @@ def time_ms(
     for _ in range(warmup):
         fn()
     sync(device)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
+    ]
     for start, end in events:
         if barrier is not None:
             barrier()
@@ -196,16 +198,17 @@ def log(message: str) -> None:
 # Results
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10, check=True
+    ).stdout.strip()
+
+
 def git_commit() -> str | None:
     """The checkout's commit, with "+dirty" when tracked files differ from it."""
     try:
-        def git(*args: str) -> str:
-            return subprocess.run(
-                ["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10, check=True
-            ).stdout.strip()
-
-        commit = git("rev-parse", "--short=12", "HEAD")
-        return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+        commit = _git("rev-parse", "--short=12", "HEAD")
+        return commit + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
     except Exception:
         return None
 
