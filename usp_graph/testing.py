@@ -100,7 +100,7 @@ def attention_reference(
         k_SHK = k[sk:ek].repeat_interleave(h // g, dim=1)
         v_SHKv = v[sk:ek].repeat_interleave(h // g, dim=1)
         s_HQS = torch.einsum("qhk,shk->hqs", q_QHK, k_SHK) * scale
-        s_HQS = s_HQS.masked_fill(~_keep_SQ(lq, lk, is_causal, left, right), float("-inf"))
+        s_HQS = s_HQS.masked_fill(~_keep_SQ(lq, lk, is_causal, left, right).to(q.device), float("-inf"))
         lse_HQ = torch.logsumexp(s_HQS, dim=-1) if lk else q.new_full((h, lq), float("-inf"))
         # A row that sees no key has lse -inf: subtracting 0 instead keeps its p at exp(-inf) = 0
         # (and its gradient finite) rather than exp(nan).
