@@ -1,9 +1,10 @@
-"""GPU correctness of usp's varlen path against a float64 per-document reference.
+"""GPU correctness of usp's varlen path against the float64 per-document reference
+(`usp_graph.testing.attention_reference`, the one the tests use).
 
 # T packed tokens, H query heads, G key/value heads, K head dim, N documents
 
 Run on a CUDA machine from the repo root:
-    PYTHONUNBUFFERED=1 python tools/check_varlen_gpu.py [--json OUT.json]
+    PYTHONUNBUFFERED=1 python tools/check_varlen_gpu.py [--json OUT.jsonl]
 Exits non-zero when any case fails. Cases: bf16/fp16 (flash kernel) and fp32 (math path),
 causal and bidirectional, GQA, unequal query/key lengths (bottom-right causal), empty and
 length-1 documents, rows that see no key, the lse gradient, determinism (forward always; backward
@@ -15,50 +16,18 @@ runs self-attention cases whose token count is a multiple of 128 on the flex ker
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import torch
+from harness import Results
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import usp_graph  # noqa: E402
-from usp_graph import AttentionMetadata, varlen_attn  # noqa: E402
-from usp_graph.ops.varlen import CUDA_KERNELS, cuda_kernel  # noqa: E402
+import usp_graph
+from usp_graph import AttentionMetadata, varlen_attn
+from usp_graph.ops.varlen import CUDA_KERNELS, cuda_kernel
+from usp_graph.testing import attention_reference
+from usp_graph.testing import rel_err as rel
 
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
-
-
-def reference(q, k, v, cu_q, cu_k, is_causal, scale):
-    """Per-document float64 attention with explicit bottom-right causal masking: (out, lse)."""
-    q, k, v = (x.double() for x in (q, k, v))
-    h, g = q.shape[1], k.shape[1]
-    out = q.new_zeros(q.shape[0], h, v.shape[-1])
-    lse = q.new_full((h, q.shape[0]), float("-inf"))
-    bq, bk = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(bq) - 1):
-        lq, lk = bq[i + 1] - bq[i], bk[i + 1] - bk[i]
-        if lq == 0 or lk == 0:
-            continue
-        qd = q[bq[i] : bq[i + 1]].transpose(0, 1)
-        kd = k[bk[i] : bk[i + 1]].transpose(0, 1).repeat_interleave(h // g, 0)
-        vd = v[bk[i] : bk[i + 1]].transpose(0, 1).repeat_interleave(h // g, 0)
-        s = qd @ kd.transpose(-1, -2) * scale
-        if is_causal:
-            keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-            s = s.masked_fill(~keep, float("-inf"))
-        l_doc = torch.logsumexp(s, -1)
-        p = torch.exp(s - l_doc.masked_fill(l_doc == float("-inf"), 0).unsqueeze(-1))
-        out[bq[i] : bq[i + 1]] = (p @ vd).transpose(0, 1)
-        lse[:, bq[i] : bq[i + 1]] = l_doc
-    return out, lse
-
-
-def rel(x, ref):
-    x, ref = x.double(), ref.double()
-    d = ref.norm().item()
-    return (x - ref).norm().item() / (d if d > 0 else 1.0)
 
 
 # The --kernel setting of this run. The flex kernel's backward is bitwise repeatable and that is
@@ -89,7 +58,9 @@ def check_case(name, dtype, lens_q, lens_k, h, g, dim, is_causal, gen, results):
     args = (mq.cu_seqlens, cu_k, mq.max_seqlen, mk.max_seqlen)
     out, lse = varlen_attn(q, k, v, *args, is_causal=is_causal, enable_gqa=True, return_lse=True)
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
-    ref_out, ref_lse = reference(q64, k64, v64, mq.cu_seqlens, mk.cu_seqlens, is_causal, scale)
+    ref_out, ref_lse = attention_reference(
+        q64, k64, v64, mq.cu_seqlens, mk.cu_seqlens, is_causal=is_causal, scale=scale
+    )
     go = torch.randn(out.shape, generator=gen, device=dev, dtype=torch.float64)
     gl = torch.randn(lse.shape, generator=gen, device=dev, dtype=torch.float64)
     finite = ref_lse.isfinite()
@@ -142,7 +113,7 @@ def check_padded_keys(dtype, is_causal, gen, results):
     out = varlen_attn(q, kp, vp, m.cu_seqlens, m.cu_seqlens + a, m.max_seqlen, m.max_seqlen,
                       is_causal=is_causal, enable_gqa=True)  # fmt: skip
     q64, k64, v64 = (x.detach()[s].double().requires_grad_() for x, s in ((q, slice(None)), (kp, slice(a, a + t)), (vp, slice(a, a + t))))  # fmt: skip
-    ref, _ = reference(q64, k64, v64, m.cu_seqlens, m.cu_seqlens, is_causal, dim**-0.5)
+    ref, _ = attention_reference(q64, k64, v64, m.cu_seqlens, is_causal=is_causal, scale=dim**-0.5)
     go = torch.randn(out.shape, generator=gen, device=dev, dtype=torch.float64)
     dq, dk, dv = torch.autograd.grad((out.double() * go).sum(), (q, kp, vp))
     rq, rk, rv = torch.autograd.grad((ref * go).sum(), (q64, k64, v64))
@@ -244,7 +215,7 @@ def check_compiled_model(results, device="cuda", inner="inductor", timeout_s=240
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="append one JSON line per case here")
     ap.add_argument(
         "--kernel",
         choices=CUDA_KERNELS,
@@ -318,18 +289,9 @@ def run(args: argparse.Namespace) -> int:
         ok &= check_padded_keys(torch.bfloat16, causal, gen, results)
     ok &= check_model(gen, results)
     ok &= check_compiled_model(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "torch": torch.__version__,
-                    "device": torch.cuda.get_device_name(),
-                    "kernel": args.kernel,
-                    "results": results,
-                },
-                f,
-                indent=1,
-            )
+    out = Results(args.json, bench="check_varlen", device="cuda")
+    for r in results:
+        out.write(kernel=args.kernel, **r)
     print("ALL PASS" if ok else "SOME FAILED")
     return 0 if ok else 1
 
