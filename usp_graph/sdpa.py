@@ -10,12 +10,14 @@ construction rather than by luck.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from . import masks
+from .graph_inputs import call_tokens, check_token_count, per_row_cu_seqlens
 from .metadata import AttentionMetadata
 from .ops import varlen
 from .packing import pack, unpack
@@ -121,6 +123,17 @@ def _read_mask(
     return is_causal, extra, derived
 
 
+def _token_mismatch(
+    name: str, x: Tensor, n: int, meta: AttentionMetadata, world: int, kv_metadata: AttentionMetadata | None
+) -> str:
+    across = f" x {world} CP ranks" if world > 1 else ""
+    which = "kv_metadata" if name == "key" and kv_metadata is not None else "the metadata"
+    return (
+        f"SDPA call with {name} of shape {tuple(x.shape)} has {n} tokens (batch * length{across}) but "
+        f"{which} describes {meta.total_tokens}; give metadata for this call's packed tokens"
+    )
+
+
 def sdpa_to_usp(
     query: Tensor,
     key: Tensor,
@@ -212,19 +225,12 @@ def sdpa_to_usp(
     if metadata is not None:
         kv_meta = kv_metadata if kv_metadata is not None else metadata
         for name, x, n, meta_n in (
-            ("query", query, b * seq_q * world, metadata),
+            ("query", query, call_tokens(b, seq_q, world), metadata),
             # Under CP the key/value stream of cross-attention is replicated, not sharded.
-            ("key", key, b * seq_k * (world if kv_metadata is None else 1), kv_meta),
+            ("key", key, call_tokens(b, seq_k, world if kv_metadata is None else 1), kv_meta),
         ):
-            if not (isinstance(n, int) and isinstance(meta_n.total_tokens, int)):
-                continue  # symbolic sizes: the graph's input checks own this
-            if n != meta_n.total_tokens:
-                across = f" x {world} CP ranks" if world > 1 else ""
-                which = "kv_metadata" if name == "key" and kv_metadata is not None else "the metadata"
-                raise ValueError(
-                    f"SDPA call with {name} of shape {tuple(x.shape)} has {n} tokens (batch * length{across}) but "
-                    f"{which} describes {meta_n.total_tokens}; give metadata for this call's packed tokens"
-                )
+            # Symbolic sizes are not checked here: the graph's input checks own them.
+            check_token_count(n, meta_n.total_tokens, partial(_token_mismatch, name, x, n, meta_n, world, kv_metadata))
     if attn_mask is not None:
         if is_causal:
             raise ValueError("attn_mask and is_causal=True were both given; SDPA accepts only one of them")
@@ -240,10 +246,9 @@ def sdpa_to_usp(
                 f"is_causal with query length {seq_q} != key length {seq_k}: SDPA aligns such a mask top-left, "
                 "varlen attention bottom-right; pass AttentionMetadata with explicit boundaries"
             )
-        # arange(b + 1) * L, not arange(0, b*L + 1, L): a zero-length sequence is valid (step 0 is not).
-        cu_q = torch.arange(b + 1, dtype=torch.int32, device=device) * seq_q
+        cu_q = per_row_cu_seqlens(b, seq_q, device=device)
         # Self-attention shares one boundary tensor (a kernel may then treat queries and keys alike).
-        cu_k = cu_q if seq_k == seq_q else torch.arange(b + 1, dtype=torch.int32, device=device) * seq_k
+        cu_k = cu_q if seq_k == seq_q else per_row_cu_seqlens(b, seq_k, device=device)
         max_q, max_k = seq_q, seq_k
     else:
         cu_q = cu_k = metadata.cu_seqlens
@@ -261,7 +266,7 @@ def sdpa_to_usp(
         scale = 1.0 / math.sqrt(dim)
     if cp is not None:
         if metadata is None:  # one document per global row
-            cu_q = torch.arange(b + 1, dtype=torch.int32, device=device) * (seq_q * world)
+            cu_q = per_row_cu_seqlens(b, seq_q * world, device=device)
         if g != h and not enable_gqa:  # SDPA's broadcast of a single kv head
             k_BGLK, v_BGLK = k_BGLK.expand(-1, h, -1, -1), v_BGLK.expand(-1, h, -1, -1)
         if kv_metadata is not None:

@@ -44,10 +44,10 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from .graph_inputs import INPUT_META, add_metadata_inputs, static_metadata_values
 from .metadata import AttentionMetadata
 from .passes import Pipeline, PipelineRun, default_pipeline
 from .passes.base import PASS_META, PassContext
-from .passes.rewrite import INPUT_META
 from .sites import AttentionSite
 
 __all__ = ["trace_train_step", "TrainStepGraph", "TensorSpec", "GraphSignature"]
@@ -478,11 +478,7 @@ def trace_train_step(
         syms[dim_name] = env.create_symintnode(
             env.create_symbol(size, src, dynamic_dim=DimDynamic.DYNAMIC), hint=size, source=src
         )
-    ms_src = ConstantSource("max_seqlen")
-    ms_sym = env.create_symbol(
-        metadata.max_seqlen, ms_src, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True
-    )
-    max_seqlen = env.create_symintnode(ms_sym, hint=metadata.max_seqlen, source=ms_src)
+    meta_values = static_metadata_values(fake_mode, metadata)
 
     param_items = list(model.named_parameters())
     buffer_items = list(model.named_buffers())
@@ -495,7 +491,6 @@ def trace_train_step(
             )
             for t, ds in zip(leaves, dims, strict=True)
         ]
-    fake_cu = fake_mode.from_tensor(metadata.cu_seqlens, static_shapes=True)
 
     step = _Step(model, step_fn)
     state_names = ["model." + n for n, _ in param_items] + ["model." + n for n, _ in buffer_items]
@@ -508,10 +503,11 @@ def trace_train_step(
 
     with torch.enable_grad():
         gm = make_fx(forward, tracing_mode="symbolic", pre_dispatch=True, record_stack_traces=True)(
-            *fake_params, *fake_buffers, *fake_batch, fake_cu, max_seqlen
+            *fake_params, *fake_buffers, *fake_batch
         )
 
     _tag_inputs(gm, param_items, buffer_items, names)
+    add_metadata_inputs(gm, meta_values, meta={PASS_META: "trace"})
     gm.recompile()
     _check_no_input_mutation(gm)
     _check_not_specialized(env, syms, names, dims)
@@ -523,7 +519,7 @@ def trace_train_step(
     skipped = rewrite.skipped if rewrite is not None else ()
 
     symbols = {n: s.node.expr for n, s in syms.items()}
-    symbols["max_seqlen"] = ms_sym
+    symbols["max_seqlen"] = meta_values.max_seqlen.node.expr
     signature = GraphSignature(
         params=tuple(_spec(n, p) for n, p in param_items),
         trainable=tuple(n for n, p in param_items if p.requires_grad),
@@ -562,26 +558,19 @@ def _tag_inputs(
     buffer_items: list[tuple[str, torch.Tensor]],
     batch_names: list[str],
 ) -> None:
-    """Tag each placeholder with what it is (``meta["usp_input"]``) and give it a readable name."""
+    """Tag each placeholder with what it is (``meta["usp_input"]``) and give it a readable name
+    (the metadata inputs come after them, from `graph_inputs.add_metadata_inputs`)."""
     tags = (
         [{"kind": "param", "name": n, "trainable": p.requires_grad} for n, p in param_items]
         + [{"kind": "buffer", "name": n} for n, _ in buffer_items]
         + [{"kind": "batch", "name": n} for n in batch_names]
-        + [{"kind": "cu_seqlens", "name": "cu_seqlens"}, {"kind": "max_seqlen", "name": "max_seqlen"}]
     )
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     assert len(placeholders) == len(tags), (len(placeholders), len(tags))
     for node, tag in zip(placeholders, tags, strict=True):
         node.meta[INPUT_META] = tag
         node.meta[PASS_META] = "trace"
-        kind = tag["kind"]
-        if kind == "cu_seqlens":
-            name = "cu_seqlens_N1"
-        elif kind == "max_seqlen":
-            name = "max_seqlen"
-        else:
-            name = _PREFIX[kind] + _ident(tag["name"])
-        node._rename(name)
+        node._rename(_PREFIX[tag["kind"]] + _ident(tag["name"]))
         node.target = node.name
 
 

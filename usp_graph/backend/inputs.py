@@ -2,14 +2,16 @@
 
 # B batch rows, L sequence length of an attention call, P CP ranks, N1 cu_seqlens entries (max_docs + 1)
 
-Dynamo never sees the metadata. The backend appends two placeholders to its copy of the graph:
-``cu_seqlens_N1`` (int32, its length a fresh symbol N1) and ``max_seqlen`` (a fresh SymInt), both
-of the graph's ShapeEnv and both created DYNAMIC, so no value or capacity is baked in and no
-Dynamo guard can mention them (they have no Dynamo source; `check_not_guarded` makes sure). The
-rewrite pass wires every attention site to them. At run time `MetadataFeed` supplies them from
-the innermost `usp_graph.documents(...)` block, or, outside any block, the per-row metadata
-``cu = [0, L*P, 2*L*P, ..., B*L*P]``, ``max_seqlen = L*P``: exactly what `sdpa_to_usp` computes
-for ``metadata=None``, so both modes share one compiled graph and match eager bit for bit.
+Dynamo never sees the metadata. The backend appends two placeholders to its copy of the graph
+(made by `usp_graph.graph_inputs`, as the tracer's are): ``cu_seqlens_N1`` (int32, its length a
+fresh symbol N1) and ``max_seqlen`` (a fresh SymInt), both of the graph's ShapeEnv and both
+created DYNAMIC, so no value or capacity is baked in and no Dynamo guard can mention them (they
+have no Dynamo source; `check_not_guarded` makes sure). The rewrite pass wires every attention
+site to them. At run time `MetadataFeed` supplies them from the innermost
+`usp_graph.documents(...)` block, or, outside any block, the per-row metadata
+``cu = [0, L*P, 2*L*P, ..., B*L*P]``, ``max_seqlen = L*P``, built by the function `sdpa_to_usp`
+uses for ``metadata=None`` (`graph_inputs.per_row_cu_seqlens`), so both modes share one compiled
+graph and match eager bit for bit.
 
 That needs every rewritten site of the graph to have the same (B, L); a graph whose sites differ
 is rewritten with per-row metadata computed inside the graph, and refuses `documents(...)`.
@@ -18,7 +20,6 @@ is rewritten with per-row metadata computed inside the graph, and refuses `docum
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -26,9 +27,10 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_true
 
+from .. import graph_inputs
+from ..graph_inputs import MetadataInputs, call_tokens, check_token_count, metadata_values, per_row_cu_seqlens
 from ..metadata import AttentionMetadata
 from ..passes.base import PASS_META
-from ..passes.rewrite import INPUT_META
 from ..sites import AttentionSite
 from .documents import current_documents, current_kv_documents
 
@@ -60,23 +62,6 @@ def _hint(x: Any) -> int:
     return int(x)
 
 
-@dataclass
-class MetadataInputs:
-    """The placeholders `add_metadata_inputs` made, their fake values and their symbols (the key
-    documents' pair only with cross-attention)."""
-
-    cu_seqlens: fx.Node
-    max_seqlen: fx.Node
-    cu_value: torch.Tensor
-    max_value: torch.SymInt
-    symbols: frozenset[sympy.Symbol]
-    kv_values: tuple[torch.Tensor, torch.SymInt] | None = None
-
-    @property
-    def values(self) -> list[Any]:
-        return [self.cu_value, self.max_value, *(self.kv_values or ())]
-
-
 def add_metadata_inputs(
     gm: fx.GraphModule,
     *,
@@ -91,50 +76,19 @@ def add_metadata_inputs(
     with `kv_max_seqlen`, also ``cu_seqlens_kv_N1`` / ``max_seqlen_kv`` (cross-attention key
     documents, the same capacity: document i of the queries attends document i of the keys).
 
-    `capacity` (cu_seqlens entries) and the max_seqlens are only hints for the fresh symbols.
+    `capacity` (cu_seqlens entries) and the max_seqlens are only hints for the fresh symbols
+    (`usp_graph.graph_inputs` makes them, as it does for the tracer and the rewrite pass).
     """
-    from torch._dynamo.source import ConstantSource
-    from torch.fx.experimental.symbolic_shapes import DimDynamic
-
-    # capacity >= 2 always (AttentionMetadata checks it), so the default [2, inf) range is exact and
-    # `numel() < 2` needs no guard. max_seqlen may be 0 or 1: not specialized on those.
-    n1_src = ConstantSource("usp_cu_seqlens_capacity")
-    n1 = shape_env.create_symbol(capacity, n1_src, dynamic_dim=DimDynamic.DYNAMIC)
-    n1_int = shape_env.create_symintnode(n1, hint=capacity, source=n1_src)
-    ms_src = ConstantSource("usp_max_seqlen")
-    ms = shape_env.create_symbol(
-        max_seqlen, ms_src, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True
+    assert fake_mode.shape_env is shape_env, "the metadata symbols belong to the graph's ShapeEnv"
+    values = metadata_values(
+        fake_mode, max_seqlen=max_seqlen, capacity=capacity, device=device, kv_max_seqlen=kv_max_seqlen
     )
-    ms_int = shape_env.create_symintnode(ms, hint=max_seqlen, source=ms_src)
-    with fake_mode:
-        cu_val = torch.empty(n1_int, dtype=torch.int32, device=device)
-    wanted = [("cu_seqlens_N1", cu_val, "cu_seqlens"), ("max_seqlen", ms_int, "max_seqlen")]
-    symbols = {n1, ms}
-    kv_values = None
-    if kv_max_seqlen is not None:
-        kv_src = ConstantSource("usp_max_seqlen_kv")
-        kv_ms = shape_env.create_symbol(
-            kv_max_seqlen, kv_src, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True
-        )
-        kv_ms_int = shape_env.create_symintnode(kv_ms, hint=kv_max_seqlen, source=kv_src)
-        with fake_mode:
-            kv_cu_val = torch.empty(n1_int, dtype=torch.int32, device=device)
-        wanted += [("cu_seqlens_kv_N1", kv_cu_val, "cu_seqlens_kv"), ("max_seqlen_kv", kv_ms_int, "max_seqlen_kv")]
-        symbols.add(kv_ms)
-        kv_values = (kv_cu_val, kv_ms_int)
-    last = list(gm.graph.find_nodes(op="placeholder"))[-1]
-    made = []
-    for name, val, kind in wanted:
-        with gm.graph.inserting_after(last):
-            node = last = gm.graph.placeholder(name)
-        node._rename(node.target)  # FX lower-cases placeholder names; keep the _N1 suffix
-        node.meta.update({"val": val, "example_value": val, INPUT_META: {"kind": kind, "name": kind}})
-        node.meta[PASS_META] = PASS_NAME
+    made = graph_inputs.add_metadata_inputs(gm, values, meta={PASS_META: PASS_NAME})
+    for node in made.nodes:
         # AOTAutograd asks every placeholder of a Dynamo graph for its source; these have none
         # (like the intermediate inputs of DDPOptimizer's split graphs).
         node._dynamo_source = None
-        made.append(node)
-    return MetadataInputs(made[0], made[1], cu_val, ms_int, frozenset(symbols), kv_values)
+    return made
 
 
 _INT32_MAX = 2**31 - 1
@@ -321,14 +275,17 @@ class MetadataFeed:
             return (cu.to(self.device) if self.device is not None else cu, length * self.world)
         if meta is None:
             return (*self._rows(b, length * self.world), *kv_fed)
-        tokens = b * length * self.world
-        if isinstance(meta.total_tokens, int) and meta.total_tokens != tokens:
-            across = f" x {self.world} CP ranks" if self.world > 1 else ""
-            raise ValueError(
+        tokens = call_tokens(b, length, self.world)
+        across = f" x {self.world} CP ranks" if self.world > 1 else ""
+        check_token_count(
+            tokens,
+            meta.total_tokens,
+            lambda: (
                 f"documents(...) metadata describes {meta.total_tokens} tokens, but the attention calls of compiled "
                 f"graph {self.graph} see {tokens} (batch {b} x length {length}{across}); give metadata for this "
                 "call's packed tokens"
-            )
+            ),
+        )
         return (*self._on_device(meta), *kv_fed)
 
     def _rows(self, b: int, span: int) -> tuple[torch.Tensor, int]:
@@ -337,7 +294,7 @@ class MetadataFeed:
         if fed is None:
             if len(self._per_row) >= 64:  # dynamic shapes: keep the cache small
                 self._per_row.clear()
-            cu = torch.arange(b + 1, dtype=torch.int32, device=self.device) * span
+            cu = per_row_cu_seqlens(b, span, device=self.device)  # what sdpa_to_usp builds for no metadata
             fed = self._per_row[(b, span)] = (cu, span)
         return fed
 
@@ -353,12 +310,15 @@ class MetadataFeed:
         length = self.kv_length(args)
         if kv is None:
             return self._rows(b, length)
-        tokens = b * length
-        if isinstance(kv.total_tokens, int) and kv.total_tokens != tokens:
-            raise ValueError(
+        tokens = call_tokens(b, length)
+        check_token_count(
+            tokens,
+            kv.total_tokens,
+            lambda: (
                 f"documents(..., kv=...) describes {kv.total_tokens} key/value tokens, but the cross-attention calls "
                 f"of compiled graph {self.graph} see {tokens} (batch {b} x length {length})"
-            )
+            ),
+        )
         return self._on_device(kv)
 
 

@@ -18,6 +18,14 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import masks
+from ..graph_inputs import (
+    INPUT_META,
+    add_metadata_inputs,
+    call_tokens,
+    find_kv_metadata_inputs,
+    find_metadata_inputs,
+    static_metadata_values,
+)
 from ..metadata import AttentionMetadata
 from ..sdpa import sdpa_to_usp
 from ..sites import AttentionSite, body_call, find_sites, node_value
@@ -26,13 +34,8 @@ from .base import PASS_META, PassContext, PassResult
 __all__ = ["rewrite_sdpa", "metadata_inputs", "INPUT_META", "PASS_NAME"]
 
 PASS_NAME = "rewrite_sdpa"
-# Placeholder tag: {"kind": "param" | "buffer" | "batch" | "cu_seqlens" | "max_seqlen", "name": ..., ...}
-INPUT_META = "usp_input"
-
-
-def _tokens(q: torch.Tensor) -> Any:
-    """B * L of a (B, H, L, K) or (B, L, K) query: the packed tokens the metadata describes."""
-    return q.shape[0] * q.shape[-2]
+# INPUT_META (the placeholder tag) and the metadata placeholders live in usp_graph.graph_inputs.
+kv_metadata_inputs = find_kv_metadata_inputs
 
 
 def _usp_call(
@@ -64,10 +67,10 @@ def _usp_call(
         masks.check_positions_match(cu_seqlens_N1, positions_BL.expand(b, length))
     if cu_seqlens_N1 is not None:
         # Metadata is global: under CP this call holds one of `cp.world` shards of the stream.
-        metadata = AttentionMetadata(cu_seqlens_N1, max_seqlen, _tokens(q) * world)
+        metadata = AttentionMetadata(cu_seqlens_N1, max_seqlen, call_tokens(q.shape[0], q.shape[-2], world))
     if cu_seqlens_kv_N1 is not None:
         # Under CP the key/value stream of cross-attention is replicated (`cp.cross`), not sharded.
-        kv_metadata = AttentionMetadata(cu_seqlens_kv_N1, max_seqlen_kv, _tokens(k))
+        kv_metadata = AttentionMetadata(cu_seqlens_kv_N1, max_seqlen_kv, call_tokens(k.shape[0], k.shape[-2]))
     kwargs: dict[str, Any] = {
         "is_causal": is_causal,
         "scale": scale,
@@ -99,22 +102,11 @@ def metadata_inputs(
     graph (a Dynamo graph), `metadata` gives the capacity and a hint: ``cu_seqlens_N1`` becomes a
     tensor input of that fixed capacity and ``max_seqlen`` a SymInt input of the graph's ShapeEnv,
     so neither is ever baked in as a constant. Without either, (None, None): one document per row.
+    Both are made by `usp_graph.graph_inputs`, as the tracer's and the compile backend's are.
     """
-    cu = ms = None
-    for node in gm.graph.find_nodes(op="placeholder"):
-        kind = node.meta.get(INPUT_META, {}).get("kind")
-        if kind == "cu_seqlens":
-            cu = node
-        elif kind == "max_seqlen":
-            ms = node
-    if cu is not None and ms is not None:
+    cu, ms = find_metadata_inputs(gm)
+    if cu is not None or metadata is None:
         return cu, ms
-    if cu is not None or ms is not None:
-        raise ValueError(
-            "the graph has only one of the cu_seqlens / max_seqlen inputs; it needs both or neither"
-        )
-    if metadata is None:
-        return None, None
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"metadata must be a usp_graph.AttentionMetadata, got {type(metadata).__name__}")
     fake_mode = _fake_mode([like])
@@ -123,45 +115,9 @@ def metadata_inputs(
             "the graph has no symbolic ShapeEnv, so max_seqlen cannot become a SymInt input; trace it "
             "with make_fx(..., tracing_mode='symbolic') or torch.compile (Dynamo always has one)"
         )
-    from torch._dynamo.source import ConstantSource
-    from torch.fx.experimental.symbolic_shapes import DimDynamic
-
-    cu_t = metadata.cu_seqlens
-    if like is not None and cu_t.device != like.device:
-        cu_t = cu_t.to(like.device)
-    cu_val = fake_mode.from_tensor(cu_t, static_shapes=True)
-    env = fake_mode.shape_env
-    source = ConstantSource("max_seqlen")
-    sym = env.create_symbol(
-        metadata.max_seqlen, source, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True
-    )
-    ms_val = env.create_symintnode(sym, hint=metadata.max_seqlen, source=source)
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    where = (
-        gm.graph.inserting_after(placeholders[-1])
-        if placeholders
-        else gm.graph.inserting_before(next(iter(gm.graph.nodes)))
-    )
-    with where:
-        cu = gm.graph.placeholder("cu_seqlens_N1")
-    with gm.graph.inserting_after(cu):
-        ms = gm.graph.placeholder("max_seqlen")
-    for node, val, kind in ((cu, cu_val, "cu_seqlens"), (ms, ms_val, "max_seqlen")):
-        node._rename(node.target)  # FX lower-cases placeholder names; keep the _N1 suffix
-        node.meta.update({"val": val, "example_value": val, INPUT_META: {"kind": kind, "name": kind}})
-        node.meta[PASS_META] = PASS_NAME
-    return cu, ms
-
-
-def kv_metadata_inputs(gm: fx.GraphModule) -> tuple[fx.Node | None, fx.Node | None]:
-    """The graph's ``cu_seqlens_kv_N1`` / ``max_seqlen_kv`` placeholders (cross-attention key
-    documents), or (None, None)."""
-    found = {}
-    for node in gm.graph.find_nodes(op="placeholder"):
-        kind = node.meta.get(INPUT_META, {}).get("kind")
-        if kind in ("cu_seqlens_kv", "max_seqlen_kv"):
-            found[kind] = node
-    return found.get("cu_seqlens_kv"), found.get("max_seqlen_kv")
+    values = static_metadata_values(fake_mode, metadata, device=like.device if like is not None else None)
+    made = add_metadata_inputs(gm, values, meta={PASS_META: PASS_NAME})
+    return made.cu_seqlens, made.max_seqlen
 
 
 @dataclass
