@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from usp_graph.ops import cudnn_kernel, varlen
+from usp_graph.ops import boundaries, cudnn_kernel, flash_kernel, kernel_choice, varlen
 
 
 def _cu(*bounds: int) -> torch.Tensor:
@@ -132,7 +132,7 @@ def test_missing_package_means_unavailable_and_build_error(monkeypatch):
         key = cudnn_kernel.plan_key(q, k, _cu(0, 8), 8, 8, False, 1.0, (-1, -1), square=True)
         with pytest.raises(cudnn_kernel.BuildError, match="not installed"):
             cudnn_kernel._plan("fwd", key)
-        assert not varlen._cudnn_applies(q, k, k)
+        assert not kernel_choice._cudnn_applies(q, k, k)
     finally:
         cudnn_kernel.module.cache_clear()
 
@@ -148,13 +148,13 @@ def test_importing_usp_graph_does_not_import_cudnn():
 
 
 def test_kernel_setting_accepts_cudnn_from_the_environment():
-    code = "from usp_graph.ops import varlen; print(varlen._cuda_kernel)"
+    code = "from usp_graph.ops import kernel_choice; print(kernel_choice._cuda_kernel)"
     env = {**__import__("os").environ, "USP_CUDA_ATTENTION": "cudnn"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "cudnn"
     with varlen.cuda_kernel("cudnn"):
-        assert varlen._cuda_kernel == "cudnn"
-    assert varlen._cuda_kernel == "auto"
+        assert kernel_choice._cuda_kernel == "cudnn"
+    assert kernel_choice._cuda_kernel == "auto"
 
 
 def test_auto_table_uses_shapes_only_and_cudnn_only_when_installed(monkeypatch):
@@ -163,13 +163,13 @@ def test_auto_table_uses_shapes_only_and_cudnn_only_when_installed(monkeypatch):
     longer64 = torch.zeros(32768, 4, 64, dtype=torch.bfloat16)
     short = torch.zeros(4096, 4, 128, dtype=torch.bfloat16)
     monkeypatch.setattr(cudnn_kernel, "available", lambda: False)
-    assert varlen._auto_kernel(long128) == "flex"  # today's choice without the package
-    assert varlen._auto_kernel(longer64) == "flash"
+    assert kernel_choice._auto_kernel(long128) == "flex"  # today's choice without the package
+    assert kernel_choice._auto_kernel(longer64) == "flash"
     monkeypatch.setattr(cudnn_kernel, "available", lambda: True)
-    assert varlen._auto_kernels(long128) == ["cudnn", "flex", "flash"]
-    assert varlen._auto_kernel(long64) == "flash"  # measured: flash ahead at 16K with K=64
-    assert varlen._auto_kernel(longer64) == "cudnn"
-    assert varlen._auto_kernel(short) == "flash"
+    assert kernel_choice._auto_kernels(long128) == ["cudnn", "flex", "flash"]
+    assert kernel_choice._auto_kernel(long64) == "flash"  # measured: flash ahead at 16K with K=64
+    assert kernel_choice._auto_kernel(longer64) == "cudnn"
+    assert kernel_choice._auto_kernel(short) == "flash"
 
 
 def _fake_cuda(monkeypatch, cudnn_result=None, cudnn_grads=None, build_error=False):
@@ -194,14 +194,14 @@ def _fake_cuda(monkeypatch, cudnn_result=None, cudnn_grads=None, build_error=Fal
             varlen._cpu_bwd(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, c, s, *window)
         )
 
-    monkeypatch.setattr(varlen, "_flash_fwd", counted("flash_fwd", varlen._cpu_fwd))
-    monkeypatch.setattr(varlen, "_flash_bwd", counted("flash_bwd", varlen._cpu_bwd))
+    monkeypatch.setattr(flash_kernel, "flash_fwd", counted("flash_fwd", varlen._cpu_fwd))
+    monkeypatch.setattr(flash_kernel, "flash_bwd", counted("flash_bwd", varlen._cpu_bwd))
     monkeypatch.setattr(cudnn_kernel, "available", lambda: True)
     monkeypatch.setattr(cudnn_kernel, "cudnn_fwd", counted("cudnn_fwd", fake_fwd))
     monkeypatch.setattr(cudnn_kernel, "cudnn_bwd", counted("cudnn_bwd", fake_bwd))
-    monkeypatch.setattr(varlen, "_cudnn_checked", set())
-    monkeypatch.setattr(varlen, "_cudnn_broken", set())
-    monkeypatch.setattr(varlen, "_flex_broken", set())
+    monkeypatch.setattr(kernel_choice, "_cudnn_checked", set())
+    monkeypatch.setattr(kernel_choice, "_cudnn_broken", set())
+    monkeypatch.setattr(kernel_choice, "_flex_broken", set())
     cu = _cu(0, 40, 41, 41, 128)
     q, k, v = _qkv(128, 4, 2, 64, seed=3)
     dout = _qkv(128, 4, 4, 64, seed=4)[0]
@@ -266,7 +266,7 @@ def test_cudnn_build_error_warns_and_runs_flash(monkeypatch):
 def test_cudnn_asked_for_without_the_package_warns_once_and_runs_flash(monkeypatch):
     calls, args, dout = _fake_cuda(monkeypatch)
     monkeypatch.setattr(cudnn_kernel, "available", lambda: False)
-    monkeypatch.setattr(varlen, "_cudnn_warned_missing", False)
+    monkeypatch.setattr(kernel_choice, "_cudnn_warned_missing", False)
     with varlen.cuda_kernel("cudnn"):
         with pytest.warns(RuntimeWarning, match="nvidia-cudnn-frontend"):
             varlen._cuda_fwd(*args)
@@ -278,7 +278,7 @@ def test_cudnn_asked_for_without_the_package_warns_once_and_runs_flash(monkeypat
 
 def test_flash_or_flex_setting_never_runs_cudnn(monkeypatch):
     calls, args, dout = _fake_cuda(monkeypatch)
-    monkeypatch.setattr(varlen, "_use_flex", lambda *a: False)  # flex cannot build on CPU
+    monkeypatch.setattr(kernel_choice, "_use_flex", lambda *a: False)  # flex cannot build on CPU
     for kernel in ("flash", "flex"):
         with varlen.cuda_kernel(kernel):
             varlen._cuda_fwd(*args)
@@ -307,7 +307,7 @@ def test_flash_or_flex_setting_never_runs_cudnn(monkeypatch):
 def test_boundaries_ok(cu_q, cu_k, t_q, t_k, max_q, max_k, ok):
     a = _cu(*cu_q)
     b = a if cu_k is None else _cu(*cu_k)
-    got, lens_q, lens_k = varlen._boundaries_ok(a, b, t_q, t_k, max_q, max_k)
+    got, lens_q, lens_k = boundaries.boundaries_ok(a, b, t_q, t_k, max_q, max_k)
     assert bool(got) is ok
     assert lens_q.tolist() == torch.diff(a).tolist() and lens_k.tolist() == torch.diff(b).tolist()
 
@@ -315,7 +315,7 @@ def test_boundaries_ok(cu_q, cu_k, t_q, t_k, max_q, max_k, ok):
 def test_max_seqlen_below_a_document_raises_in_the_cuda_dispatch(monkeypatch):
     """The CUDA dispatch (run here on CPU tensors, flash replaced by the CPU kernel) refuses the
     issue-17 case; on CUDA the same check is a device-side assertion."""
-    monkeypatch.setattr(varlen, "_flash_fwd", varlen._cpu_fwd)
+    monkeypatch.setattr(flash_kernel, "flash_fwd", varlen._cpu_fwd)
     q, k, v = _qkv(512, 4, 4, 64)
     cu = _cu(0, 300, 512)
     with pytest.raises(RuntimeError, match="no document longer than max_seqlen_q=64"):
@@ -326,29 +326,29 @@ def test_max_seqlen_below_a_document_raises_in_the_cuda_dispatch(monkeypatch):
 
 def test_boundary_check_runs_once_per_tensor_and_version(monkeypatch):
     runs = []
-    real = varlen._assert_boundaries
+    real = boundaries.assert_boundaries
 
     def counted(*args):
         runs.append(args[0])
         return real(*args)
 
-    monkeypatch.setattr(varlen, "_assert_boundaries", counted)
-    monkeypatch.setattr(varlen, "_boundary_cache", {})
+    monkeypatch.setattr(boundaries, "assert_boundaries", counted)
+    monkeypatch.setattr(boundaries, "_boundary_cache", {})
     cu = _cu(0, 3, 8)
     for _ in range(3):
-        varlen._checked_lengths(cu, cu, 8, 8, 5, 5)
+        boundaries.checked_lengths(cu, cu, 8, 8, 5, 5)
     assert len(runs) == 1
     cu.add_(0)  # an in-place write: a new version, checked again
-    varlen._checked_lengths(cu, cu, 8, 8, 5, 5)
+    boundaries.checked_lengths(cu, cu, 8, 8, 5, 5)
     twin = cu.clone()  # equal values, another tensor: checked again
-    varlen._checked_lengths(twin, twin, 8, 8, 5, 5)
-    varlen._checked_lengths(cu, cu, 8, 8, 6, 6)  # other settings
+    boundaries.checked_lengths(twin, twin, 8, 8, 5, 5)
+    boundaries.checked_lengths(cu, cu, 8, 8, 6, 6)  # other settings
     assert len(runs) == 4
     cu[2] = 9  # a bad value written in place is caught
     with pytest.raises(RuntimeError):
-        varlen._checked_lengths(cu, cu, 8, 8, 5, 5)
+        boundaries.checked_lengths(cu, cu, 8, 8, 5, 5)
     with torch.inference_mode():
         inf_cu = _cu(0, 3, 8)
-    varlen._checked_lengths(inf_cu, inf_cu, 8, 8, 5, 5)
-    varlen._checked_lengths(inf_cu, inf_cu, 8, 8, 5, 5)  # no version counter: never cached
+    boundaries.checked_lengths(inf_cu, inf_cu, 8, 8, 5, 5)
+    boundaries.checked_lengths(inf_cu, inf_cu, 8, 8, 5, 5)  # no version counter: never cached
     assert len(runs) == 7

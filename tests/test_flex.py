@@ -140,52 +140,52 @@ def test_flex_kernel_build_failure_is_a_build_error(monkeypatch):
 
 
 def test_kernel_choice_rules():
-    from usp_graph.ops import flex_kernel, varlen
+    from usp_graph.ops import boundaries, flex_kernel, kernel_choice
 
     cu = torch.tensor([0, 100, 256], dtype=torch.int32)
     twin = cu.clone()  # equal values, other memory: not known to be equal without a sync
     bf = torch.zeros(256, 4, 128, dtype=torch.bfloat16)
-    assert varlen._flex_applies(bf, bf, bf, cu, cu)
-    assert not varlen._flex_applies(bf, bf, bf, cu, twin)
-    assert not varlen._flex_applies(bf[:200], bf[:200], bf[:200], cu, cu)  # not a whole block count
-    assert not varlen._flex_applies(bf.float(), bf.float(), bf.float(), cu, cu)
-    assert not varlen._flex_applies(bf[..., :96], bf[..., :96], bf[..., :96], cu, cu)  # K not a power of 2
-    assert varlen._same_boundaries(bf, bf, cu, cu) and not varlen._same_boundaries(bf, bf, cu, twin)
+    assert kernel_choice._flex_applies(bf, bf, bf, cu, cu)
+    assert not kernel_choice._flex_applies(bf, bf, bf, cu, twin)
+    assert not kernel_choice._flex_applies(bf[:200], bf[:200], bf[:200], cu, cu)  # not a whole block count
+    assert not kernel_choice._flex_applies(bf.float(), bf.float(), bf.float(), cu, cu)
+    assert not kernel_choice._flex_applies(bf[..., :96], bf[..., :96], bf[..., :96], cu, cu)  # K not a power of 2
+    assert boundaries.same_boundaries(bf, bf, cu, cu) and not boundaries.same_boundaries(bf, bf, cu, twin)
 
-    with varlen.cuda_kernel("flex"):
-        assert varlen._use_flex(bf, bf, bf, cu, cu, True, 0.1)
-        assert not varlen._use_flex(bf, bf, bf, cu, twin, True, 0.1)
-    with varlen.cuda_kernel("flash"):
-        assert not varlen._use_flex(bf, bf, bf, cu, cu, True, 0.1)
-    assert varlen._cuda_kernel == "auto"
+    with kernel_choice.cuda_kernel("flex"):
+        assert kernel_choice._use_flex(bf, bf, bf, cu, cu, True, 0.1)
+        assert not kernel_choice._use_flex(bf, bf, bf, cu, twin, True, 0.1)
+    with kernel_choice.cuda_kernel("flash"):
+        assert not kernel_choice._use_flex(bf, bf, bf, cu, cu, True, 0.1)
+    assert kernel_choice._cuda_kernel == "auto"
     # auto: shapes only, never boundary values
-    long = torch.zeros(varlen.FLEX_MIN_TOKENS, 4, 128, dtype=torch.bfloat16)
-    assert varlen._auto_kernel(long) == "flex"
-    assert varlen._auto_kernel(long[..., :64]) == "flash"  # head dim outside the measured range
-    assert varlen._auto_kernel(bf) == "flash"
+    long = torch.zeros(kernel_choice.FLEX_MIN_TOKENS, 4, 128, dtype=torch.bfloat16)
+    assert kernel_choice._auto_kernel(long) == "flex"
+    assert kernel_choice._auto_kernel(long[..., :64]) == "flash"  # head dim outside the measured range
+    assert kernel_choice._auto_kernel(bf) == "flash"
 
     # a shape whose flex build failed runs flash from then on, with one warning
     key = flex_kernel.plan_key(bf, bf, bf, True, 0.1)
     try:
         with pytest.warns(RuntimeWarning, match="flash varlen runs this shape"):
-            varlen._flex_failed(bf, bf, bf, True, 0.1, flex_kernel.BuildError("cannot build"))
-        with varlen.cuda_kernel("flex"):
-            assert not varlen._use_flex(bf, bf, bf, cu, cu, True, 0.1)
-            assert varlen._use_flex(bf, bf, bf, cu, cu, False, 0.1)
+            kernel_choice._flex_failed(bf, bf, bf, True, 0.1, flex_kernel.BuildError("cannot build"))
+        with kernel_choice.cuda_kernel("flex"):
+            assert not kernel_choice._use_flex(bf, bf, bf, cu, cu, True, 0.1)
+            assert kernel_choice._use_flex(bf, bf, bf, cu, cu, False, 0.1)
     finally:
-        varlen._flex_broken.discard(key)
+        kernel_choice._flex_broken.discard(key)
 
 
 def test_kernel_setting_is_checked():
     import subprocess
     import sys
 
-    from usp_graph.ops import varlen
+    from usp_graph.ops import kernel_choice
 
     with pytest.raises(ValueError, match="cuda_kernel must be one of auto, flash, flex"):
-        with varlen.cuda_kernel("triton"):
+        with kernel_choice.cuda_kernel("triton"):
             pass
-    assert varlen._cuda_kernel == "auto"
+    assert kernel_choice._cuda_kernel == "auto"
     env_bad = subprocess.run(
         [sys.executable, "-c", "import usp_graph"],
         env={**__import__("os").environ, "USP_CUDA_ATTENTION": "fast"},
@@ -239,7 +239,7 @@ def test_flex_entry_points_end_to_end(monkeypatch):
 def _first_call_setup(monkeypatch, flex_fwd_result, flex_bwd_result):
     """`_cuda_fwd`/`_cuda_bwd` run on CPU: flash is the CPU kernel, flex returns what the test
     gives (a function of flash's own result); calls are counted."""
-    from usp_graph.ops import flex_kernel, varlen
+    from usp_graph.ops import flash_kernel, flex_kernel, kernel_choice, varlen
 
     calls = {"flash_fwd": 0, "flash_bwd": 0, "flex_fwd": 0, "flex_bwd": 0}
 
@@ -250,8 +250,8 @@ def _first_call_setup(monkeypatch, flex_fwd_result, flex_bwd_result):
 
         return run
 
-    monkeypatch.setattr(varlen, "_flash_fwd", counted("flash_fwd", varlen._cpu_fwd))
-    monkeypatch.setattr(varlen, "_flash_bwd", counted("flash_bwd", varlen._cpu_bwd))
+    monkeypatch.setattr(flash_kernel, "flash_fwd", counted("flash_fwd", varlen._cpu_fwd))
+    monkeypatch.setattr(flash_kernel, "flash_bwd", counted("flash_bwd", varlen._cpu_bwd))
     monkeypatch.setattr(
         flex_kernel,
         "flex_fwd",
@@ -270,8 +270,8 @@ def _first_call_setup(monkeypatch, flex_fwd_result, flex_bwd_result):
             ),
         ),
     )
-    monkeypatch.setattr(varlen, "_flex_checked", set())
-    monkeypatch.setattr(varlen, "_flex_broken", set())
+    monkeypatch.setattr(kernel_choice, "_flex_checked", set())
+    monkeypatch.setattr(kernel_choice, "_flex_broken", set())
     gen = torch.Generator().manual_seed(7)
     lens = _lengths(gen, 256)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -335,7 +335,7 @@ def test_flex_first_call_disagrees_falls_back_to_flash(monkeypatch, corrupt, whe
 
 
 def test_disagreement_compares_infinities_and_scale():
-    from usp_graph.ops.varlen import FLEX_CHECK_TOL, _disagreement
+    from usp_graph.ops.kernel_choice import FLEX_CHECK_TOL, _disagreement
 
     ref = torch.tensor([1.0, -2.0, float("-inf"), 3.0])
     assert _disagreement(("x",), (ref.clone(),), (ref,)) is None

@@ -12,6 +12,7 @@ from functorch.compile import aot_function, make_boxed_func
 from tests.reference import rel_err as _rel
 from usp_graph import AttentionMetadata, sdpa_to_usp, varlen_attn
 from usp_graph.graphfile import load_graph_module, save_graph_module
+from usp_graph.ops import cpu_kernel
 from usp_graph.ops import varlen as varlen_mod
 from usp_graph.ops.window import flash_window
 
@@ -141,7 +142,7 @@ def test_long_documents_run_in_row_blocks_exactly():
     # Documents longer than one block of query rows: the blocks' key ranges overlap, and their key
     # gradients are summed.
     gen = torch.Generator().manual_seed(5)
-    rows = varlen_mod._WINDOW_ROWS
+    rows = cpu_kernel.WINDOW_ROWS
     lens = [rows * 2 + 37, 5, rows + 1]
     meta = AttentionMetadata.from_lengths(lens)
     q, k, v = _qkv(gen, meta.total_tokens, meta.total_tokens, 2, 1, 4)

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from .. import registry
 from ..distributed import record_sent
-from .varlen import _lse_dtype
+from .boundaries import lse_dtype as _lse_dtype
 from .window import NO_WINDOW, bounds
 
 __all__ = ["ring_attn_fwd", "ring_attn_bwd", "pair_view"]
