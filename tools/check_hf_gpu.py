@@ -3,35 +3,30 @@
     PYTHONUNBUFFERED=1 python tools/check_hf_gpu.py            # on a CUDA machine
     python tools/check_hf_gpu.py --device cpu --quick           # smoke test
 
-1. ``window``: usp's varlen op with sliding windows on CUDA (bf16, fwd + bwd) against a float32
-   per-document reference with an explicit window mask, random documents with length-1 ones,
+1. ``window``: usp's varlen op with sliding windows on CUDA (bf16, fwd + bwd) against the float64
+   per-document reference (`usp_graph.testing.attention_reference`), random documents with length-1 ones,
    causal and bidirectional, GQA; relative errors must stay under 2e-2 (bf16 operands).
 2. ``models``: tiny transformers Mistral (sliding window shorter than a document), Qwen2 and
    Gemma3 in float32 under ``backend="usp"`` (inductor) with packed documents, ``use_cache`` True
    and False, against each document run alone through the plain model (float32: under 1e-4).
 3. ``option``: the 32K-token Llama train step of `bench_hf_gpu.py` with documents derived from
    ``position_ids`` inside the graph (``options={"documents": "position_ids"}``, capacity one slot
-   per token, and ``max_docs=64``) against ``documents(meta)``: time and loss.
+   per token, and ``max_docs=64``) against ``documents(meta)``: time (`harness.time_ms`) and loss.
 Prints PASS/FAIL per check and ALL PASS at the end when every check passed.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
+from harness import time_ms
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import usp_graph  # noqa: E402
-from usp_graph import AttentionMetadata  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from usp_graph.testing import lognormal_lengths
+import usp_graph
+from usp_graph import AttentionMetadata
+from usp_graph.testing import attention_reference, cu_seqlens, lognormal_lengths
+from usp_graph.testing import rel_err as _rel
 
 FAILED: list[str] = []
 
@@ -43,11 +38,6 @@ def _report(name: str, err: float, tol: float) -> None:
         FAILED.append(name)
 
 
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.detach().float(), ref.detach().float()
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
 def check_window(device: str, quick: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     total = 512 if quick else 4096
@@ -57,7 +47,7 @@ def check_window(device: str, quick: bool) -> None:
         ((128, -1), False, (8, 4)),
     ):
         lengths = lognormal_lengths(total, total / 6, seed=len(FAILED) + window[0]) + [1]
-        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
+        cu = cu_seqlens(lengths, device=device)
         t = sum(lengths)
         q, k, v, go = (torch.randn(t, n, 128, generator=gen).to(device, torch.bfloat16) for n in (h, g, g, h))
         for x in (q, k, v):
@@ -66,34 +56,16 @@ def check_window(device: str, quick: bool) -> None:
             q, k, v, cu, cu, max(lengths), max(lengths), is_causal=causal, enable_gqa=True, window=window
         )
         out.backward(go)
-        refs = [], [], [], []
-        start = 0
-        for n in lengths:
-            qd, kd, vd = (x.detach()[start : start + n].float().requires_grad_() for x in (q, k, v))
-            idx = torch.arange(n, device=device)
-            keep = (
-                (idx[:, None] - idx[None, :] <= window[0])
-                if window[0] >= 0
-                else torch.ones(n, n, dtype=torch.bool, device=device)
-            )
-            right = 0 if causal else window[1]
-            if right >= 0:
-                keep = keep & (idx[None, :] - idx[:, None] <= right)
-            o = F.scaled_dot_product_attention(
-                qd.transpose(0, 1)[None],
-                kd.transpose(0, 1)[None],
-                vd.transpose(0, 1)[None],
-                attn_mask=keep,
-                enable_gqa=True,
-            )[0].transpose(0, 1)
-            o.backward(go[start : start + n].float())
-            for lst, val in zip(refs, (o.detach(), qd.grad, kd.grad, vd.grad), strict=True):
-                lst.append(val)
-            start += n
+        q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        ref_out, _ = attention_reference(q64, k64, v64, cu, is_causal=causal, window=window)
+        ref_out.backward(go.double())
         for name, got, ref in zip(
-            ("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), refs, strict=True
+            ("out", "dq", "dk", "dv"),
+            (out, q.grad, k.grad, v.grad),
+            (ref_out, q64.grad, k64.grad, v64.grad),
+            strict=True,
         ):
-            _report(f"window {window} causal={causal} H/G={h}/{g} {name}", _rel(got, torch.cat(ref)), 2e-2)
+            _report(f"window {window} causal={causal} H/G={h}/{g} {name}", _rel(got, ref), 2e-2)
 
 
 def check_models(device: str) -> None:
@@ -204,16 +176,11 @@ def check_option(device: str, quick: bool) -> None:
             loss.backward()
             return loss.detach()
 
-        for _ in range(2):
-            loss = step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            loss = step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        rows[name] = ((time.perf_counter() - t0) / 5 * 1e3, float(loss))
+        losses = []
+        ms = time_ms(
+            lambda step=step, losses=losses: losses.append(step()), device, warmup=2, reps=5
+        ).median_ms
+        rows[name] = (ms, float(losses[-1]))
         print(f"{name:40s} {rows[name][0]:8.1f} ms  loss {rows[name][1]:.5f}")
     base = rows["documents(meta)"][1]
     for name, (_, loss) in rows.items():
