@@ -4,10 +4,10 @@
 # T packed tokens, H query heads, G key/value heads, K head dim, N document slots
 
 Run on a CUDA machine with ``nvidia-cudnn-frontend`` importable, from the repo root:
-    PYTHONUNBUFFERED=1 python tools/check_cudnn_gpu.py [--json OUT.json]
+    PYTHONUNBUFFERED=1 python tools/check_cudnn_gpu.py [--json OUT.jsonl]
 
-1. ``forms``: every varlen form under ``cuda_kernel("cudnn")`` against usp's per-document math
-   path in float64 (out, lse, dq, dk, dv; bf16/fp16 tolerance 2e-2): self-attention with empty
+1. ``forms``: every varlen form under ``cuda_kernel("cudnn")`` against the float64 per-document
+   reference (`usp_graph.testing.attention_reference`; out, lse, dq, dk, dv; bf16/fp16 tolerance 2e-2): self-attention with empty
    and length-1 documents and unused capacity, GQA, head dims 64/128, distinct query/key
    boundaries (bottom-right causal, documents without keys or without queries), keys outside every
    document (zero gradient), sliding windows. Each case must run on cuDNN (graph executions
@@ -25,34 +25,26 @@ Exits non-zero when any check fails.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
 import sys
-import time
 import warnings
 
 import torch
+from harness import Results, stopwatch, time_ms
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from usp_graph import varlen_attn  # noqa: E402
-from usp_graph.ops import cudnn_kernel, varlen  # noqa: E402
-from usp_graph.ops.varlen import _math_bwd, _math_fwd, cuda_kernel  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from usp_graph.testing import lognormal_lengths
+from usp_graph import varlen_attn
+from usp_graph.ops import cudnn_kernel, varlen
+from usp_graph.ops.varlen import cuda_kernel
+from usp_graph.testing import attention_reference, lognormal_lengths, rel_err
 
 RESULTS: list[dict] = []
 TOL = 2e-2
 
 
 def rel(x, ref):
-    x, ref = x.double(), ref.double()
+    """`rel_err` over the entries where the reference is finite (lse is -inf on rows with no key)."""
     finite = torch.isfinite(ref)
-    x, ref = torch.where(finite, x, 0), torch.where(finite, ref, 0)
-    d = ref.norm().item()
-    return (x - ref).norm().item() / (d if d > 0 else 1.0)
+    return rel_err(torch.where(finite, x.double(), 0), torch.where(finite, ref.double(), 0))
 
 
 def cu_of(lens, extra_slots, dev, offset=0):
@@ -99,10 +91,11 @@ def form(name, lens_q, lens_k, h, g, d, causal, *, window=(-1, -1), pad=(0, 0), 
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     ran = {kind: cudnn_kernel._runs[kind] - runs[kind] for kind in runs}
     fallbacks = [str(w.message)[:300] for w in caught if issubclass(w.category, RuntimeWarning)]
-    q64, k64, v64, do64 = (x.detach().double() for x in (q, k, v, dout))
-    args = (cu_q, cu_k, max_q, max_k, causal, scale, *window)
-    ref_out, ref_lse = _math_fwd(q64, k64, v64, *args)
-    rq, rk, rv = _math_bwd(do64, q64, k64, v64, ref_out, ref_lse, *args)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = attention_reference(
+        q64, k64, v64, cu_q, cu_k, is_causal=causal, scale=scale, window=window
+    )
+    rq, rk, rv = torch.autograd.grad(ref_out, (q64, k64, v64), dout.double())
     errs = {
         "out": rel(out, ref_out),
         "lse": rel(lse, ref_lse),
@@ -156,9 +149,9 @@ def check_reuse(gen):
         with cuda_kernel("cudnn"):
             out = varlen_attn(q, k, v, cu, cu, 2048, 2048, is_causal=True)
             grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
-        q64, k64, v64 = (x.detach().double() for x in (q, k, v))
-        ro, rl = _math_fwd(q64, k64, v64, cu, cu, 2048, 2048, True, d**-0.5)
-        rg = _math_bwd(2 * ro, q64, k64, v64, ro, rl, cu, cu, 2048, 2048, True, d**-0.5)
+        q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        ro, _ = attention_reference(q64, k64, v64, cu, is_causal=True, scale=d**-0.5)
+        rg = torch.autograd.grad(ro.square().sum(), (q64, k64, v64))
         ok &= rel(out, ro) <= TOL and all(rel(a, b) <= TOL for a, b in zip(grads, rg, strict=True))
     new = {kind: cudnn_kernel._builds[kind] - builds[kind] for kind in builds}
     # the first boundaries build one forward and one backward graph; the others none
@@ -166,18 +159,7 @@ def check_reuse(gen):
 
 
 def _time(fn, reps=10):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
+    return time_ms(fn, "cuda", warmup=2, reps=reps).median_ms
 
 
 def check_determinism(gen):
@@ -219,8 +201,7 @@ def check_determinism(gen):
 
 
 _CHILD = """
-import sys, torch
-sys.path.insert(0, {root!r})
+import torch
 from usp_graph import varlen_attn
 from usp_graph.ops.varlen import cuda_kernel
 cu = torch.tensor([0, 300, 512], dtype=torch.int32, device="cuda")
@@ -234,11 +215,10 @@ print("RETURNED", float(out.float().abs().max()))
 
 
 def check_max_seqlen():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ok = True
     for kernel in ("flash", "cudnn", "auto"):
         for max_len, must_fail in ((64, True), (300, False)):
-            p = subprocess.run([sys.executable, "-c", _CHILD.format(root=root, kernel=kernel, max_len=max_len)],
+            p = subprocess.run([sys.executable, "-c", _CHILD.format(kernel=kernel, max_len=max_len)],
                                capture_output=True, text=True, timeout=180)  # fmt: skip
             failed = p.returncode != 0 and "RETURNED" not in p.stdout
             tail = (p.stderr.strip().splitlines() or [""])[-1][:200]
@@ -249,7 +229,7 @@ def check_max_seqlen():
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="append one JSON line per check here")
     ap.add_argument("--only", default="forms,reuse,determinism,max_seqlen")
     args = ap.parse_args()
     cudnn = cudnn_kernel.module()
@@ -259,9 +239,19 @@ def main() -> int:
         print("FAIL: the cuDNN frontend is not importable")
         return 1
     gen = torch.Generator(device="cuda").manual_seed(0)
+    with stopwatch("cuda") as watch:
+        ok = run_checks(args.only.split(","), gen)
+    print(f"builds {cudnn_kernel._builds}, runs {cudnn_kernel._runs}, {watch.seconds:.0f} s")
+    out = Results(args.json, bench="check_cudnn", device="cuda")
+    for r in RESULTS:
+        out.write(**r)
+    print("ALL PASS" if ok else "SOME FAILED")
+    return 0 if ok else 1
+
+
+def run_checks(names, gen) -> bool:
     ok = True
-    t0 = time.time()
-    for name in args.only.split(","):
+    for name in names:
         try:
             if name == "forms":
                 ok &= check_forms(gen)
@@ -276,12 +266,7 @@ def main() -> int:
 
             traceback.print_exc()
             ok &= record(name, False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-    print(f"builds {cudnn_kernel._builds}, runs {cudnn_kernel._runs}, {time.time() - t0:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "results": RESULTS}, f, indent=1, default=str)
-    print("ALL PASS" if ok else "SOME FAILED")
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":
