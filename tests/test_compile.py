@@ -197,7 +197,7 @@ def test_unknown_option_lists_the_valid_keys():
     ):
         UspOptions.parse({"fullgraph": True})
     f = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend="usp", options={"nope": 1})
-    with pytest.raises(Exception, match=r"\['cp', 'documents', 'dump_dir', 'inner', 'max_docs', 'on_compile', 'verify'\]") as info:
+    with pytest.raises(Exception, match=r"\['cp', 'disable', 'documents', 'dump_dir', 'dump_passes', 'inner', 'max_docs', 'on_compile', 'verify'\]") as info:
         f(torch.randn(1, 1, 4, 2))
     assert isinstance(info.value.inner_exception, ValueError)  # Dynamo wraps what a backend raises
 

@@ -8,7 +8,10 @@
 - `usp_backend`: the backend function; registered as ``"usp"`` through the entry point
   ``torch_dynamo_backends`` (so ``backend="usp"`` works without importing usp_graph) and by
   `register` when usp_graph is imported.
-- `UspOptions`: ``options={...}`` parsed (``cp``, ``inner``, ``dump_dir``, ``verify``, ``on_compile``).
+- `UspOptions`: ``options={...}`` parsed (``cp``, ``inner``, ``dump_dir``, ``verify``, ``disable``,
+  ``dump_passes``, ``on_compile``, ``documents``, ``max_docs``).
+- `backend_pipeline`: the backend's passes, a `usp_graph.passes.Pipeline` (``print`` it for the
+  names that options ``disable`` and ``dump_passes`` take).
 - `documents`: per-call document metadata, fed to the compiled graphs as inputs (no recompile).
 - `CompileReport`: what one compile did (``options["on_compile"]``).
 """
@@ -21,6 +24,7 @@ from importlib.metadata import EntryPoint
 from .compiler import BACKEND_NAME, CompileReport, usp_backend
 from .documents import EagerAttentionError, current_documents, documents
 from .options import DEFAULT_INNER, INNER_COMPILERS, UspOptions
+from .pipeline import backend_pipeline
 
 __all__ = [
     "BACKEND_NAME",
@@ -28,6 +32,7 @@ __all__ = [
     "DEFAULT_INNER",
     "INNER_COMPILERS",
     "UspOptions",
+    "backend_pipeline",
     "EagerAttentionError",
     "current_documents",
     "documents",

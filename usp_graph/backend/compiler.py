@@ -5,14 +5,18 @@
 For each graph Dynamo hands over (one per frame, so one per side of a graph break):
 
 1. copy it (Dynamo keeps using its own graph after the backend returns);
-2. append the document metadata inputs (`inputs.add_metadata_inputs`) when every attention site
-   shares one (batch, length), and run the shared rewrite pass (`rewrite_sdpa`, which calls
-   `sdpa_to_usp`: the op sequence eager `attention_mode` runs), with `cp` forwarded;
-3. verify the rewritten graph (no SDPA left unless reported, every usp op has a rule);
-4. AOTAutograd: the backward is whatever the ops' registered rules emit (``usp::varlen_bwd``,
-   adjoint collectives); the joint graph is tagged and verified before it is partitioned;
-5. the inner compiler (``aot_eager`` or ``inductor``) compiles forward and backward;
-6. return a function that appends the metadata of the current `documents(...)` block (or the
+2. run the first stage of the backend's `Pipeline` (`pipeline.backend_pipeline`, the type the
+   tracer runs: passes named, disable-able and dumpable through options ``disable`` and
+   ``dump_passes``): ``rewrite_sdpa`` appends the document metadata inputs
+   (`inputs.add_metadata_inputs`) when every attention site shares one (batch, length) and runs
+   the shared rewrite (`rewrite_sdpa`, which calls `sdpa_to_usp`: the op sequence eager
+   `attention_mode` runs), with `cp` forwarded; ``verify_rewrite`` verifies the rewritten graph
+   (no SDPA left unless reported, every usp op has a rule);
+3. AOTAutograd: the backward is whatever the ops' registered rules emit (``usp::varlen_bwd``,
+   adjoint collectives); the pipeline's second stage runs on the joint graph before it is
+   partitioned: ``joint`` tags it (provenance), ``verify`` verifies it;
+4. the inner compiler (``aot_eager`` or ``inductor``) compiles forward and backward;
+5. return a function that appends the metadata of the current `documents(...)` block (or the
    per-row metadata) to Dynamo's arguments at every call.
 """
 
@@ -28,14 +32,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..passes.base import tag_nodes
-from ..passes.rewrite import rewrite_sdpa
-from ..passes.verify import verify
+from ..passes.base import PipelineRun, tag_nodes
 from ..sites import find_sites, node_value
 from .dump import AOT_GRAPHS, GraphDump, site_record, usp_op_counts
-from .inputs import MetadataFeed, add_metadata_inputs, check_not_guarded, metadata_hints, shared_rows
-from .joint import input_requires_grad, tag_joint, verify_joint
+from .inputs import MetadataFeed, check_not_guarded, metadata_hints, shared_rows
+from .joint import input_requires_grad
 from .options import UspOptions
+from .pipeline import JOINT_STAGE, CompileContext
 
 __all__ = ["usp_backend", "CompileReport", "BACKEND_NAME"]
 
@@ -55,7 +58,9 @@ class CompileReport:
     graphs: the graphs AOTAutograd made (``joint``, ``forward``, ``backward``, ``inference``) by the
     time the compile returned. usp_ops: per phase of the joint graph (``"forward"``/``"backward"``;
     ``"inference"`` without grad), usp op name -> count: the ops and adjoint collectives autograd
-    emitted from the registered rules.
+    emitted from the registered rules. passes: each pass of the backend's pipeline that ran by
+    then -> its match count (``rewrite_sdpa``: sites rewritten; ``joint``: backward nodes
+    attributed to a forward node; the verify passes: forward ops paired, as in the tracer).
     """
 
     graph: str
@@ -68,6 +73,7 @@ class CompileReport:
     dump: str | None = None
     graphs: tuple[str, ...] = field(default=())
     usp_ops: dict[str, dict[str, int]] = field(default_factory=dict)
+    passes: dict[str, int] = field(default_factory=dict)
 
 
 def usp_backend(
@@ -79,7 +85,8 @@ def usp_backend(
 ) -> Callable[..., Any]:
     """The ``"usp"`` backend: ``torch.compile(model, backend="usp", options={...})``.
 
-    Options (`UspOptions`): ``cp``, ``inner``, ``dump_dir``, ``verify``, ``on_compile``.
+    Options (`UspOptions`): ``cp``, ``inner``, ``dump_dir``, ``verify``, ``disable``,
+    ``dump_passes``, ``on_compile``, ``documents``, ``max_docs``.
     Per-call document boundaries come from `usp_graph.documents`.
     """
     if kwargs:
@@ -138,15 +145,16 @@ class _Compile:
         self.input_info: list[dict[str, Any]] = []
         self.requires_grad: list[bool] = []
         self.usp_ops: dict[str, dict[str, int]] = {}
+        self.pipeline = opts.pipeline()
+        self.ctx = CompileContext(cp=opts.cp)
+        self.passes: PipelineRun | None = None
 
     # -- hooks the inner compilers call ----------------------------------------------------------
 
     def on_joint(self, joint: fx.GraphModule) -> None:
         self.trained = True
-        if self.opts.verify:
-            verify_joint(joint, self.requires_grad)
-        else:
-            tag_joint(joint, self.requires_grad)
+        # AOTAutograd traced this graph: its nodes keep the tags provenance gives them, no usp_pass.
+        self.pipeline.run(joint, self.ctx, only=JOINT_STAGE, into=self.passes, tag=False)
         self.usp_ops = usp_op_counts(joint)
         self._record("joint", joint)
 
@@ -171,9 +179,15 @@ class _Compile:
         values = [node_value(p) for p in gm.graph.find_nodes(op="placeholder")]
         fake_mode, env = _fake_mode_and_env(values)
         sites = find_sites(gm)
-        todo = [s for s in sites if s.rewritable]
-        kept = [s for s in sites if not s.rewritable]
+        rewrite = self.pipeline.enabled("rewrite_sdpa")
+        todo = [s for s in sites if s.rewritable] if rewrite else []
+        kept = [s for s in sites if not s.rewritable] if rewrite else list(sites)
         world = opts.cp.world if opts.cp is not None else 1
+        if opts.cp is not None and sites and not rewrite:
+            raise ValueError(
+                "under context parallelism every SDPA must be rewritten (a plain SDPA would attend within this "
+                "rank's shard only), but option 'disable' turns pass 'rewrite_sdpa' off"
+            )
         if opts.cp is not None and kept:
             raise ValueError(
                 "under context parallelism every SDPA must be rewritten (a plain SDPA would attend within this "
@@ -181,9 +195,10 @@ class _Compile:
             )
         if kept:
             # Reported, not silent: these keep SDPA's one-document-per-row semantics.
+            why = "" if rewrite else " (pass rewrite_sdpa is disabled)"
             warnings.warn(
-                f"usp backend: graph {self.name} keeps {len(kept)} SDPA call(s) as SDPA, and calling it inside "
-                "usp_graph.documents(...) will raise: " + "; ".join(s.describe() for s in kept),
+                f"usp backend: graph {self.name} keeps {len(kept)} SDPA call(s) as SDPA{why}, and calling it "
+                "inside usp_graph.documents(...) will raise: " + "; ".join(s.describe() for s in kept),
                 stacklevel=2,
             )
         if opts.dump_dir is not None:
@@ -210,30 +225,24 @@ class _Compile:
             )
         cross = [s for s in todo if s.cross]
         kv_length = _kv_length(cross, self.name) if cross and mode == "inputs" else None
-        extra: list[Any] = []
-        symbols: frozenset = frozenset()
         device = node_value(todo[0].query).device if todo else None
+        ctx = self.ctx
+        ctx.shape_env, ctx.fake_mode, ctx.device, ctx.positions = env, fake_mode, device, positions
         if mode == "inputs":
-            capacity, max_seqlen = metadata_hints(rows, world)
-            meta_in = add_metadata_inputs(
-                gm,
-                shape_env=env,
-                fake_mode=fake_mode,
-                device=device,
-                capacity=capacity,
-                max_seqlen=max_seqlen,
-                kv_max_seqlen=_hint(kv_length) if kv_length is not None else None,
-            )
-            extra = meta_in.values
-            symbols = meta_in.symbols
-        result = rewrite_sdpa(gm, cp=opts.cp, positions=positions)
-        assert result.matches == len(todo), (result.matches, len(todo))
+            ctx.capacity, ctx.max_seqlen = metadata_hints(rows, world)
+            ctx.kv_max_seqlen = _hint(kv_length) if kv_length is not None else None
+        if self.dump is not None and self.pipeline.dump:
+            self.pipeline = self.pipeline.with_dump(self.dump.dir, only=self.pipeline.dump)
+        self.passes = self.pipeline.run(gm, ctx, only=["rewrite_sdpa"])
+        if rewrite:
+            assert self.passes.result("rewrite_sdpa").matches == len(todo), (self.passes.matches, len(todo))
+        extra: list[Any] = ctx.metadata_inputs.values if ctx.metadata_inputs is not None else []
+        symbols = ctx.metadata_inputs.symbols if ctx.metadata_inputs is not None else frozenset()
         names = ["cu_seqlens", "max_seqlen", "cu_seqlens_kv", "max_seqlen_kv"][: len(extra)]
         if self.dump is not None:
             self.dump.update(metadata={"mode": mode, "inputs": names})
             self.dump.graph("rewritten", gm)
-        if opts.verify:
-            verify(gm)
+        self.pipeline.run(gm, ctx, only=["verify_rewrite"], into=self.passes)
 
         inputs = self.example_inputs + extra
         self.input_info = (
@@ -242,6 +251,7 @@ class _Compile:
         )
         # Primal i of the joint graph is input i (no parameters are lifted: Dynamo makes them inputs).
         self.requires_grad = input_requires_grad(inputs)
+        ctx.requires_grad = self.requires_grad
         compiled = _INNER[opts.inner](gm, inputs, self)
         if symbols:
             check_not_guarded(env, symbols, self.name)
@@ -275,6 +285,7 @@ class _Compile:
             dump=str(self.dump.dir) if self.dump is not None else None,
             graphs=tuple(self.graphs),
             usp_ops=self.usp_ops,
+            passes=self.passes.matches,
         )
         if self.dump is not None:
             self.dump.update(compile_seconds=seconds)

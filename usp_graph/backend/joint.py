@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
+from ..passes.base import PassResult
 from ..passes.provenance import tag_aot_joint
 from ..passes.verify import verify
 from ..sites import find_sites
@@ -30,16 +31,15 @@ def tag_joint(joint: fx.GraphModule, requires_grad: Sequence[bool] | None) -> No
     tag_aot_joint(joint, requires_grad)
 
 
-def verify_joint(joint: fx.GraphModule, requires_grad: Sequence[bool] | None) -> None:
-    """`tag_joint`, then the verify pass on the joint graph (raises `VerifyError`).
+def verify_joint(joint: fx.GraphModule) -> PassResult:
+    """The verify pass on a joint graph `tag_joint` tagged (raises `VerifyError`).
 
     SDPA kernels still in the joint come only from sites the rewrite reported as kept: the
     rewritten forward graph passed verify before AOTAutograd ran, and AOTAutograd does not add
     attention. So they are marked kept here, and verify checks the rules and the adjoints.
     """
-    tag_joint(joint, requires_grad)
     joint.meta["usp_skipped"] = [(s.node.name, s.reason, s.source) for s in find_sites(joint)]
-    verify(joint)
+    return verify(joint)
 
 
 def input_requires_grad(inputs: Sequence[object]) -> list[bool]:

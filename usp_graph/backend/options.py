@@ -40,7 +40,14 @@ class UspOptions:
         summary, and graph files when `usp_graph` can write them). None: no dump.
     verify: run the verify pass on the rewritten graph and on the joint forward+backward graph
         (default True): no SDPA left unless reported, every usp op has its registered rule, every
-        forward collective its adjoint in the backward.
+        forward collective its adjoint in the backward. False disables both verify passes.
+    disable: names of the backend's passes to disable (a str or a list; see
+        `usp_graph.backend.backend_pipeline`, printable: ``rewrite_sdpa``, ``verify_rewrite``,
+        ``joint`` (required), ``verify``), as ``Pipeline.disable`` does for the tracer. With
+        ``rewrite_sdpa`` disabled every SDPA stays SDPA (refused under ``cp``; `documents` raises).
+    dump_passes: True, or names of the backend's passes: write each one's graph before and after
+        it runs into the graph's dump directory (``NN_<pass>.before.txt`` / ``.after.txt``), as
+        ``Pipeline.with_dump`` does for the tracer; needs `dump_dir`. False (default): none.
     on_compile: called with a `usp_graph.backend.CompileReport` after each graph is compiled
         (sites rewritten and kept, metadata inputs, timings); None: nothing is called.
     documents: the name of the model argument holding position ids (e.g. ``"position_ids"``) that
@@ -59,6 +66,8 @@ class UspOptions:
     inner: str = DEFAULT_INNER
     dump_dir: Path | None = None
     verify: bool = True
+    disable: tuple[str, ...] = ()
+    dump_passes: bool | tuple[str, ...] = False
     on_compile: Callable[[Any], None] | None = None
     documents: str | None = None
     max_docs: int | None = None
@@ -84,6 +93,14 @@ class UspOptions:
             object.__setattr__(self, "dump_dir", Path(self.dump_dir))
         if not isinstance(self.verify, bool):
             raise TypeError(f"option 'verify' must be a bool, got {type(self.verify).__name__}")
+        object.__setattr__(self, "disable", _names("disable", self.disable))
+        if not isinstance(self.dump_passes, bool):
+            object.__setattr__(self, "dump_passes", _names("dump_passes", self.dump_passes))
+        if self.dump_passes and self.dump_dir is None:
+            raise ValueError(
+                "option 'dump_passes' writes each pass's before/after graph below dump_dir; set that too"
+            )
+        self.pipeline()  # unknown or required pass names: a ValueError naming the option and the passes
         if self.on_compile is not None and not callable(self.on_compile):
             raise TypeError(
                 f"option 'on_compile' must be callable or None, got {type(self.on_compile).__name__}"
@@ -102,6 +119,24 @@ class UspOptions:
                 raise ValueError("option 'max_docs' sizes documents derived with option 'documents'; set that too")
         if self.cp is not None:
             check_cp_matches_process_group(self.cp)
+
+    def pipeline(self) -> Any:
+        """The backend's `usp_graph.passes.Pipeline` under these options: `disable` (and, with
+        ``verify=False``, both verify passes) disabled, `dump_passes` marked for dumping."""
+        from .pipeline import backend_pipeline
+
+        pipeline = backend_pipeline()
+        off = list(self.disable) + ([] if self.verify else ["verify_rewrite", "verify"])
+        try:
+            pipeline = pipeline.disable(*off)
+        except ValueError as e:
+            raise ValueError(f"option 'disable': {e}") from None
+        if self.dump_passes:
+            try:
+                pipeline = pipeline.with_dump(only=None if self.dump_passes is True else self.dump_passes)
+            except ValueError as e:
+                raise ValueError(f"option 'dump_passes': {e}") from None
+        return pipeline
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -128,6 +163,14 @@ class UspOptions:
                 f"unknown option(s) {unknown} for backend 'usp'; the valid options are {cls.keys()}"
             )
         return cls(**options)
+
+
+def _names(key: str, value: Any) -> tuple[str, ...]:
+    """A pass name or a sequence of them, as a tuple (`TypeError` naming the option otherwise)."""
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"option {key!r} must be a pass name or a list of pass names, got {value!r}")
+    return tuple(names)
 
 
 def check_cp_matches_process_group(cp: Any) -> None:

@@ -193,15 +193,32 @@ class Pipeline:
 
     __repr__ = __str__
 
-    def run(self, gm: fx.GraphModule, ctx: PassContext | None = None) -> PipelineRun:
-        """Run the enabled passes in order; tag every new node with the pass that created it."""
+    def run(
+        self,
+        gm: fx.GraphModule,
+        ctx: PassContext | None = None,
+        *,
+        only: Iterable[str] | None = None,
+        into: PipelineRun | None = None,
+        tag: bool = True,
+    ) -> PipelineRun:
+        """Run the enabled passes in order; tag every new node with the pass that created it.
+
+        only: run just these passes, a stage of a pipeline whose graphs arrive at different times
+        (the compile backend's: AOTAutograd makes the joint graph between its stages). into: the
+        `PipelineRun` of the earlier stages, which this stage continues on graph `gm`. tag: False
+        leaves ``usp_pass`` tags as they are (a graph another tracer made, such as AOTAutograd's).
+        """
         ctx = ctx or PassContext()
-        tag_nodes(gm, "trace")
-        run = PipelineRun(gm=gm, results=[])
+        selected = set(self.names if only is None else self._check_names(only, "run"))
+        if tag and into is None:
+            tag_nodes(gm, "trace")
+        run = into if into is not None else PipelineRun(gm=gm, results=[])
+        run.gm = gm
         if self.dump_dir is not None:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
         for i, p in enumerate(self.passes, 1):
-            if p.name in self.disabled:
+            if p.name in self.disabled or p.name not in selected:
                 continue
             before = graph_text(run.gm) if p.name in self.dump else None
             t0 = time.perf_counter()
@@ -209,7 +226,8 @@ class Pipeline:
             result.seconds = time.perf_counter() - t0
             if result.name != p.name:
                 result = replace(result, name=p.name)
-            tag_nodes(result.gm, p.name)
+            if tag:
+                tag_nodes(result.gm, p.name)
             run.gm = result.gm
             run.results.append(result)
             if before is not None:
@@ -219,3 +237,8 @@ class Pipeline:
                     (self.dump_dir / f"{i:02d}_{p.name}.before.txt").write_text(before)
                     (self.dump_dir / f"{i:02d}_{p.name}.after.txt").write_text(after)
         return run
+
+    def enabled(self, name: str) -> bool:
+        """Whether pass `name` runs (ValueError for a name that is not a pass of this pipeline)."""
+        self._check_names([name], "look up")
+        return name not in self.disabled

@@ -174,10 +174,12 @@ def tag_aot_joint(joint: fx.GraphModule, requires_grad: Sequence[bool] | None) -
     owner: dict[int, fx.Node] = {}
     phases = {node: _aot_phase(node) for node in joint.graph.nodes}
     for node in joint.graph.nodes:
+        node.meta[PHASE_META] = phases[node]  # first: graph files list meta keys in insertion order
         if phases[node] != "forward":
             continue
         if node.op != "placeholder":
             needs[node] = any(needs.get(i, False) for i in node.all_input_nodes)
+        node.meta[REQUIRES_GRAD_META] = needs.get(node, False)
         stamp(node, "forward", node, requires_grad=needs.get(node, False))
         seq = node.meta.get("seq_nr")
         if seq is not None and (seq not in owner or (node.target in rules and owner[seq].target not in rules)):
