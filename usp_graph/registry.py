@@ -1,12 +1,16 @@
 """The one table of backward rules.
 
-Every forward op that usp_graph emits has exactly one entry here: the function that computes its
-input gradients (from which `torch.library.register_autograd` is wired), the ops that backward
-emits, and, for collectives, the adjoint collective that must appear in the backward graph. Verify
-and inspect read this table; nothing else decides how an op is differentiated.
+Every forward op that usp_graph emits has exactly one row in `TABLE`, as data: the ops its backward
+emits, for a collective the adjoint collective that must appear in the backward graph, and the
+module that defines the op and implements its backward. This file shows every rule; the ops
+modules only supply the implementations (`implement`: the autograd pair that
+`torch.library.register_autograd` is given), and a module that implements an op differently from
+its row, or an op with no row, fails at import. Verify and inspect read this table (`rules`,
+`rule_for`); nothing else decides how an op is differentiated.
 
-An op in the ``usp`` namespace that is neither a registered forward op nor listed as some rule's
-backward op is an error (`check_complete`), never a silent ``None`` gradient.
+An op in the ``usp`` namespace that is neither a forward op of the table nor listed as some row's
+backward op is an error (`check_complete`), never a silent ``None`` gradient; so is a row whose
+module did not implement it.
 """
 
 from __future__ import annotations
@@ -17,20 +21,73 @@ from typing import Any
 
 import torch
 
-__all__ = ["BackwardRule", "register_rule", "rule_for", "rules", "check_complete", "is_backward_op"]
+__all__ = [
+    "TABLE",
+    "Rule",
+    "BackwardRule",
+    "implement",
+    "register_rule",
+    "rule_for",
+    "rules",
+    "check_complete",
+    "is_backward_op",
+]
 
 NAMESPACE = "usp"
 
 
 @dataclass(frozen=True)
+class Rule:
+    """One row of the table: how forward op `op` is differentiated, as data (op names, no code).
+
+    op / backward_ops / adjoint: qualified op names (``"usp::varlen_fwd"``).
+    kind: ``"attention"`` or ``"collective"``; inspect groups sites by it.
+    backward_ops: the ops the backward rule emits (backward-only ops: they have no row of their own).
+    adjoint: for a collective, the collective that must appear in the backward graph.
+    module: where the op is defined and its backward implemented.
+    """
+
+    op: str
+    kind: str
+    backward_ops: tuple[str, ...]
+    adjoint: str | None
+    module: str
+    doc: str
+
+
+_ATTENTION, _COLLECTIVE = "attention", "collective"
+
+TABLE: tuple[Rule, ...] = (
+    Rule("usp::varlen_fwd", _ATTENTION, ("usp::varlen_bwd",), None, "usp_graph.ops.varlen",
+         "varlen_bwd on the saved out/lse; an lse gradient adds terms computed by varlen_fwd/varlen_bwd"),
+    Rule("usp::ring_attn_fwd", _ATTENTION, ("usp::ring_attn_bwd",), None, "usp_graph.ops.ring",
+         "reverse ring: recompute each pair against the global out/lse, carry dK/dV home"),
+    Rule("usp::all_to_all", _COLLECTIVE, ("usp::all_to_all",), "usp::all_to_all", "usp_graph.ops.collectives",
+         "all_to_all with scatter/gather dims and sizes swapped"),
+    Rule("usp::all_gather", _COLLECTIVE, ("usp::reduce_scatter",), "usp::reduce_scatter",
+         "usp_graph.ops.collectives", "reduce_scatter (sum over ranks, in rank order) along the gathered dim"),
+    Rule("usp::reduce_scatter", _COLLECTIVE, ("usp::all_gather",), "usp::all_gather", "usp_graph.ops.collectives",
+         "all_gather along the scattered dim"),
+    Rule("usp::halo_exchange", _COLLECTIVE, ("usp::halo_reduce",), "usp::halo_reduce", "usp_graph.ops.halo",
+         "halo_reduce: halo gradients sent home and added, tail then head"),
+    Rule("usp::halo_reduce", _COLLECTIVE, ("usp::halo_exchange",), "usp::halo_exchange", "usp_graph.ops.halo",
+         "halo_exchange of the gradient"),
+)  # fmt: skip
+
+_TABLE_BY_OP = {r.op: r for r in TABLE}
+
+
+@dataclass(frozen=True)
 class BackwardRule:
-    """How one forward op is differentiated.
+    """How one forward op is differentiated, wired: the table's row with its ops resolved and the
+    implementation attached.
 
     op: the forward custom op (``torch.ops.usp.<name>.default``).
     kind: ``"attention"`` or ``"collective"``; inspect groups sites by it.
     setup_context / backward: the autograd pair given to `torch.library.register_autograd`.
     backward_ops: the ops the backward rule emits (backward-only ops: they have no rule of their own).
     adjoint: for a collective, the collective that must appear in the backward graph.
+    module: where the op and its backward are implemented.
     """
 
     op: torch._ops.OpOverload
@@ -40,6 +97,7 @@ class BackwardRule:
     backward_ops: tuple[torch._ops.OpOverload, ...] = ()
     adjoint: torch._ops.OpOverload | None = None
     doc: str = field(default="", compare=False)
+    module: str = field(default="", compare=False)
 
 
 _RULES: dict[torch._ops.OpOverload, BackwardRule] = {}
@@ -51,11 +109,40 @@ def _overload(op: Any) -> torch._ops.OpOverload:
         return op
     if isinstance(op, torch._ops.OpOverloadPacket):
         return op.default
-    name = getattr(op, "_qualname", None)
+    name = op if isinstance(op, str) else getattr(op, "_qualname", None)
     if name is not None:
         ns, opname = name.split("::")
         return getattr(getattr(torch.ops, ns), opname).default
     raise TypeError(f"expected a custom op or OpOverload, got {op!r}")
+
+
+def _qualname(op: torch._ops.OpOverload) -> str:
+    return str(op._schema.name)
+
+
+def implement(op: Any, *, setup_context: Callable[..., None], backward: Callable[..., Any]) -> BackwardRule:
+    """Wire `op`'s row of `TABLE` into autograd with its implementation.
+
+    `backward` must come from the module the row names; an op without a row raises
+    `NotImplementedError` naming it (add the row to `TABLE` first)."""
+    name = _qualname(_overload(op))
+    row = _TABLE_BY_OP.get(name)
+    if row is None:
+        raise NotImplementedError(f"{name} has no row in usp_graph.registry.TABLE; add its rule there first")
+    if backward.__module__ != row.module or setup_context.__module__ != row.module:
+        raise ValueError(
+            f"{name}: usp_graph.registry.TABLE says its rule is implemented in {row.module}, but "
+            f"{backward.__module__} implements it"
+        )
+    return register_rule(
+        op,
+        kind=row.kind,
+        setup_context=setup_context,
+        backward=backward,
+        backward_ops=row.backward_ops,
+        adjoint=row.adjoint,
+        doc=row.doc,
+    )
 
 
 def register_rule(
@@ -68,13 +155,16 @@ def register_rule(
     adjoint: Any | None = None,
     doc: str = "",
 ) -> BackwardRule:
-    """Add `op`'s backward rule to the table and wire it into autograd."""
-    if kind not in ("attention", "collective"):
+    """Add `op`'s backward rule to the wired rules and give it to autograd.
+
+    An op of the ``usp`` namespace must say what its row of `TABLE` says (`implement` passes the
+    row itself); ops of other namespaces (extensions) are registered as given."""
+    if kind not in (_ATTENTION, _COLLECTIVE):
         raise ValueError(f"kind must be 'attention' or 'collective', got {kind!r}")
     overload = _overload(op)
     if overload in _RULES:
         raise ValueError(f"{overload} already has a backward rule")
-    if kind == "collective" and adjoint is None:
+    if kind == _COLLECTIVE and adjoint is None:
         raise ValueError(f"collective {overload} needs an adjoint collective")
     rule = BackwardRule(
         op=overload,
@@ -84,7 +174,20 @@ def register_rule(
         backward_ops=tuple(_overload(b) for b in backward_ops),
         adjoint=None if adjoint is None else _overload(adjoint),
         doc=doc,
+        module=getattr(backward, "__module__", "") or "",
     )
+    if overload.namespace == NAMESPACE:
+        row = _TABLE_BY_OP.get(_qualname(overload))
+        given = (
+            kind,
+            tuple(_qualname(b) for b in rule.backward_ops),
+            rule.adjoint and _qualname(rule.adjoint),
+        )
+        if row is None or given != (row.kind, row.backward_ops, row.adjoint):
+            raise ValueError(
+                f"{overload}: the rule given ({given}) is not its row of usp_graph.registry.TABLE "
+                f"({row and (row.kind, row.backward_ops, row.adjoint)}); the table decides usp ops' rules"
+            )
     torch.library.register_autograd(overload._schema.name, backward, setup_context=setup_context)
     _RULES[overload] = rule
     return rule
@@ -103,7 +206,7 @@ def rule_for(op: Any) -> BackwardRule:
 
 
 def rules() -> dict[torch._ops.OpOverload, BackwardRule]:
-    """A copy of the whole table (forward op -> rule)."""
+    """A copy of the whole table, wired (forward op -> rule)."""
     return dict(_RULES)
 
 
@@ -113,14 +216,22 @@ def is_backward_op(op: Any) -> bool:
 
 
 def check_complete(namespace: str = NAMESPACE) -> None:
-    """Raise `NotImplementedError` for any op in `namespace` that no rule covers.
+    """Raise `NotImplementedError` for any op in `namespace` that no rule covers, and (for the
+    package's own namespace) for any row of `TABLE` its module did not implement.
 
     Called once the package's ops are defined: an op added without a rule fails at import, before
     any graph could silently drop its gradient.
     """
-    covered = {str(op._schema.name) for op in _RULES}
+    wired = {_qualname(op) for op in _RULES}
+    if namespace == NAMESPACE:
+        unimplemented = [f"{r.op} (in {r.module})" for r in TABLE if r.op not in wired]
+        if unimplemented:
+            raise NotImplementedError(
+                "rules in usp_graph.registry.TABLE that no module implemented: " + ", ".join(unimplemented)
+            )
+    covered = set(wired)
     for r in _RULES.values():
-        covered.update(str(b._schema.name) for b in r.backward_ops)
+        covered.update(_qualname(b) for b in r.backward_ops)
     prefix = namespace + "::"
     missing = [
         name

@@ -291,33 +291,10 @@ def _reduce_scatter_backward(ctx, grad):
     return torch.ops.usp.all_gather(grad, *ctx.args), None, None, None
 
 
-registry.register_rule(
-    all_to_all_op,
-    kind="collective",
-    setup_context=_all_to_all_setup,
-    backward=_all_to_all_backward,
-    backward_ops=(all_to_all_op,),
-    adjoint=all_to_all_op,
-    doc="all_to_all with scatter/gather dims and sizes swapped",
-)
-registry.register_rule(
-    all_gather_op,
-    kind="collective",
-    setup_context=_dim_group_setup,
-    backward=_all_gather_backward,
-    backward_ops=(reduce_scatter_op,),
-    adjoint=reduce_scatter_op,
-    doc="reduce_scatter (sum over ranks, in rank order) along the gathered dim",
-)
-registry.register_rule(
-    reduce_scatter_op,
-    kind="collective",
-    setup_context=_dim_group_setup,
-    backward=_reduce_scatter_backward,
-    backward_ops=(all_gather_op,),
-    adjoint=all_gather_op,
-    doc="all_gather along the scattered dim",
-)
+# The rules themselves (backward ops, adjoints) are rows of usp_graph.registry.TABLE.
+registry.implement(all_to_all_op, setup_context=_all_to_all_setup, backward=_all_to_all_backward)
+registry.implement(all_gather_op, setup_context=_dim_group_setup, backward=_all_gather_backward)
+registry.implement(reduce_scatter_op, setup_context=_dim_group_setup, backward=_reduce_scatter_backward)
 
 
 # ------------------------------------------------------------------------------------------------

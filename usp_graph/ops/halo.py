@@ -219,21 +219,6 @@ def _reduce_backward(ctx, grad):
     return torch.ops.usp.halo_exchange(grad, dim, before, after, 0, group_name), None, None, None, None
 
 
-registry.register_rule(
-    halo_exchange,
-    kind="collective",
-    setup_context=_exchange_setup,
-    backward=_exchange_backward,
-    backward_ops=(halo_reduce,),
-    adjoint=halo_reduce,
-    doc="halo_reduce: halo gradients sent home and added, tail then head",
-)
-registry.register_rule(
-    halo_reduce,
-    kind="collective",
-    setup_context=_reduce_setup,
-    backward=_reduce_backward,
-    backward_ops=(halo_exchange,),
-    adjoint=halo_exchange,
-    doc="halo_exchange of the gradient",
-)
+# The rules themselves (backward ops, adjoints) are rows of usp_graph.registry.TABLE.
+registry.implement(halo_exchange, setup_context=_exchange_setup, backward=_exchange_backward)
+registry.implement(halo_reduce, setup_context=_reduce_setup, backward=_reduce_backward)

@@ -397,11 +397,5 @@ def _backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
-registry.register_rule(
-    ring_attn_fwd,
-    kind="attention",
-    setup_context=_setup_context,
-    backward=_backward,
-    backward_ops=(ring_attn_bwd,),
-    doc="reverse ring: recompute each pair against the global out/lse, carry dK/dV home",
-)
+# The rules themselves (backward ops, adjoints) are rows of usp_graph.registry.TABLE.
+registry.implement(ring_attn_fwd, setup_context=_setup_context, backward=_backward)

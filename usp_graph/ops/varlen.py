@@ -192,14 +192,8 @@ def _backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
-registry.register_rule(
-    varlen_fwd,
-    kind="attention",
-    setup_context=_setup_context,
-    backward=_backward,
-    backward_ops=(varlen_bwd,),
-    doc="varlen_bwd on the saved out/lse; an lse gradient adds terms computed by varlen_fwd/varlen_bwd",
-)
+# The rules themselves (backward ops, adjoints) are rows of usp_graph.registry.TABLE.
+registry.implement(varlen_fwd, setup_context=_setup_context, backward=_backward)
 
 
 # ------------------------------------------------------------------------------------------------
