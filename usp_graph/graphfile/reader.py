@@ -21,7 +21,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..trace import evaluate_recorded
+from ..signature import evaluate_recorded
 from . import document
 from .allowlist import check_call, resolve_target, result_kind
 from .errors import GraphFileError, GraphFileSchemaError, GraphFileVersionError, GraphFileVersionWarning

@@ -6,9 +6,9 @@ tracer's order (parameters, buffers, batch tensors, then the metadata ``cu_seqle
 the token count that must equal ``metadata.total_tokens``), the batch's pytree structure, the
 metadata capacity, buffer values, and the attention sites rewritten / kept.
 
-`LoadedTrainStep.replay` validates with the very code `TrainStepGraph.replay` uses
-(`TrainStepGraph.flat_inputs`, reading only ``signature`` and ``buffers``), so a loaded graph refuses
-exactly what a freshly traced one refuses, with the same messages.
+`LoadedTrainStep` and `TrainStepGraph` are both a `usp_graph.signature.TrainStep`: the same input
+spec (`GraphSignature`) and the same replay input check (`TrainStep.flat_inputs`), so a loaded
+graph refuses exactly what a freshly traced one refuses, with the same messages.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..metadata import AttentionMetadata
-from ..trace import GraphSignature, TensorSpec, TrainStepGraph, _flatten_batch
+from ..signature import GraphSignature, TensorSpec, TrainStep, flatten_batch
+from ..trace import TrainStepGraph
 from . import document
 from .errors import GraphFileError, GraphFileSchemaError
 from .reader import GraphFile, read_document
@@ -169,7 +170,7 @@ def save(
 
 
 @dataclass(eq=False)
-class LoadedTrainStep:
+class LoadedTrainStep(TrainStep):
     """A train step loaded from a graph file; replays like the `TrainStepGraph` it was saved from.
 
     graph_module / signature / buffers: as on `TrainStepGraph`. sites / skipped: `SavedSite`
@@ -184,10 +185,6 @@ class LoadedTrainStep:
     skipped: tuple[SavedSite, ...]
     file: GraphFile
     groups: Mapping[str, Any] | None = None
-
-    # One validation code path: the traced graph's own input checks (they read only
-    # self.signature and self.buffers).
-    flat_inputs = TrainStepGraph.flat_inputs
 
     def __repr__(self) -> str:
         s = self.signature
@@ -221,12 +218,10 @@ class LoadedTrainStep:
         recorded ranges and guards, metadata capacity and token count); then, for a CP graph, the
         process groups are bound (first call); then the graph runs.
         """
-        flat = self.flat_inputs(params, batch, metadata, buffers=buffers)
+        return super().replay(params, batch, metadata, buffers=buffers)
+
+    def _before_run(self) -> None:
         self.bind_groups()
-        with torch.no_grad():
-            out = self.graph_module(*flat)
-        loss, grads = out[0], out[1:]
-        return loss, dict(zip(self.signature.trainable, grads, strict=True))
 
 
 def _schema(where: str, msg: str) -> GraphFileSchemaError:
@@ -302,7 +297,7 @@ def _train_step(f: GraphFile, *, groups: Mapping[str, Any] | None, verify: bool)
     leaves, batch_spec = pytree.tree_flatten(skeleton)
     if not all(x == "*" for x in leaves):
         raise _schema(f"{where}.batch_tree", 'leaves are "*"')
-    tree_names, _, _ = _flatten_batch(skeleton)
+    tree_names, _, _ = flatten_batch(skeleton)
     if tree_names != [s.name for s in batch]:
         raise _schema(
             f"{where}.batch_tree",

@@ -19,6 +19,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..signature import symbol_range
 from . import document
 from .allowlist import target_name
 from .exprs import encode_expr
@@ -57,9 +58,7 @@ def _hint(env: Any, sym: sympy.Symbol) -> int | None:
 
 
 def _range(env: Any, sym: sympy.Symbol) -> tuple[int, int | None]:
-    from ..trace import _range as trace_range
-
-    return trace_range(env, sym) if env is not None else (0, None)
+    return symbol_range(env, sym) if env is not None else (0, None)
 
 
 def _plain(v: Any, depth: int = 0) -> Any:

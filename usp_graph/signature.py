@@ -1,0 +1,318 @@
+"""What a train-step graph takes, and the one check of what it is given.
+
+# T packed tokens, N document capacity (max_docs)
+
+`GraphSignature` (with one `TensorSpec` per tensor input) is the input spec of a train step: the
+tracer (`trace_train_step` -> `TrainStepGraph`) builds it from the trace, a graph file
+(`load` -> `LoadedTrainStep`) rebuilds it from the file. Both are a `TrainStep`, whose
+`flat_inputs` is the only replay input check: a loaded graph refuses exactly what a freshly traced
+one refuses, with the same messages. Plain data (sympy expressions over the dim symbols, no
+ShapeEnv), so a serializer can write it out.
+
+Also here, for both sides: `flatten_batch` (the batch's leaves and their names), `symbol_range`
+(a symbol's recorded value range) and `evaluate_recorded` (evaluating a recorded guard or size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .graph_inputs import check_token_count
+from .metadata import AttentionMetadata
+
+__all__ = [
+    "GraphSignature",
+    "TensorSpec",
+    "TrainStep",
+    "evaluate_recorded",
+    "flatten_batch",
+    "symbol_range",
+]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor input: its name, shape (an int per static dim, the dim's name per dynamic dim),
+    dtype and device."""
+
+    name: str
+    shape: tuple[int | str, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def describe(self) -> str:
+        return f"{self.name}: {tuple(self.shape)} {self.dtype} on {self.device}"
+
+
+@dataclass(frozen=True)
+class GraphSignature:
+    """Everything replay checks before running the graph.
+
+    symbols: dim name -> sympy symbol (``"max_seqlen"`` included). ranges: dim name -> (lo, hi),
+    hi None for unbounded. guards: (expression that must hold, where it was recorded).
+    token_checks: (site, source, expression of the tokens it attends over), equal to
+    ``metadata.total_tokens`` at replay.
+    """
+
+    params: tuple[TensorSpec, ...]
+    trainable: tuple[str, ...]
+    buffers: tuple[TensorSpec, ...]
+    batch: tuple[TensorSpec, ...]
+    batch_spec: pytree.TreeSpec
+    max_docs: int
+    metadata_device: torch.device
+    symbols: dict[str, sympy.Symbol]
+    ranges: dict[str, tuple[int, int | None]]
+    guards: tuple[tuple[sympy.Basic, str], ...]
+    token_checks: tuple[tuple[str, str | None, sympy.Expr], ...]
+
+
+# ---- helpers both sides use -----------------------------------------------------------------------
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+def flatten_batch(batch: Any) -> tuple[list[str], list[Any], pytree.TreeSpec]:
+    """The batch's leaves in pytree order, their dotted names (``"tokens"``, ``"pair.0"``) and the
+    structure."""
+    leaves_with_path, spec = pytree.tree_flatten_with_path(batch)
+    names = [_path_name(p) for p, _ in leaves_with_path]
+    return names, [v for _, v in leaves_with_path], spec
+
+
+def symbol_range(env: Any, sym: sympy.Symbol) -> tuple[int, int | None]:
+    """(lo, hi) of `sym`'s value range in ShapeEnv `env`, hi None for unbounded."""
+    vr = env.var_to_range.get(sym)
+    if vr is None:
+        return (0, None)
+    from torch.utils._sympy.numbers import int_oo
+
+    lo = 0 if vr.lower in (-int_oo, -sympy.oo) else int(vr.lower)
+    hi = None if vr.upper in (int_oo, sympy.oo) else int(vr.upper)
+    return (lo, hi)
+
+
+def evaluate_recorded(
+    shown: str, where: str, fn: Callable[..., Any], *args: Any, error: type[Exception] = ValueError
+) -> Any:
+    """``fn(*args)`` for a recorded guard or size expression (`shown`, recorded at `where`). One that
+    cannot be evaluated (a division by zero, a comparison sympy cannot decide) never comes from the
+    tracer, only from a damaged or hand-edited graph file: `error` saying so, not a sympy crash."""
+    try:
+        return fn(*args)
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:
+        raise error(
+            f"the graph's recorded expression {shown} ({where}) cannot be evaluated for these inputs "
+            f"({type(e).__name__}: {e}); the graph, or the file it was loaded from, is damaged"
+        ) from None
+
+
+# ---- the train step -------------------------------------------------------------------------------
+
+
+class TrainStep:
+    """A train-step graph and its input spec: what `TrainStepGraph` and `LoadedTrainStep` share.
+
+    graph_module: ``(params..., buffers..., batch..., cu_seqlens_N1, max_seqlen) -> (loss, *grads of
+    trainable params)``. signature: its `GraphSignature`. buffers: the buffer values replay defaults to.
+    """
+
+    graph_module: fx.GraphModule
+    signature: GraphSignature
+    buffers: dict[str, torch.Tensor]
+
+    def replay(
+        self,
+        params: Mapping[str, torch.Tensor],
+        batch: Any,
+        metadata: AttentionMetadata,
+        *,
+        buffers: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Run the train step: ``(loss, {param name: grad})`` for the trainable parameters.
+
+        `params` keyed by ``model.named_parameters()`` names (frozen ones included), `batch` with
+        the traced keys, `metadata` of the traced capacity (boundaries, token count and max_seqlen
+        may differ). `buffers` default to the traced model's buffers. Inputs are validated first
+        (`flat_inputs`); a mismatch raises ValueError/TypeError saying what to change.
+        """
+        flat = self.flat_inputs(params, batch, metadata, buffers=buffers)
+        self._before_run()
+        with torch.no_grad():
+            out = self.graph_module(*flat)
+        loss, grads = out[0], out[1:]
+        return loss, dict(zip(self.signature.trainable, grads, strict=True))
+
+    def _before_run(self) -> None:
+        """What must happen between validating the inputs and running the graph (nothing here)."""
+
+    def flat_inputs(
+        self,
+        params: Mapping[str, torch.Tensor],
+        batch: Any,
+        metadata: AttentionMetadata,
+        *,
+        buffers: Mapping[str, torch.Tensor] | None = None,
+    ) -> list[Any]:
+        """The graph's positional inputs, after checking every one against the signature."""
+        s = self.signature
+        flat: list[Any] = []
+        flat += _check_named("params", params, s.params, hint="pass dict(model.named_parameters())")
+        flat += _check_named(
+            "buffers",
+            self.buffers if buffers is None else buffers,
+            s.buffers,
+            hint="pass dict(model.named_buffers())",
+        )
+        if not isinstance(metadata, AttentionMetadata):
+            raise TypeError(f"metadata must be a usp_graph.AttentionMetadata, got {type(metadata).__name__}")
+        names, leaves, spec = flatten_batch(batch)
+        if spec != s.batch_spec:
+            traced = [t.name for t in s.batch]
+            missing = [n for n in traced if n not in names]
+            extra = [n for n in names if n not in traced]
+            raise ValueError(
+                f"batch does not have the traced structure: missing {missing}, unexpected {extra} "
+                f"(traced keys: {traced})"
+            )
+        bindings: dict[str, tuple[int, str]] = {}
+        for t, spec_t in zip(leaves, s.batch, strict=True):
+            where = f"batch[{spec_t.name!r}]"
+            _check_tensor(where, t, spec_t)
+            for d, (size, want) in enumerate(zip(t.shape, spec_t.shape, strict=True)):
+                if isinstance(want, str):
+                    if want in bindings and bindings[want][0] != size:
+                        raise ValueError(
+                            f"{where} dim {d} is {size} but dynamic dim {want!r} is {bindings[want][0]} from "
+                            f"{bindings[want][1]}; dims sharing a name must be equal"
+                        )
+                    bindings.setdefault(want, (size, f"{where} dim {d}"))
+        # The graph was traced on contiguous fake inputs, so its views assume contiguous strides; a
+        # strided batch (e.g. ContextParallel.shard of a (B, L, ...) tensor) is copied first.
+        flat += [t.contiguous() for t in leaves]
+        if metadata.max_docs != s.max_docs:
+            raise ValueError(
+                f"metadata has capacity max_docs={metadata.max_docs} but the graph was traced with "
+                f"max_docs={s.max_docs}; capacity is part of the graph: build the metadata with "
+                f"max_docs={s.max_docs} (unused slots repeat the total) or retrace"
+            )
+        if metadata.cu_seqlens.device != s.metadata_device:
+            raise ValueError(
+                f"metadata.cu_seqlens is on {metadata.cu_seqlens.device} but the graph expects "
+                f"{s.metadata_device}; use metadata.to({str(s.metadata_device)!r})"
+            )
+        if not isinstance(metadata.max_seqlen, int):
+            raise TypeError(
+                f"metadata.max_seqlen must be an int at replay, got {type(metadata.max_seqlen).__name__}"
+            )
+        bindings["max_seqlen"] = (metadata.max_seqlen, "metadata.max_seqlen")
+        _check_symbols(s, bindings, metadata)
+        flat += [metadata.cu_seqlens, metadata.max_seqlen]
+        return flat
+
+
+def _check_tensor(where: str, t: Any, spec: TensorSpec) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != len(spec.shape):
+        raise ValueError(
+            f"{where} has shape {tuple(t.shape)}, expected {len(spec.shape)} dims like {spec.shape}"
+        )
+    for d, (size, want) in enumerate(zip(t.shape, spec.shape, strict=True)):
+        if isinstance(want, int) and size != want:
+            raise ValueError(
+                f"{where} has shape {tuple(t.shape)}, traced {spec.shape}: dim {d} is static ({want}); only "
+                "dims named in `dynamic` may change between steps"
+            )
+    if t.dtype != spec.dtype:
+        raise ValueError(f"{where} has dtype {t.dtype}, the graph was traced with {spec.dtype}")
+    if t.device != spec.device:
+        raise ValueError(f"{where} is on {t.device}, the graph was traced on {spec.device}")
+
+
+def _check_named(what: str, given: Any, specs: tuple[TensorSpec, ...], *, hint: str) -> list[torch.Tensor]:
+    if not isinstance(given, Mapping):
+        raise TypeError(f"{what} must be a mapping of name -> tensor ({hint}), got {type(given).__name__}")
+    want = [s.name for s in specs]
+    missing = [n for n in want if n not in given]
+    extra = [n for n in given if n not in set(want)]
+    if missing or extra:
+
+        def few(xs: list[str]) -> str:
+            return ", ".join(repr(x) for x in xs[:3]) + (f" and {len(xs) - 3} more" if len(xs) > 3 else "")
+
+        parts = ([f"missing {few(missing)}"] if missing else []) + (
+            [f"unexpected {few(extra)}"] if extra else []
+        )
+        raise ValueError(f"{what} do not match the traced model: {'; '.join(parts)}; {hint}")
+    out = []
+    for spec in specs:
+        t = given[spec.name]
+        _check_tensor(f"{what}[{spec.name!r}]", t, spec)
+        out.append(t)
+    return out
+
+
+def _check_symbols(
+    s: GraphSignature, bindings: dict[str, tuple[int, str]], metadata: AttentionMetadata
+) -> None:
+    subs = {}
+    for name, sym in s.symbols.items():
+        if name not in bindings:
+            continue
+        value, where = bindings[name]
+        lo, hi = s.ranges.get(name, (0, None))
+        if value < lo or (hi is not None and value > hi):
+            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ValueError(f"{where} = {value}, but the graph was traced for {name} {bound}")
+        subs[sym] = sympy.Integer(value)
+    names = {sym: name for name, sym in s.symbols.items()}
+
+    def show(expr: sympy.Basic) -> str:
+        return str(expr.xreplace({sym: sympy.Symbol(n) for sym, n in names.items()}))
+
+    def evaluate(expr: sympy.Basic, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+        return evaluate_recorded(show(expr), where, fn, *args)
+
+    for expr, where in s.guards:
+        result = evaluate(expr, where, expr.xreplace, subs)
+        if result.free_symbols:
+            continue
+        if not evaluate(expr, where, bool, result):
+            values = ", ".join(f"{n}={bindings[n][0]}" for n in s.symbols if n in bindings)
+            raise ValueError(
+                f"these inputs ({values}) break an assumption made while tracing: {show(expr)} "
+                f"(recorded {where}); retrace with an example that satisfies the new inputs' shapes"
+            )
+    for site, source, expr in s.token_checks:
+        tokens = evaluate(expr, f"attention site {site}", expr.xreplace, subs)
+        if tokens.free_symbols:
+            continue
+        n = evaluate(expr, f"attention site {site}", int, tokens)
+        check_token_count(n, metadata.total_tokens, partial(_token_mismatch, metadata, site, source, n))
+
+
+def _token_mismatch(metadata: AttentionMetadata, site: str, source: str | None, tokens: int) -> str:
+    at = f" at {source}" if source else ""
+    return (
+        f"metadata describes {metadata.total_tokens} tokens but attention site {site}{at} attends over "
+        f"{tokens} tokens (batch * length) with this batch; build the metadata from this batch"
+    )
