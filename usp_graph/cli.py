@@ -357,9 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
         "gloo ranks on CPU, save per-rank graph files, load them in fresh processes, replay with new "
         "document boundaries, check bitwise against eager, print the inspect summary.",
     )
-    p.add_argument(
-        "--strategy", default="ulysses", choices=["allgather_kv", "ulysses", "ring", "usp", "halo"]
-    )
+    from .cp.table import STRATEGIES
+
+    p.add_argument("--strategy", default="ulysses", choices=STRATEGIES)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="directory for the graph files (default: a new temp dir)")

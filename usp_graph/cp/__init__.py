@@ -5,5 +5,7 @@ from __future__ import annotations
 from .balance import balance_documents, shard_work
 from .context import STRATEGIES, ContextParallel
 from .layout import ChunkLayout
+from .table import STRATEGY_TABLE, Strategy
 
-__all__ = ["ContextParallel", "ChunkLayout", "STRATEGIES", "balance_documents", "shard_work"]
+__all__ = ["ContextParallel", "ChunkLayout", "STRATEGIES", "STRATEGY_TABLE", "Strategy", "balance_documents",
+           "shard_work"]  # fmt: skip

@@ -13,10 +13,10 @@ from ..metadata import AttentionMetadata
 from ..ops.window import NO_WINDOW, check_window
 from . import strategies
 from .layout import ChunkLayout
+from .table import STRATEGIES, STRATEGY_TABLE
 
 __all__ = ["ContextParallel", "STRATEGIES"]
 
-STRATEGIES = ("allgather_kv", "ulysses", "ring", "usp", "halo")
 LOAD_BALANCE = (None, "zigzag")
 
 
@@ -236,8 +236,7 @@ class ContextParallel:
             window, is_causal = NO_WINDOW, True
         elif is_causal:
             window = (window[0], 0)
-        fn = getattr(strategies, self.strategy)
-        return fn(
+        return STRATEGY_TABLE[self.strategy].attention(
             self,
             q_BHLK,
             k_BGLK,

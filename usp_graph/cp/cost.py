@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .table import STRATEGY_TABLE
+
 __all__ = ["bytes_sent", "document_lower_bound"]
 
 
@@ -46,6 +48,8 @@ def bytes_sent(
     `rank` None gives the mean over ranks, rounded down. ``"usp"`` with ``across="halo"`` likewise
     (its halos travel between Ulysses groups, with G/U heads). A sliding `window` (left, right)
     narrows the halos to its bounds; the other strategies send the same bytes with or without one."""
+    if strategy not in STRATEGY_TABLE:
+        raise ValueError(f"unknown strategy {strategy!r}")
     p, k, e = world, head_dim, element_size
     tl = tokens // p
     acc = 8 if e == 8 else 4  # ring dK/dV buffers accumulate in fp32 (fp64 for fp64)
@@ -71,7 +75,7 @@ def bytes_sent(
     if strategy == "halo":
         halo = _halo(rank, p, max_document_len, is_causal, batch, backward, "strategy 'halo'", window)
         return halo * 2 * kv_heads * k * e  # K and V (dK and dV)
-    raise ValueError(f"unknown strategy {strategy!r}")
+    raise AssertionError(f"usp_graph.cp.table has strategy {strategy!r}, the cost model no formula for it")
 
 
 def _halo(

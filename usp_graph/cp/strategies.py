@@ -14,6 +14,8 @@ document's query view then ends where its key view ends, and the dummy rows' out
 (zero gradient). A left-only window (right unbounded) runs on the reversed stream, where it is a
 right-only one. Ulysses sees whole documents and passes the window through; ring pairs are planned
 in ``usp::ring_attn_fwd``.
+
+`usp_graph.cp.table` lists the strategies (one row each, with the facts other modules read).
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ from ..packing import pack, unpack
 
 if TYPE_CHECKING:
     from .context import ContextParallel
-
-__all__ = ["allgather_kv", "ulysses", "ring", "usp", "halo"]
 
 
 def _reorder_chunks(x: Tensor, dim: int, order: list[int]) -> Tensor:
