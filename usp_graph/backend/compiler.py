@@ -22,6 +22,7 @@ For each graph Dynamo hands over (one per frame, so one per side of a graph brea
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 import warnings
@@ -180,14 +181,11 @@ class _Compile:
         fake_mode, env = _fake_mode_and_env(values)
         sites = find_sites(gm)
         rewrite = self.pipeline.enabled("rewrite_sdpa")
-        todo = [s for s in sites if s.rewritable] if rewrite else []
-        kept = [s for s in sites if not s.rewritable] if rewrite else list(sites)
+        if not rewrite:  # reported like any site the rewrite cannot replace, with why
+            sites = [dataclasses.replace(s, rewritable=False, reason="pass rewrite_sdpa is disabled") for s in sites]
+        todo = [s for s in sites if s.rewritable]
+        kept = [s for s in sites if not s.rewritable]
         world = opts.cp.world if opts.cp is not None else 1
-        if opts.cp is not None and sites and not rewrite:
-            raise ValueError(
-                "under context parallelism every SDPA must be rewritten (a plain SDPA would attend within this "
-                "rank's shard only), but option 'disable' turns pass 'rewrite_sdpa' off"
-            )
         if opts.cp is not None and kept:
             raise ValueError(
                 "under context parallelism every SDPA must be rewritten (a plain SDPA would attend within this "
@@ -195,10 +193,9 @@ class _Compile:
             )
         if kept:
             # Reported, not silent: these keep SDPA's one-document-per-row semantics.
-            why = "" if rewrite else " (pass rewrite_sdpa is disabled)"
             warnings.warn(
-                f"usp backend: graph {self.name} keeps {len(kept)} SDPA call(s) as SDPA{why}, and calling it "
-                "inside usp_graph.documents(...) will raise: " + "; ".join(s.describe() for s in kept),
+                f"usp backend: graph {self.name} keeps {len(kept)} SDPA call(s) as SDPA, and calling it inside "
+                "usp_graph.documents(...) will raise: " + "; ".join(s.describe() for s in kept),
                 stacklevel=2,
             )
         if opts.dump_dir is not None:
