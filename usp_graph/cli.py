@@ -316,7 +316,9 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     out_dir = args.out or tempfile.mkdtemp(prefix="usp_demo_")
-    return run_demo(out_dir=out_dir, strategy=args.strategy, seed=args.seed, layers=args.layers)
+    return run_demo(
+        out_dir=out_dir, summary=inspect_text, strategy=args.strategy, seed=args.seed, layers=args.layers
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
