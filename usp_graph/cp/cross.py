@@ -20,16 +20,12 @@ import torch
 from torch import Tensor
 
 from ..ops import varlen
+from ..packing import pack
 
 if TYPE_CHECKING:
     from .context import ContextParallel
 
 __all__ = ["cross_attention"]
-
-
-def _pack(x_BHLK: Tensor) -> Tensor:
-    b, h, seq, k = x_BHLK.shape
-    return x_BHLK.transpose(1, 2).reshape(b * seq, h, k)
 
 
 def cross_attention(
@@ -50,7 +46,7 @@ def cross_attention(
     if isinstance(ll, int) and ll % per_rank:
         raise ValueError(f"local sequence length {ll} must be even with zigzag load balancing")
     chunk = ll // per_rank
-    q_T, k_T, v_T = _pack(q_BHLK), _pack(k_BGSK), _pack(v_BGSK)
+    q_T, k_T, v_T = pack(q_BHLK), pack(k_BGSK), pack(v_BGSK)
     outs = []
     for i, cid in enumerate(cp.layout.global_chunks(cp.rank, b)):
         start, end = cid * chunk, (cid + 1) * chunk
