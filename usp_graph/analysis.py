@@ -18,6 +18,7 @@ import networkx as nx
 import torch
 from torch import fx
 
+from .cp.table import strategy_of
 from .passes.pairing import pair_backward
 
 __all__ = ["summarize", "to_networkx", "to_dot", "diff"]
@@ -53,6 +54,7 @@ _COMM_OPS = (
     "ring_attn_fwd",
     "ring_attn_bwd",
 )
+_COMM_OPS_SET = frozenset(_COMM_OPS)
 
 
 def _vals(node: fx.Node) -> list[Any]:
@@ -165,25 +167,19 @@ def to_networkx(gm: fx.GraphModule) -> nx.DiGraph:
 
 
 def _strategy(g: nx.DiGraph, attn: str) -> str:
-    """The CP strategy of an attention op, from the collectives that feed it (those after the
-    previous attention op only)."""
+    """The CP strategy of an attention op: the row of the strategy table (`usp_graph.cp.table`)
+    whose forward communicates with the usp ops that feed it (those after the previous attention
+    op only), the attention op included when it communicates itself (ring attention)."""
     ups = nx.ancestors(g, attn)
-    if g.nodes[attn]["usp"] == "ring_attn_fwd":
-        return "usp" if any(g.nodes[u]["usp"] == "all_to_all" for u in ups) else "ring"
-
-    near = set()
+    ops = {g.nodes[attn]["usp"]} & _COMM_OPS_SET
     for u in ups:
-        if g.nodes[u]["usp"] in ("all_to_all", "all_gather", "halo_exchange"):
+        if g.nodes[u]["usp"] in _COMM_OPS_SET - {"ring_attn_fwd", "ring_attn_bwd"}:  # another site's
             between = nx.descendants(g, u) & ups
             if not any(g.nodes[b]["usp"] in ("varlen_fwd", "ring_attn_fwd") for b in between):
-                near.add(g.nodes[u]["usp"])
-    if "all_to_all" in near:
-        return "usp" if "halo_exchange" in near else "ulysses"
-    if "all_gather" in near:
-        return "allgather_kv"
-    if "halo_exchange" in near:
-        return "halo"
-    return "single"
+                ops.add(g.nodes[u]["usp"])
+    if not ops:
+        return "single"
+    return strategy_of(ops) or "unknown (" + ", ".join(sorted(ops)) + ")"
 
 
 def summarize(
