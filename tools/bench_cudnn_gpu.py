@@ -15,26 +15,23 @@ convention) per configuration and shape for
   flex_step    the same, block mask rebuilt every call
   dense_sdpa   one sequence of all T tokens (the ceiling; dense FLOPs)
 
-    PYTHONUNBUFFERED=1 python tools/bench_cudnn_gpu.py --json $OUT/cudnn.json            # the matrix
-    PYTHONUNBUFFERED=1 python tools/bench_cudnn_gpu.py --preset flex --json $OUT/flex.json # flex rows
+    PYTHONUNBUFFERED=1 python tools/bench_cudnn_gpu.py --json $OUT/bench.jsonl             # the matrix
+    PYTHONUNBUFFERED=1 python tools/bench_cudnn_gpu.py --preset flex --json $OUT/bench.jsonl # flex rows
     python tools/bench_cudnn_gpu.py --device cpu --quick                                  # smoke test
 
 Presets: ``matrix`` (H=16; MHA and GQA 16/4; head dims 128 and 64; 4K-256K tokens, bidirectional
 and causal; no flex: its compiles take minutes), ``issue`` (the issue's rows: MHA K=128, mean
 document length 3377 ~ the issue's log-normal(log 2048, 1)), ``flex`` (the flex rows at 32K and
-128K, MHA K=128).
+128K, MHA K=128). `--json PATH` appends bench_varlen_gpu's JSON lines (its settings in each line).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_varlen_gpu as bv  # noqa: E402
+import bench_varlen_gpu as bv
+from harness import add_json_arg
 
 BASE = ["--warmup", "2", "--reps", "10"]
 CORE = "usp,usp_cudnn,cudnn_raw,usp_flash,torch_varlen"
@@ -104,19 +101,14 @@ def main() -> int:
     ap.add_argument("--preset", default="matrix", help=f"comma list out of {', '.join(PRESETS)}")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", type=Path, default=None)
+    add_json_arg(ap)
     args = ap.parse_args()
     runs = QUICK if args.quick else [run for name in args.preset.split(",") for run in PRESETS[name]]
     rows: dict[tuple[str, str], dict[str, float]] = {}
-    payload = []
-    for i, (label, extra) in enumerate(runs):
-        out = (args.json.parent if args.json else Path("/tmp")) / f"bench_cudnn_run{i}.json"
-        argv = [*BASE, *extra, "--device", args.device, "--json", str(out)]
+    for label, extra in runs:
+        argv = [*BASE, *extra, "--device", args.device] + (["--json", str(args.json)] if args.json else [])
         print(f"\n### {label}: bench_varlen_gpu.py {' '.join(argv)}", flush=True)
-        bv.main(argv)
-        data = json.loads(out.read_text())
-        payload.append({"label": label, "argv": argv, **data})
-        for r in data["results"]:
+        for r in bv.run(bv.parse_args(argv)):
             if r["tflops_fwd_bwd"] is not None:
                 rows.setdefault((label, r["shape"]), {})[r["impl"]] = r["tflops_fwd_bwd"]
     impls = [i for i in bv.IMPLS if any(i in v for v in rows.values())]
@@ -129,8 +121,6 @@ def main() -> int:
         print(
             f"| {label} | {shape} | " + " | ".join(cells) + f" | {'-' if ratio is None else f'{ratio:.3f}'} |"
         )
-    if args.json:
-        args.json.write_text(json.dumps({"runs": payload}, indent=1, default=str))
     return 0
 
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Forward+backward attention throughput on packed documents, implementations side by side.
 
-Every implementation is first checked against an fp32 reference (per-document SDPA, math
-backend) on a small check shape with the same document distribution, then timed on each shape:
+Every implementation is first checked against the fp64 per-document reference the tests use
+(`usp_graph.testing.attention_reference`) on a small check shape with the same document
+distribution (`usp_graph.testing.lognormal_lengths`), then timed on each shape (`harness.time_ms`:
+median of CUDA events):
 
   usp           usp_graph.varlen_attn (this repo's public wrapper; its per-shape kernel choice)
   usp_flash     the same, flash varlen forced (usp_graph.ops.varlen.cuda_kernel("flash"))
@@ -27,8 +29,8 @@ n tokens costs fwd = 4*n*n*H*K bidirectional, 4*(n*(n+1)/2)*H*K causal; fwd+bwd 
 (backward = 2.5 * forward, the FlashAttention benchmark convention).
 
 Examples:
-  # the H200 run: markdown table on stdout, everything as JSON
-  PYTHONUNBUFFERED=1 python tools/bench_varlen_gpu.py --json $OUT/bench_varlen.json
+  # the H200 run: markdown tables on stdout, one JSON line per shape and implementation
+  PYTHONUNBUFFERED=1 python tools/bench_varlen_gpu.py --json $OUT/bench.jsonl
 
   # a subset of implementations and shapes
   python tools/bench_varlen_gpu.py --impls usp,torch_varlen --shapes 65536:causal
@@ -41,17 +43,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import gc
 import inspect
-import json
 import math
-import platform
-import random
 import statistics
-import subprocess
 import sys
-import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -59,12 +54,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+import torch
+import torch.nn.functional as F
+from harness import (
+    FLOP_CONVENTION,
+    Results,
+    add_json_arg,
+    attention_flops,
+    environment,
+    free_memory,
+    log,
+    stopwatch,
+    time_ms,
+)
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from usp_graph.testing import attention_reference, lognormal_lengths, rel_err
 
 # Legend of shape suffixes: T packed tokens, H heads, K head dim, N documents, L padded
 # document length (the longest document), N1 = N + 1 boundaries, 1 = a batch of one.
@@ -86,10 +90,6 @@ IMPLS = (
 UNCHECKED = ("dense_sdpa",)  # computes another function (no documents): timed, not checked
 BASELINE = "torch_varlen"
 TOLERANCE = 2e-2  # bf16 relative error bound, ||x - ref|| / ||ref||
-FLOP_CONVENTION = (
-    "useful FLOPs only; per document of n tokens fwd = 4*n^2*H*K (bidirectional) or "
-    "4*n(n+1)/2*H*K (causal); fwd+bwd = 3.5 * fwd"
-)
 DEFAULT_SHAPES = "32768:bi,32768:causal,65536:causal"
 QUICK = {"shapes": "1024:bi,1024:causal", "doc_mean": 128.0, "check_tokens": 512, "warmup": 1, "reps": 3}
 FULL = {"shapes": DEFAULT_SHAPES, "doc_mean": 2048.0, "check_tokens": 8192, "warmup": 3, "reps": 20}
@@ -140,19 +140,9 @@ def parse_shapes(text: str) -> list[Shape]:
 
 
 def sample_doc_lengths(total: int, *, mean: float, sigma: float, seed: int) -> list[int]:
-    """Log-normal document lengths with the given mean, each >= 1, summing exactly to `total`.
-
-    The last document is cut to fit. Seeded by (seed, total) so the bidirectional and causal runs
-    of one token count see the same documents."""
-    rng = random.Random(seed * 1_000_003 + total)
-    mu = math.log(mean) - sigma * sigma / 2  # E[lognormal(mu, sigma)] = exp(mu + sigma^2 / 2)
-    lengths: list[int] = []
-    remaining = total
-    while remaining > 0:
-        n = min(max(1, round(rng.lognormvariate(mu, sigma))), remaining)
-        lengths.append(n)
-        remaining -= n
-    return lengths
+    """`usp_graph.testing.lognormal_lengths`, seeded by (seed, total) so that the bidirectional and
+    causal runs of one token count see the same documents."""
+    return lognormal_lengths(total, mean, seed * 1_000_003 + total, sigma=sigma)
 
 
 def make_docs(lengths: list[int], device: torch.device) -> Docs:
@@ -173,13 +163,6 @@ def doc_stats(lengths: list[int]) -> dict[str, Any]:
         # share of the dense T x T score matrix that is inside documents
         "block_diag_density": sum(n * n for n in lengths) / (total * total),
     }
-
-
-def attention_flops(lengths: list[int], heads: int, head_dim: int, causal: bool) -> tuple[float, float]:
-    """(fwd, fwd+bwd) useful FLOPs; see FLOP_CONVENTION."""
-    pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
-    fwd = 4.0 * pairs * heads * head_dim
-    return fwd, 3.5 * fwd
 
 
 KV_HEADS: int | None = None  # --kv-heads (None: as many as query heads)
@@ -275,13 +258,11 @@ def build_flex(docs: Docs, causal: bool, device: torch.device, per_call: bool = 
             return doc_id_T[q_idx] == doc_id_T[kv_idx]
 
     tokens = docs.tokens
-    sync(device)
-    start = time.perf_counter()
-    block_mask = create_block_mask(
-        document_mask, None, None, tokens, tokens, device=device, _compile=compiled
-    )
-    sync(device)
-    mask_ms = (time.perf_counter() - start) * 1e3
+    with stopwatch(device) as watch:
+        block_mask = create_block_mask(
+            document_mask, None, None, tokens, tokens, device=device, _compile=compiled
+        )
+    mask_ms = watch.seconds * 1e3
     attend = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
     positions_T = torch.arange(tokens, dtype=docs.cu_seqlens_N1.dtype, device=device)
@@ -447,26 +428,14 @@ def reference_attention(
     lengths: list[int],
     causal: bool,
 ) -> dict[str, torch.Tensor]:
-    """fp32 out, dq, dk, dv: SDPA (math backend) per document."""
-    q, k, v = (x.detach().float().requires_grad_(True) for x in (q_THK, k_THK, v_THK))
-    outs, start = [], 0
-    gqa = k.shape[1] != q.shape[1]
+    """fp64 out, dq, dk, dv of `usp_graph.testing.attention_reference` (the tests' reference)."""
+    q, k, v = (x.detach().double().requires_grad_(True) for x in (q_THK, k_THK, v_THK))
+    cu = [0]
     for n in lengths:
-        q_1HNK, k_1HNK, v_1HNK = (x[start : start + n].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        with sdpa_kernel(SDPBackend.MATH):
-            out_1HNK = F.scaled_dot_product_attention(
-                q_1HNK, k_1HNK, v_1HNK, is_causal=causal, enable_gqa=gqa
-            )
-        outs.append(out_1HNK[0].transpose(0, 1))
-        start += n
-    out_THK = torch.cat(outs)
-    dq, dk, dv = torch.autograd.grad(out_THK, (q, k, v), dout_THK.float())
+        cu.append(cu[-1] + n)
+    out_THK, _ = attention_reference(q, k, v, cu, is_causal=causal)
+    dq, dk, dv = torch.autograd.grad(out_THK, (q, k, v), dout_THK.double())
     return {"out": out_THK.detach(), "dq": dq, "dk": dk, "dv": dv}
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    ref64 = ref.detach().double()
-    return (torch.linalg.vector_norm(x.detach().double() - ref64) / torch.linalg.vector_norm(ref64)).item()
 
 
 def check_impl(
@@ -483,53 +452,6 @@ def check_impl(
     }
     ok = all(math.isfinite(e) and e < TOLERANCE for e in errs.values())
     return ok, errs
-
-
-# ---------------------------------------------------------------------------------------------
-# Timing
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn: Callable[[], None], device: torch.device, *, warmup: int, reps: int) -> dict[str, float]:
-    """Median (and min/max) milliseconds of `fn` over `reps` runs after `warmup` runs."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    if device.type == "cuda":
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
-        ]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        sync(device)
-        times = [start.elapsed_time(end) for start, end in events]
-    else:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return {"median": statistics.median(times), "min": min(times), "max": max(times), "reps": reps}
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-_START = time.perf_counter()
-
-
-def log(message: str) -> None:
-    """Progress line with seconds since start (compiles make some steps slow)."""
-    print(f"[{time.perf_counter() - _START:6.1f}s] {message}", flush=True)
 
 
 def short_error(exc: BaseException) -> str:
@@ -564,40 +486,6 @@ class Result:
     peak_mem_gib: float | None = None
     peak_extra_gib: float | None = None  # peak minus what was allocated before (inputs etc.)
     timing: dict[str, Any] = field(default_factory=dict)
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    env: dict[str, Any] = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "host": platform.node(),
-    }
-    if device.type == "cuda":
-        env["device_name"] = torch.cuda.get_device_name(device)
-        env["cudnn"] = torch.backends.cudnn.version()
-    else:
-        env["device_name"] = (
-            f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-        )
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except Exception:
-        env["triton"] = None
-    try:
-        env["repo_commit"] = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except Exception:
-        env["repo_commit"] = None
-    return env
 
 
 def run_checks(
@@ -688,8 +576,8 @@ def bench_shape(
                 # another compiled graph for flex, and inference kernels elsewhere)
                 fn(q_THK, k_THK, v_THK)
 
-            sync(device)
             if device.type == "cuda":
+                torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
             with kernel_scope(impl):
@@ -699,8 +587,8 @@ def bench_shape(
                 peak = torch.cuda.max_memory_allocated(device)
                 res.peak_mem_gib = peak / 2**30
                 res.peak_extra_gib = (peak - before) / 2**30
-            res.timing = {"fwd_bwd_ms": t_fb, "fwd_ms": t_f}
-            res.ms_fwd_bwd, res.ms_fwd = t_fb["median"], t_f["median"]
+            res.timing = {"fwd_bwd": t_fb.as_dict(), "fwd": t_f.as_dict()}
+            res.ms_fwd_bwd, res.ms_fwd = t_fb.median_ms, t_f.median_ms
             f_fwd, f_fwd_bwd = fwd_flops, fwd_bwd_flops
             if impl == "dense_sdpa":  # one sequence of all tokens: its own FLOPs
                 f_fwd, f_fwd_bwd = attention_flops([shape.tokens], args.heads, args.head_dim, shape.causal)
@@ -800,7 +688,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke test")
     parser.add_argument("--quick", action="store_true", help="tiny shapes and few reps: a smoke run")
-    parser.add_argument("--json", type=Path, default=None, help="write all results as JSON here")
+    add_json_arg(parser)
     parser.add_argument("--strict", action="store_true", help="exit 1 if any implementation is FAIL")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
@@ -823,10 +711,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available; use --device cpu --quick for a smoke test", file=sys.stderr)
         return 2
+    records = run(args)
+    failed = [r for r in records if r["status"] == "FAIL"]
+    return 1 if args.strict and failed else 0
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Check and time every implementation on every shape; print the tables, append the JSON
+    lines (one per shape and implementation) and return those records."""
+    device = torch.device(args.device)
     if device.type == "cuda":
         if device.index is None:  # set_device and friends want an index
             device = torch.device("cuda", torch.cuda.current_device())
@@ -834,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     global KV_HEADS
     KV_HEADS = args.kv_heads
-    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be true fp32
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 implementations (CPU smoke runs) in true fp32
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
     warnings.filterwarnings(
         "ignore", message=".*_compile flag on create_block_mask.*"
@@ -844,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
     print("# Packed-document attention benchmark")
     print(
         f"date {env['date_utc']}  torch {env['torch']}  cuda {env['cuda']}  triton {env['triton']}  "
-        f"device {env['device_name']}  repo {env['repo_commit']}"
+        f"device {env['device_name']}  repo {env['git_commit']}"
     )
     print(
         f"{args.dtype} H={args.heads} G={args.kv_heads or args.heads} K={args.head_dim}; document lengths log-normal mean {args.doc_mean:g} "
@@ -874,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         results.extend(shape_results)
 
     print(
-        f"\n## Correctness vs fp32 per-document SDPA ({args.check_tokens} tokens, rel err < {TOLERANCE:g})\n"
+        f"\n## Correctness vs the fp64 per-document reference ({args.check_tokens} tokens, rel err < {TOLERANCE:g})\n"
     )
     print(check_table(checks))
     print(f"\n## Throughput ({env['device_name']}, torch {env['torch']}, {env['date_utc']})\n")
@@ -893,28 +789,18 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(markdown_table(results))
 
+    out = Results(args.json, bench="varlen", device=device)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                if k not in ("shape_list", "impl_list", "json")}  # fmt: skip
+    info_of = {info["label"]: info for info in shapes_info}
+    records = [
+        out.write(settings=settings, flop_convention=FLOP_CONVENTION, tolerance=TOLERANCE,
+                  shape_info=info_of[r.shape], **vars(r))  # fmt: skip
+        for r in results
+    ]
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "environment": env,
-            "settings": {
-                k: (str(v) if isinstance(v, Path) else v)
-                for k, v in vars(args).items()
-                if k not in ("shape_list", "impl_list")
-            },
-            "flop_convention": FLOP_CONVENTION,
-            "tolerance": TOLERANCE,
-            "checks": {
-                mode: {impl: {"status": s, "rel_err": e, "error": err} for impl, (s, e, err) in per.items()}
-                for mode, per in checks.items()
-            },
-            "shapes": shapes_info,
-            "results": [vars(r) for r in results],
-        }
-        args.json.write_text(json.dumps(payload, indent=2))
-        print(f"\nJSON written to {args.json}")
-    failed = [r for r in results if r.status == "FAIL"]
-    return 1 if args.strict and failed else 0
+        print(f"\nJSON lines appended to {args.json}")
+    return records
 
 
 if __name__ == "__main__":
