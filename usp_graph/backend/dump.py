@@ -8,6 +8,8 @@ compiles in this process; F/C is Dynamo's compile id), holding:
 - ``joint.txt`` (training), ``forward.txt``, ``backward.txt`` or ``inference.txt``: AOTAutograd's
   graphs (the joint carries ``usp_phase`` / ``usp_fwd_node`` tags); ``backward.txt`` appears when
   AOTAutograd compiles the backward, which may be at the first backward call;
+- ``NN_<pass>.before.txt`` / ``.after.txt``: with option ``dump_passes``, each named pass's graph
+  before and after it ran (NN: its place in `usp_graph.backend.backend_pipeline`);
 - ``<name>.uspg``: the AOTAutograd graphs as graph files (``save_graph_module``; the metadata
   symbols named ``N1`` and ``max_seqlen``); ``forward.uspg``'s nodes are named as in the joint, and
   ``backward.uspg``'s ``usp_fwd_node`` tags name them, which is how ``usp-graph inspect`` pairs a
