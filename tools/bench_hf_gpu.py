@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     add_json_arg(p)
     a = p.parse_args(argv)
     if a.quick:
-        a.tokens, a.docs, a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab = 256, 5, 64, 2, 4, 2, 128, 128
+        a.tokens, a.docs, a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab = 256, 5, 64, 2, 4, 2, 128, 128  # fmt: skip
         a.iters, a.warmup = 2, 1
     import transformers as tf
 
@@ -112,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     ).to(device=device, dtype=dtype)
     own = Llama(
         LlamaConfig(
-            vocab_size=a.vocab, dim=a.hidden, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads, ffn_dim=a.ffn
+            vocab_size=a.vocab,
+            dim=a.hidden,
+            n_layers=a.layers,
+            n_heads=a.heads,
+            n_kv_heads=a.kv_heads,
+            ffn_dim=a.ffn,
         )
     ).to(device=device, dtype=dtype)
 
@@ -120,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         def step():
             hf.zero_grad(set_to_none=True)
             with usp_graph.documents(docs):
-                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+                logits = model(
+                    input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+                ).logits
             loss = _loss(logits, batch["labels"])
             loss.backward()
             return loss.detach()
@@ -145,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         "own_usp": lambda: own_step(torch.compile(own, backend="usp", options={"inner": inner})),
     }
     results = []
-    print(f"T={a.tokens} N={len(lengths)} D={a.hidden} layers={a.layers} H={a.heads}/{a.kv_heads} {dtype} on {device}")
+    print(
+        f"T={a.tokens} N={len(lengths)} D={a.hidden} layers={a.layers} H={a.heads}/{a.kv_heads} {dtype} on {device}"
+    )
     for name in a.rows.split(","):
         torch._dynamo.reset()
         try:
@@ -156,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"row": name, "error": f"{type(e).__name__}: {e}"[:2000]})
             continue
         results.append({"row": name, "ms": ms, "peak_gib": peak, "loss": loss, "setup_s": watch.seconds})
-        print(f"{name:10s} {ms:9.1f} ms  peak {peak:6.1f} GiB  loss {loss:.5f}  (setup+timing {results[-1]['setup_s']:.0f} s)")
+        print(
+            f"{name:10s} {ms:9.1f} ms  peak {peak:6.1f} GiB  loss {loss:.5f}  (setup+timing {results[-1]['setup_s']:.0f} s)"
+        )
     by = {r["row"]: r for r in results if "ms" in r}
     if "hf_eager" in by and "hf_usp" in by:
         rel = abs(by["hf_usp"]["loss"] - by["hf_eager"]["loss"]) / abs(by["hf_eager"]["loss"])

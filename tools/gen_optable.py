@@ -69,7 +69,9 @@ def _llama(folder: str, *, cp=None, lengths=(9, 7, 11, 5)):
 
         def step(m, b):
             logits = m(b["input_ids"], b["position_ids"])
-            return F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100, reduction="sum")
+            return F.cross_entropy(
+                logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100, reduction="sum"
+            )
 
         graph = trace_train_step(model, step, local, meta, cp=cp)
     save(graph, os.path.join(folder, f"llama_{getattr(cp, 'strategy', None)}{SUFFIX}"))
@@ -82,7 +84,13 @@ def _flux(folder: str):
     from usp_graph.models import Flux, FluxConfig, flux_loss, make_flux_batch
 
     config = FluxConfig(hidden=32, n_heads=2, n_double=1, n_single=1)
-    dynamic = {"txt": {1: "Lt"}, "txt_ids": {1: "Lt"}, "img": {1: "Li"}, "img_ids": {1: "Li"}, "target": {1: "Li"}}
+    dynamic = {
+        "txt": {1: "Lt"},
+        "txt_ids": {1: "Lt"},
+        "img": {1: "Li"},
+        "img_ids": {1: "Li"},
+        "target": {1: "Li"},
+    }
     torch.manual_seed(5)
     model = Flux(config)
     batch = make_flux_batch(config, 2, 4, 9, generator=torch.Generator().manual_seed(6), grid_width=3)
@@ -193,7 +201,7 @@ def main() -> int:
         print(f"  - {n}")
     if ns.write:
         m = re.search(rf"({re.escape(BEGIN)}[^\n]*\n)(.*?)({re.escape(END)})", text, re.S)
-        TABLE.write_text(text[: m.start(2)] + _block(derived) + text[m.end(2):])
+        TABLE.write_text(text[: m.start(2)] + _block(derived) + text[m.end(2) :])
         print(f"wrote {TABLE}")
         return 0
     return 1 if ns.check and (added or removed) else 0
