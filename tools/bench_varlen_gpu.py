@@ -794,8 +794,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if k not in ("shape_list", "impl_list", "json")}  # fmt: skip
     info_of = {info["label"]: info for info in shapes_info}
     records = [
-        out.write(settings=settings, flop_convention=FLOP_CONVENTION, tolerance=TOLERANCE,
-                  shape_info=info_of[r.shape], **vars(r))  # fmt: skip
+        out.write(
+            settings=settings,
+            flop_convention=FLOP_CONVENTION,
+            tolerance=TOLERANCE,
+            shape_info=info_of[r.shape],
+            **vars(r),
+        )  # fmt: skip
         for r in results
     ]
     if args.json is not None:
