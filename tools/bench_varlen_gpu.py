@@ -800,7 +800,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             tolerance=TOLERANCE,
             shape_info=info_of[r.shape],
             **vars(r),
-        )  # fmt: skip
+        )
         for r in results
     ]
     if args.json is not None:
