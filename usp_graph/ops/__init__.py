@@ -1,4 +1,5 @@
-"""usp custom ops. Importing this package defines every op and registers its backward rule."""
+"""usp custom ops. Importing this package defines every op and implements its row of
+`usp_graph.registry.TABLE` (its backward rule); a row or an op left out fails here."""
 
 from __future__ import annotations
 
