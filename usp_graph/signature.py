@@ -15,7 +15,7 @@ Also here, for both sides: `flatten_batch` (the batch's leaves and their names),
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -32,6 +32,7 @@ __all__ = [
     "GraphSignature",
     "TensorSpec",
     "TrainStep",
+    "check_bindings",
     "evaluate_recorded",
     "flatten_batch",
     "symbol_range",
@@ -271,42 +272,71 @@ def _check_named(what: str, given: Any, specs: tuple[TensorSpec, ...], *, hint: 
     return out
 
 
+def check_bindings(
+    bound: Mapping[str, tuple[int, str]],
+    *,
+    symbols: Mapping[str, sympy.Symbol],
+    ranges: Mapping[str, tuple[int, int | None]],
+    guards: Sequence[tuple[sympy.Basic, str]],
+    saved: bool = False,
+    error: type[Exception] = ValueError,
+) -> dict[sympy.Symbol, sympy.Integer]:
+    """Check the sizes some inputs bind (``{dim name: (value, where it comes from)}``) against the
+    recorded value ranges, then the recorded guards; returns ``{symbol: value}`` for further checks.
+
+    The one check of recorded symbol constraints: train steps (traced or loaded) and graph files
+    called directly (`GraphFile.check_inputs`, `saved=True`: messages speak of the saved graph).
+    `error`: what a guard that cannot be evaluated raises (`evaluate_recorded`).
+    """
+    subs: dict[sympy.Symbol, sympy.Integer] = {}
+    for name, (value, where) in bound.items():
+        lo, hi = ranges.get(name, (0, None))
+        if value < lo or (hi is not None and value > hi):
+            if saved:
+                raise ValueError(
+                    f"{where} = {value}, but the graph was saved for {name} in [{lo}, {hi if hi is not None else 'inf'}]"
+                )
+            bound_text = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ValueError(f"{where} = {value}, but the graph was traced for {name} {bound_text}")
+        if name in symbols:
+            subs[symbols[name]] = sympy.Integer(value)
+    show = str if saved else _shown_by_name(symbols)
+    for expr, where in guards:
+        result = evaluate_recorded(show(expr), where, expr.xreplace, subs, error=error)
+        if result.free_symbols or evaluate_recorded(show(expr), where, bool, result, error=error):
+            continue
+        values = ", ".join(f"{n}={v}" for n, (v, _) in bound.items())
+        if saved:
+            raise ValueError(f"these inputs ({values}) break an assumption recorded with the graph: {expr} ({where})")
+        raise ValueError(
+            f"these inputs ({values}) break an assumption made while tracing: {show(expr)} "
+            f"(recorded {where}); retrace with an example that satisfies the new inputs' shapes"
+        )
+    return subs
+
+
+def _shown_by_name(symbols: Mapping[str, sympy.Symbol]) -> Callable[[sympy.Basic], str]:
+    """An expression as text, its symbols written by their dim names."""
+    by_name = {sym: sympy.Symbol(n) for n, sym in symbols.items()}
+    return lambda expr: str(expr.xreplace(by_name))
+
+
 def _check_symbols(
     s: GraphSignature, bindings: dict[str, tuple[int, str]], metadata: AttentionMetadata
 ) -> None:
-    subs = {}
-    for name, sym in s.symbols.items():
-        if name not in bindings:
-            continue
-        value, where = bindings[name]
-        lo, hi = s.ranges.get(name, (0, None))
-        if value < lo or (hi is not None and value > hi):
-            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise ValueError(f"{where} = {value}, but the graph was traced for {name} {bound}")
-        subs[sym] = sympy.Integer(value)
-    names = {sym: name for name, sym in s.symbols.items()}
-
-    def show(expr: sympy.Basic) -> str:
-        return str(expr.xreplace({sym: sympy.Symbol(n) for sym, n in names.items()}))
-
-    def evaluate(expr: sympy.Basic, where: str, fn: Callable[..., Any], *args: Any) -> Any:
-        return evaluate_recorded(show(expr), where, fn, *args)
-
-    for expr, where in s.guards:
-        result = evaluate(expr, where, expr.xreplace, subs)
-        if result.free_symbols:
-            continue
-        if not evaluate(expr, where, bool, result):
-            values = ", ".join(f"{n}={bindings[n][0]}" for n in s.symbols if n in bindings)
-            raise ValueError(
-                f"these inputs ({values}) break an assumption made while tracing: {show(expr)} "
-                f"(recorded {where}); retrace with an example that satisfies the new inputs' shapes"
-            )
+    subs = check_bindings(
+        {n: bindings[n] for n in s.symbols if n in bindings},
+        symbols=s.symbols,
+        ranges=s.ranges,
+        guards=s.guards,
+    )
+    show = _shown_by_name(s.symbols)
     for site, source, expr in s.token_checks:
-        tokens = evaluate(expr, f"attention site {site}", expr.xreplace, subs)
+        where = f"attention site {site}"
+        tokens = evaluate_recorded(show(expr), where, expr.xreplace, subs)
         if tokens.free_symbols:
             continue
-        n = evaluate(expr, f"attention site {site}", int, tokens)
+        n = evaluate_recorded(show(expr), where, int, tokens)
         check_token_count(n, metadata.total_tokens, partial(_token_mismatch, metadata, site, source, n))
 
 

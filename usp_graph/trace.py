@@ -8,7 +8,9 @@ pipeline (rewrite_sdpa -> joint -> verify) and returns a `TrainStepGraph` whose 
 real parameters, a batch and NEW metadata.
 
 Graph inputs, in order: every parameter (``model.named_parameters()`` order), every buffer, the
-batch's tensors (pytree order), ``cu_seqlens_N1``, ``max_seqlen``.
+batch's tensors (pytree order), ``cu_seqlens_N1``, ``max_seqlen`` (the last two made by
+`usp_graph.graph_inputs`, as the rewrite pass and the compile backend make theirs). The input spec
+and the replay input check are `usp_graph.signature`'s, shared with loaded graph files.
 
 What is dynamic, and how:
 - Token count(s): each batch dim listed in `dynamic` (default: every dim whose size is

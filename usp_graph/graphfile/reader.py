@@ -21,7 +21,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..signature import evaluate_recorded
+from ..signature import check_bindings, evaluate_recorded
 from . import document
 from .allowlist import check_call, resolve_target, result_kind
 from .errors import GraphFileError, GraphFileSchemaError, GraphFileVersionError, GraphFileVersionWarning
@@ -190,12 +190,10 @@ class GraphFile:
                 raise TypeError(f"{where} must be a bool, got {type(a).__name__}")
             elif spec.kind == "none" and a is not None:
                 raise TypeError(f"{where} must be None, got {type(a).__name__}")
-        for name, (value, where) in bound.items():
-            lo, hi = self.ranges.get(name, (0, None))
-            if value < lo or (hi is not None and value > hi):
-                raise ValueError(
-                    f"{where} = {value}, but the graph was saved for {name} in [{lo}, {hi if hi is not None else 'inf'}]"
-                )
+        # Ranges and guards: the one check train steps use too.
+        check_bindings(
+            bound, symbols=self.dims, ranges=self.ranges, guards=self.guards, saved=True, error=GraphFileSchemaError
+        )
         named = {sympy.Symbol(n, integer=True): sympy.Integer(v) for n, (v, _) in bound.items()}
         named.update({sympy.Symbol(n): sympy.Integer(v) for n, (v, _) in bound.items()})
         for expr, size, where in deferred:
@@ -203,14 +201,6 @@ class GraphFile:
             if not value.free_symbols and _evaluate(expr, where, int, value) != size:
                 raise ValueError(
                     f"{where} is {size}, but the graph was saved for {expr} = {value} with these inputs"
-                )
-        subs = {self.dims[n]: sympy.Integer(v) for n, (v, _) in bound.items() if n in self.dims}
-        for cond, where in self.guards:
-            result = _evaluate(cond, where, cond.xreplace, subs)
-            if not result.free_symbols and not _evaluate(cond, where, bool, result):
-                values = ", ".join(f"{n}={v}" for n, (v, _) in bound.items())
-                raise ValueError(
-                    f"these inputs ({values}) break an assumption recorded with the graph: {cond} ({where})"
                 )
 
     def __call__(self, *args: Any) -> Any:
