@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from usp_graph.cp import balance_documents, shard_work
-
-
-def _lognormal(total: int, mean: float, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    out: list[int] = []
-    while sum(out) < total:
-        n = int(torch.empty(1).log_normal_(math.log(mean) - 0.5, 1.0, generator=gen).clamp(min=1).item())
-        out.append(min(n, total - sum(out)))
-    return out
+from usp_graph.testing import lognormal_lengths
 
 
 def _brute_work(lengths, world, causal):
@@ -46,7 +36,7 @@ def test_shard_work_counts_every_query_key_pair(causal):
 @pytest.mark.parametrize("causal", [True, False])
 def test_balanced_order_is_a_permutation_and_never_worse(world, causal):
     for seed in range(6):
-        lens = _lognormal(4096 * world, 256, seed)
+        lens = lognormal_lengths(4096 * world, 256, seed)
         order = balance_documents(lens, world, is_causal=causal)
         assert sorted(order) == list(range(len(lens)))
         before = shard_work(lens, world, is_causal=causal)
