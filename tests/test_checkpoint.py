@@ -133,7 +133,7 @@ class _MaskedCheckpointed(torch.nn.Module):
 
 
 def test_a_recognised_mask_is_no_longer_built_to_be_passed_to_checkpointed_regions(monkeypatch):
-    import usp_graph.backend.compiler as compiler
+    import usp_graph.backend.pipeline as compiler  # the backend pipeline's rewrite pass calls rewrite_sdpa
 
     rewritten = []
     real = compiler.rewrite_sdpa
