@@ -11,7 +11,7 @@
 The launcher is the package's (`usp_graph.launch`). The suite keeps one `RankPool` per world size
 for the whole session: spawning ranks and importing torch and the test modules in them costs
 seconds per call, and most tests need only a fresh process group, which every call gets. A failed
-or hung call empties its pool, so fault tests see exactly what fresh ranks would.
+or hung call replaces its pool's ranks with fresh ones, so fault tests see exactly what fresh ranks would.
 ``USP_TEST_FRESH_RANKS=1`` spawns fresh ranks for every call instead (e.g. to rule the pool out).
 The timeout is only a guard against hangs (`usp_graph.launch.default_timeout`).
 """
@@ -46,7 +46,7 @@ def run_ranks(
         return launch.run_ranks(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout, **kwargs)
     pool = _pools.get(world_size)
     if pool is None:
-        pool = _pools[world_size] = RankPool(world_size)
+        pool = _pools[world_size] = RankPool(world_size, respawn=True)
     return pool.run(fn, *args, timeout=timeout, pg_timeout=pg_timeout, **kwargs)
 
 

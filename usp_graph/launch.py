@@ -171,13 +171,15 @@ def _describe_exit(code: int | None) -> str:
 class RankPool:
     """`world_size` spawned gloo ranks that run one call after another (`run`), each call in its
     own fresh default process group. Spawned at the first call; a failed or hung call empties the
-    pool (its ranks are killed) and the next call spawns fresh ones. `close` (or leaving a `with`
-    block) ends the ranks."""
+    pool (its ranks are killed) and the next call spawns fresh ones, or, with ``respawn=True``, the
+    fresh ones are spawned at once, so they import while the caller goes on. `close` (or leaving a
+    `with` block) ends the ranks."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, *, respawn: bool = False):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
+        self.respawn = respawn
         self._procs: list[Any] = []
         self._jobs: list[multiprocessing.connection.Connection] = []
         self._results: list[multiprocessing.connection.Connection] = []
@@ -271,6 +273,8 @@ class RankPool:
         finally:
             if not healthy:
                 self.close(grace=0.0)
+                if self.respawn:
+                    self._spawn()
             else:
                 for path in (job_path, store):
                     if os.path.exists(path):
