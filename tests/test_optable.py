@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 import torch.fx as fx
 
+from tests import background
 from usp_graph.graphfile import (
     DisallowedTargetError,
     GraphFileSchemaError,
@@ -49,13 +49,17 @@ def _node(doc: dict, prefix: str) -> dict:
     return next(n for n in doc["graph"]["nodes"] if n["name"].startswith(prefix))
 
 
-@pytest.mark.timeout(900)
+# About a minute of compiling on one core: started when collection ends (tests/conftest.py), it runs
+# beside the rest of the suite.
+_GEN_CHECK = [sys.executable, str(ROOT / "tools" / "gen_optable.py"), "--check"]
+_GEN_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.mark.slow
+@pytest.mark.start_early("gen_optable", _GEN_CHECK, cwd=str(ROOT), env=_GEN_ENV)
 def test_the_table_holds_exactly_the_ops_the_workloads_write():
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "gen_optable.py"), "--check"],
-        capture_output=True, text=True, timeout=800, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    code, output = background.result("gen_optable", _GEN_CHECK, timeout=850, cwd=str(ROOT), env=_GEN_ENV)
+    assert code == 0, output[-6000:]
 
 
 def test_every_table_op_exists_and_none_is_out_of_bounds_by_construction():
@@ -64,7 +68,9 @@ def test_every_table_op_exists_and_none_is_out_of_bounds_by_construction():
         target = getattr(getattr(getattr(torch.ops, ns), op), overload)
         assert isinstance(target, torch._ops.OpOverload), name
         assert name.rsplit(".", 1)[0] not in NEVER, name
-        writes = [a.name for a in target._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        writes = [
+            a.name for a in target._schema.arguments if a.alias_info is not None and a.alias_info.is_write
+        ]
         assert writes in ([], ["self"]), f"{name} writes to {writes}"  # in-place on self at most, never out=
         assert not writes or name in OBSERVED, f"{name}: in-place ops only where graphs hold them"
         assert allowed(name)
@@ -157,10 +163,14 @@ def test_uninitialized_allocations_replay_zero_filled(tmp_path):
     del junk
     out = f(torch.randn(1 << 12))
     assert torch.equal(out, torch.zeros(1 << 12))
-    assert f.graph_module.graph.find_nodes(op="call_function", target=A.empty_like.default)  # the file's graph
+    assert f.graph_module.graph.find_nodes(
+        op="call_function", target=A.empty_like.default
+    )  # the file's graph
 
 
-def test_a_node_bigger_than_the_limit_or_on_another_device_is_refused_before_anything_runs(tmp_path, monkeypatch):
+def test_a_node_bigger_than_the_limit_or_on_another_device_is_refused_before_anything_runs(
+    tmp_path, monkeypatch
+):
     doc = _file(tmp_path, lambda x: x.new_zeros([8, 8]).sum() + x.sum(), torch.randn(3))
     _node(doc, "new_zeros")["args"][1] = [1 << 20, 1 << 20]
     f = _load(doc)
@@ -221,7 +231,9 @@ def test_the_check_runs_once_per_input_signature(tmp_path, monkeypatch):
     f = _load(doc)
     calls = []
     original = replay.ReplayCheck._propagate
-    monkeypatch.setattr(replay.ReplayCheck, "_propagate", lambda self, args: calls.append(1) or original(self, args))
+    monkeypatch.setattr(
+        replay.ReplayCheck, "_propagate", lambda self, args: calls.append(1) or original(self, args)
+    )
     f(torch.randn(3))
     f(torch.randn(3))
     assert len(calls) == 1

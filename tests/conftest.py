@@ -1,0 +1,67 @@
+"""Suite-wide settings: the `slow` marker for tests in modules that do not mark themselves, the
+early start of long subprocess checks (`tests.background`), and the end of the pooled gloo ranks
+(`tests.dist`) and of those subprocesses when the session ends.
+
+`slow` marks a test that spawns ranks or processes, or runs for seconds: ``python -m pytest -q``
+(and CI) runs every test; ``-m "not slow"`` is the quick loop. Modules mark their own tests where
+they can (``pytestmark``, ``@pytest.mark.slow``); `SLOW` names the rest. A name here that no
+longer matches a test of its module is an error, so the list cannot go stale silently.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import background
+from tests.dist import close_pools
+
+SLOW: dict[str, tuple[str, ...]] = {
+    "test_analysis.py": ("test_cp_graphs_name_their_strategy_and_bytes_match_the_cost_model",),
+    "test_bad_inputs.py": ("test_zero_heads_do_not_crash_the_process",),
+    "test_compile.py": ("test_cp_compiled_every_strategy_matches_one_process_on_2_ranks",),
+    "test_cross.py": ("test_cross_attention_under_cp_with_replicated_text_matches_one_process",),
+    "test_diffusers.py": ("test_flux_context_parallel_ulysses_and_ring_match_one_process",),
+    "test_graphfile.py": (
+        "test_llama_and_flux_loaded_in_a_fresh_process_replay_10_adamw_steps_bitwise_equal_to_eager",
+        "test_cp_graphs_saved_per_rank_replay_in_fresh_ranks_bitwise_equal_to_eager_cp",
+    ),
+    "test_masks.py": ("test_option_documents_under_cp_gathers_the_position_ids_of_every_rank",),
+    "test_trace.py": (
+        "test_cp_train_steps_replayed_equal_eager_cp_bitwise_on_2_ranks",
+        "test_cp_flux_train_steps_replayed_equal_eager_cp_bitwise_on_2_ranks",
+    ),
+    "test_transformers.py": ("test_llama_context_parallel_ulysses_and_ring_match_one_process",),
+    "test_window.py": ("test_long_documents_run_in_row_blocks_exactly",),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    seen: dict[str, set[str]] = {}
+    for item in items:
+        module = item.path.name
+        names = SLOW.get(module)
+        if names is None:
+            continue
+        name = getattr(item, "originalname", item.name)
+        seen.setdefault(module, set()).add(name)
+        if name in names:
+            item.add_marker(pytest.mark.slow)
+    stale = [f"{m}::{n}" for m, found in seen.items() for n in SLOW[m] if n not in found]
+    # Only a run of the whole suite collects every module whole (-k deselects later).
+    if stale and config.args_source == pytest.Config.ArgsSource.TESTPATHS:
+        raise pytest.UsageError(f"tests/conftest.py SLOW names tests that do not exist: {stale}")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the selected tests' early subprocesses (`tests.background`)."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        for mark in item.iter_markers("start_early"):
+            background.start(*mark.args, **mark.kwargs)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    close_pools()
+    background.stop_all()
