@@ -15,8 +15,6 @@ import torch.nn.functional as F
 from tests.dist import run_ranks
 from tests.reference import rel_err as _rel
 
-pytestmark = pytest.mark.timeout(300)
-
 STRATEGIES = ["allgather_kv", "ulysses", "ring", "usp"]
 
 
@@ -108,16 +106,19 @@ def _configs(strategies, heads):
 TOL = {"float64": 1e-10, "float32": 1e-5}
 
 
+@pytest.mark.slow
 def test_every_strategy_matches_one_process_on_2_ranks():
     configs = _configs(STRATEGIES, [(4, 2, 1), (4, 4, 2)])
-    _check(run_ranks(_attention_cases, 2, configs, timeout=150), TOL)
+    _check(run_ranks(_attention_cases, 2, configs), TOL)
 
 
+@pytest.mark.slow
 def test_every_strategy_matches_one_process_on_4_ranks():
     configs = _configs(STRATEGIES, [(4, 2, 1)])
-    _check(run_ranks(_attention_cases, 4, configs, timeout=150), TOL)
+    _check(run_ranks(_attention_cases, 4, configs), TOL)
 
 
+@pytest.mark.slow
 def test_ulysses_shape_rules_on_4_ranks():
     # heads not divisible by the degree (uneven all-to-all), fewer KV heads than the degree
     # (replicated, backward sums the replicas), multi-query.
@@ -127,7 +128,7 @@ def test_ulysses_shape_rules_on_4_ranks():
         for causal in (False, True)
         for (h, g) in ((6, 2), (5, 5), (4, 1), (8, 2))
     ]
-    _check(run_ranks(_attention_cases, 4, configs, timeout=150), TOL)
+    _check(run_ranks(_attention_cases, 4, configs), TOL)
 
 
 # ---- halo: only the K/V that documents crossing a shard boundary need ------------------------------
@@ -187,6 +188,7 @@ def _halo_configs(world: int) -> list[tuple]:
     return halo + usp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_halo_matches_one_process(world):
     # world 1 with two rows: the halo of each row is the previous row's tail, from this same rank.
@@ -195,7 +197,7 @@ def test_halo_matches_one_process(world):
         if world > 1
         else [c for c in _halo_configs(world) if c[1] == "float64" and not c[7]]
     )
-    results = run_ranks(_halo_cases, world, configs, timeout=150)
+    results = run_ranks(_halo_cases, world, configs)
     for rank_results in results:
         for r in rank_results:
             tol = TOL[r["config"][1]]
@@ -228,10 +230,11 @@ def _halo_refusals(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_halo_refuses_documents_longer_than_it_allows_on_every_rank_without_hanging():
     from usp_graph import ContextParallel
 
-    for r in run_ranks(_halo_refusals, 2, timeout=90, pg_timeout=20):
+    for r in run_ranks(_halo_refusals, 2, pg_timeout=20):
         assert "longer than this halo allows" in r["too_long"] and "max_document_len" in r["too_long"], r
         assert r["fits"] == "ok", r
         assert "wider than the 8 local tokens" in r["wide"], r
@@ -300,8 +303,9 @@ def _llama_steps(rank: int, world: int, strategies: list[str]) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_llama_train_step_every_strategy_matches_one_process():
-    for results in run_ranks(_llama_steps, 2, STRATEGIES, timeout=150):
+    for results in run_ranks(_llama_steps, 2, STRATEGIES):
         for r in results:
             # Seed bug 1: a collective without an autograd kernel leaves q/k/v projection grads None.
             assert r["none_grads"] == [], r
@@ -367,8 +371,9 @@ def _flux_steps(rank: int, world: int, strategies: list[str]) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_flux_joint_attention_every_strategy_matches_one_process():
-    for results in run_ranks(_flux_steps, 2, STRATEGIES, timeout=150):
+    for results in run_ranks(_flux_steps, 2, STRATEGIES):
         for r in results:
             assert r["none_grads"] == [], r
             assert r["loss"] <= 1e-10 and r["worst_grad"] <= 1e-10, r
@@ -407,6 +412,7 @@ def _layout_checks(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_shard_unshard_roundtrip_and_clear_errors():
     for world, res in ((2, run_ranks(_layout_checks, 2)),):
         for r in res:
@@ -443,6 +449,7 @@ def _raise_mid_step(rank: int, world: int) -> None:
         F.scaled_dot_product_attention(q, q, q)
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_makes_the_others_fail_not_hang():
     with pytest.raises(Exception, match="rank 1 fails before its collective"):
         run_ranks(_raise_mid_step, 2, timeout=60, pg_timeout=5)
@@ -511,9 +518,10 @@ def _bytes_cases(rank: int, world: int) -> list[tuple]:
     return rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_bytes_sent_per_rank_match_the_cost_model(world):
-    for rows in run_ranks(_bytes_cases, world, timeout=150):
+    for rows in run_ranks(_bytes_cases, world):
         for strategy, h, g, fwd, fwd_model, both, both_model in rows:
             # usp on 2 ranks is Ulysses of degree 1 (no traffic); halo's last rank has no next rank
             # to send its tail to in a one-row causal stream.

@@ -46,7 +46,7 @@ def _mutate(data: bytes, rng: random.Random) -> tuple[bytes, str]:
     return mutate_bytes(data, rng)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_mutated_graph_files_load_or_raise_a_graph_file_error(corpus):
     rng = random.Random(SEED)
     outcomes: Counter[str] = Counter()

@@ -427,7 +427,7 @@ def _verdict(c: Crafted, r: dict[str, Any]) -> str | None:
     return None
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", CLASSES)
 def test_crafted_files_of_each_class_meet_their_expected_outcome(crafted, cls):
     corpus, results = crafted
@@ -452,7 +452,7 @@ def test_every_crafted_file_has_a_valid_fingerprint():
         assert doc["fingerprint"] == fingerprint(doc), c.name
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_seeded_mutations_load_and_replay_with_only_allowed_outcomes(bases_dir, tmp_path):
     items = [{"id": f"{SEED}:{case}", "kind": "fuzz", "seed": SEED, "case": case} for case in range(CASES)]
     start = time.perf_counter()

@@ -11,8 +11,6 @@ import torch
 from tests.dist import run_ranks
 from tests.test_cp import _halo_lengths, _lengths, _seed
 
-pytestmark = pytest.mark.timeout(300)
-
 # Windows shorter and longer than a chunk (8 tokens, 4 with zigzag), one-sided either way, the
 # diagonal alone, and one that cuts nothing on documents of these lengths.
 WINDOWS = [(3, 0), (2, 2), (5, -1), (-1, 3), (0, 0), (11, 6), (1, 13), (40, 40)]
@@ -113,10 +111,12 @@ def _configs(world: int) -> list[tuple]:
     return configs
 
 
+@pytest.mark.slow
 def test_every_strategy_with_a_window_matches_one_process_on_2_ranks():
-    _check(run_ranks(_window_cases, 2, _configs(2), timeout=280))
+    _check(run_ranks(_window_cases, 2, _configs(2)))
 
 
+@pytest.mark.slow
 def test_ring_and_2d_usp_with_a_window_match_one_process_on_4_ranks():
     configs = [
         (kind, zz, causal, window, 4, 2, 1, 0, "float64")
@@ -124,7 +124,7 @@ def test_ring_and_2d_usp_with_a_window_match_one_process_on_4_ranks():
         for causal in (False, True)
         for window in [(3, 0), (2, 9), (5, -1), (-1, 5)]
     ] + [("usp_halo", False, causal, (3, 2), 4, 2, 1, 20, "float64") for causal in (False, True)]
-    _check(run_ranks(_window_cases, 4, configs, timeout=280))
+    _check(run_ranks(_window_cases, 4, configs))
 
 
 def test_ring_pair_plan_skips_pairs_outside_the_window_and_runs_covered_pairs_in_full():
@@ -167,8 +167,9 @@ def _halo_bytes(rank: int, world: int) -> list[tuple]:
     return rows
 
 
+@pytest.mark.slow
 def test_halo_with_a_window_sends_what_the_cost_model_says():
-    for rows in run_ranks(_halo_bytes, 2, timeout=120):
+    for rows in run_ranks(_halo_bytes, 2):
         for window, got, model in rows:
             assert got == model, window
 
@@ -225,7 +226,8 @@ def _traced_vs_eager(rank: int, world: int) -> list[tuple]:
     return rows
 
 
+@pytest.mark.slow
 def test_windowed_strategies_trace_symbolically_and_replay_other_shapes_bitwise():
-    for rows in run_ranks(_traced_vs_eager, 2, timeout=200):
+    for rows in run_ranks(_traced_vs_eager, 2):
         for kind, same in rows:
             assert same, kind
