@@ -1,33 +1,118 @@
-"""The usp-graph CLI, run as a subprocess on real graph files (the demo's per-rank CP files)."""
+"""The usp-graph CLI, run in a subprocess on real graph files (the demo's per-rank CP files).
+
+`_cli` hands each command line to one long-lived CLI process (`_SERVER`: ``usp_graph.cli.main``
+with its output captured and SystemExit turned into the exit code, as the console script does), so
+the suite pays the torch import once; the demo and ``--help`` run as their own processes
+(``python -m usp_graph``), which covers the entry point itself.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
+import time
 
 import networkx as nx
 import pytest
 
 from usp_graph.graphfile.document import fingerprint
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+_REPLY = "\x00usp-cli-reply "  # marks the server's replies among anything else written to stdout
+
+_SERVER = """
+import contextlib, io, json, sys, traceback
+from usp_graph.cli import main
+for line in sys.stdin:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(json.loads(line))
+        except SystemExit as e:  # argparse: 2 with its usage message already on stderr
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        except BaseException:  # the console script would print the traceback and exit 1
+            traceback.print_exc()
+            code = 1
+    reply = {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+    sys.__stdout__.write(PREFIX + json.dumps(reply) + "\\n")
+    sys.__stdout__.flush()
+"""
 
 
-def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+class _CliServer:
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def _start(self) -> subprocess.Popen:
+        code = f"PREFIX = {_REPLY!r}\n" + _SERVER
+        return subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True, env=_ENV, bufsize=1,
+        )  # fmt: skip
+
+    def run(self, args: tuple[str, ...], timeout: float) -> subprocess.CompletedProcess:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = self._start()
+        proc = self.proc
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps(list(args)) + "\n")
+        proc.stdin.flush()
+        end = time.monotonic() + timeout
+        while True:
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, end - time.monotonic()))
+            if not ready:
+                self.close()
+                raise subprocess.TimeoutExpired(["usp-graph", *args], timeout)
+            line = proc.stdout.readline()
+            if not line:
+                self.close()
+                raise RuntimeError(f"the CLI process died running usp-graph {' '.join(args)}")
+            if line.startswith(_REPLY):
+                r = json.loads(line[len(_REPLY) :])
+                return subprocess.CompletedProcess(
+                    ["usp-graph", *args], r["returncode"], r["stdout"], r["stderr"]
+                )
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+_server = _CliServer()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cli_server():
+    yield
+    _server.close()
+
+
+def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`usp-graph ARGS` in the module's CLI process: exit code, stdout and stderr."""
+    return _server.run(args, timeout)
+
+
+def _own_process(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`python -m usp_graph ARGS` as a process of its own."""
     return subprocess.run(
-        [sys.executable, "-m", "usp_graph", *args], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", "usp_graph", *args], capture_output=True, text=True, timeout=timeout, env=_ENV
     )
 
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    r = _cli("demo", "--out", str(out))
+    r = _own_process("demo", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "replay == eager, bitwise" in r.stdout
     assert r.stdout.count("loss and every grad bitwise equal") == 2
@@ -132,7 +217,7 @@ def test_diff_reports_no_change_between_ranks_and_a_change_against_another_graph
 
 
 def test_help_has_examples():
-    r = _cli("--help")
+    r = _own_process("--help")
     assert r.returncode == 0 and "examples:" in r.stdout and "usp-graph verify" in r.stdout
 
 
@@ -173,7 +258,7 @@ def test_bad_values_argument_is_a_clear_usage_error(demo_dir):
 
 
 def test_demo_with_the_halo_strategy_replays_bitwise(tmp_path):
-    r = _cli("demo", "--strategy", "halo", "--out", str(tmp_path))
+    r = _own_process("demo", "--strategy", "halo", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "replay == eager, bitwise" in r.stdout
     assert "usp.halo_exchange" in r.stdout and "usp.halo_reduce" in r.stdout
