@@ -2,21 +2,24 @@
 
 A test marked ``@pytest.mark.start_early(name, argv)`` has `argv` started in the background as soon
 as pytest has selected it (`tests/conftest.py`); the test then calls `result(name, argv)`, which
-waits for it (starting it first when nothing did, e.g. under another runner). Every job still
-running at the end of the session is killed.
+waits for it (starting it first when nothing did, e.g. under another runner). An argument
+``"{tmp}"`` becomes a fresh temporary directory of the job's own (`folder`). Every job still
+running at the end of the session is killed and its directory removed.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
 
-__all__ = ["result", "start", "stop_all"]
+__all__ = ["folder", "result", "start", "stop_all"]
 
 _jobs: dict[str, tuple[subprocess.Popen, str, float]] = {}
+_folders: dict[str, str] = {}
 
 
 def start(
@@ -25,6 +28,9 @@ def start(
     """Start `argv` as job `name` (once), its stdout and stderr going to a temporary file."""
     if name in _jobs:
         return
+    if "{tmp}" in argv:
+        _folders[name] = tempfile.mkdtemp(prefix=f"usp_graph_{name}_")
+        argv = [_folders[name] if a == "{tmp}" else a for a in argv]
     fd, path = tempfile.mkstemp(prefix=f"usp_graph_{name}_", suffix=".log")
     with os.fdopen(fd, "wb") as log:
         proc = subprocess.Popen(
@@ -57,11 +63,18 @@ def result(
     return proc.returncode, output
 
 
+def folder(name: str) -> str:
+    """The temporary directory that ``"{tmp}"`` stood for in job `name`'s arguments."""
+    return _folders[name]
+
+
 def stop_all() -> None:
-    """Kill every job still running and remove the logs."""
+    """Kill every job still running and remove the logs and directories."""
     while _jobs:
         proc, path, _ = _jobs.popitem()[1]
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         os.unlink(path)
+    while _folders:
+        shutil.rmtree(_folders.popitem()[1], ignore_errors=True)

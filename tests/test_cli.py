@@ -2,8 +2,9 @@
 
 `_cli` hands each command line to one long-lived CLI process (`_SERVER`: ``usp_graph.cli.main``
 with its output captured and SystemExit turned into the exit code, as the console script does), so
-the suite pays the torch import once; the demo and ``--help`` run as their own processes
-(``python -m usp_graph``), which covers the entry point itself.
+the suite pays the torch import once; the demos and ``--help`` run as their own processes
+(``python -m usp_graph``), which covers the entry point itself. The two demos start when
+collection ends (`tests.background`) and run beside the tests before them.
 """
 
 from __future__ import annotations
@@ -14,16 +15,20 @@ import select
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import networkx as nx
 import pytest
 
+from tests import background
 from usp_graph.graphfile.document import fingerprint
-
-pytestmark = [pytest.mark.slow]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+_DEMO = [sys.executable, "-m", "usp_graph", "demo", "--out", "{tmp}"]
+_HALO_DEMO = [sys.executable, "-m", "usp_graph", "demo", "--strategy", "halo", "--out", "{tmp}"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.start_early("demo", _DEMO, env=_ENV)]
 _REPLY = "\x00usp-cli-reply "  # marks the server's replies among anything else written to stdout
 
 _SERVER = """
@@ -110,13 +115,12 @@ def _own_process(*args: str, timeout: float = 900) -> subprocess.CompletedProces
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo")
-    r = _own_process("demo", "--out", str(out))
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "replay == eager, bitwise" in r.stdout
-    assert r.stdout.count("loss and every grad bitwise equal") == 2
-    return out
+def demo_dir():
+    code, output = background.result("demo", _DEMO, timeout=900, env=_ENV)
+    assert code == 0, output
+    assert "replay == eager, bitwise" in output
+    assert output.count("loss and every grad bitwise equal") == 2
+    return Path(background.folder("demo"))
 
 
 def test_demo_prints_progress_and_the_inspect_summary(demo_dir):
@@ -257,8 +261,9 @@ def test_bad_values_argument_is_a_clear_usage_error(demo_dir):
     assert r.returncode == 2 and "--values expects NAME=INT" in r.stderr, r.stderr
 
 
-def test_demo_with_the_halo_strategy_replays_bitwise(tmp_path):
-    r = _own_process("demo", "--strategy", "halo", "--out", str(tmp_path))
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "replay == eager, bitwise" in r.stdout
-    assert "usp.halo_exchange" in r.stdout and "usp.halo_reduce" in r.stdout
+@pytest.mark.start_early("halo_demo", _HALO_DEMO, env=_ENV)
+def test_demo_with_the_halo_strategy_replays_bitwise():
+    code, output = background.result("halo_demo", _HALO_DEMO, timeout=900, env=_ENV)
+    assert code == 0, output
+    assert "replay == eager, bitwise" in output
+    assert "usp.halo_exchange" in output and "usp.halo_reduce" in output
