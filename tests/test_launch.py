@@ -1,0 +1,90 @@
+"""The rank launcher (`usp_graph.launch`): pooled ranks start each call as fresh ranks would."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist import RankError, run_ranks
+from usp_graph import launch
+from usp_graph.distributed import group_timeout
+
+_PROBE = "USP_LAUNCH_TEST_PROBE"
+
+
+def _state(rank: int, world: int) -> dict:
+    """What a call sees of the process, then changes to it that the next call must not see."""
+    seen = {
+        "pid": os.getpid(),
+        "probe": os.environ.get(_PROBE),
+        "dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+        "world_timeout": group_timeout(),
+        "subgroup": dist.new_group(list(range(world))).group_name,
+        "sum": float(_all_reduce(torch.ones(1))),
+    }
+    os.environ[_PROBE] = "set by an earlier call"
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    return seen
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(x)
+    return x
+
+
+def _fails_on_rank_1(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("deliberate failure on rank 1")
+    return os.getpid()
+
+
+def _pid(rank: int, world: int) -> int:
+    return os.getpid()
+
+
+def test_default_timeout_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("USP_RANKS_TIMEOUT", raising=False)
+    assert launch.default_timeout() == 900.0
+    monkeypatch.setenv("USP_RANKS_TIMEOUT", "30")
+    assert launch.default_timeout() == 30.0
+    for bad in ("0", "-5", "soon"):
+        monkeypatch.setenv("USP_RANKS_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="USP_RANKS_TIMEOUT must be a positive number"):
+            launch.default_timeout()
+
+
+@pytest.mark.slow
+def test_each_pooled_call_starts_with_a_fresh_process_group_and_process_state():
+    first = run_ranks(_state, 2, pg_timeout=11)
+    second = run_ranks(_state, 2, pg_timeout=13)
+    for a, b in zip(first, second, strict=True):
+        assert a["pid"] == b["pid"]  # the same processes
+        for seen, seconds in ((a, 11), (b, 13)):
+            assert seen["probe"] is None and seen["dtype"] == torch.float32 and seen["grad"]
+            assert seen["world_timeout"] == datetime.timedelta(seconds=seconds)
+            assert seen["subgroup"] == "1" and seen["sum"] == 2.0  # group names start over
+
+
+@pytest.mark.slow
+def test_a_failed_call_reports_the_traceback_and_the_next_call_gets_fresh_ranks():
+    before = run_ranks(_pid, 2)
+    with pytest.raises(RankError, match="deliberate failure on rank 1") as info:
+        run_ranks(_fails_on_rank_1, 2, pg_timeout=5)
+    assert list(info.value.failures) == [1] and info.value.results == {0: before[0]}
+    after = run_ranks(_pid, 2)
+    assert not set(after) & set(before)
+
+
+@pytest.mark.slow
+def test_run_local_ranks_runs_fresh_processes_and_returns_results_by_rank():
+    pids = launch.run_local_ranks(_pid, 2)
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    for pid in pids:  # gone when it returns
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
