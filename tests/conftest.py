@@ -18,12 +18,27 @@ from tests.dist import close_pools
 SLOW: dict[str, tuple[str, ...]] = {
     "test_analysis.py": ("test_cp_graphs_name_their_strategy_and_bytes_match_the_cost_model",),
     "test_bad_inputs.py": ("test_zero_heads_do_not_crash_the_process",),
-    "test_compile.py": ("test_cp_compiled_every_strategy_matches_one_process_on_2_ranks",),
+    "test_compile.py": (
+        "test_cp_compiled_every_strategy_matches_one_process_on_2_ranks",
+        "test_backend_usp_is_found_through_the_entry_point_without_importing_usp_graph",
+        "test_importing_usp_graph_after_torch_found_the_entry_point_registers_once",
+    ),
     "test_cross.py": ("test_cross_attention_under_cp_with_replicated_text_matches_one_process",),
+    "test_cudnn.py": (
+        "test_importing_usp_graph_does_not_import_cudnn",
+        "test_kernel_setting_accepts_cudnn_from_the_environment",
+    ),
     "test_diffusers.py": ("test_flux_context_parallel_ulysses_and_ring_match_one_process",),
+    "test_flex.py": ("test_kernel_setting_is_checked",),
     "test_graphfile.py": (
         "test_llama_and_flux_loaded_in_a_fresh_process_replay_10_adamw_steps_bitwise_equal_to_eager",
         "test_cp_graphs_saved_per_rank_replay_in_fresh_ranks_bitwise_equal_to_eager_cp",
+    ),
+    "test_graphfile_limits.py": (
+        "test_the_nested_power_guard_of_the_issue_is_refused_at_load_not_evaluated",
+        "test_loading_a_fifo_or_a_device_is_refused_not_waited_on",
+        "test_usp_graph_inspect_on_a_folder_holding_a_fifo_exits_2_instead_of_hanging",
+        "test_bad_values_exit_2_without_a_traceback_from_the_command_line",
     ),
     "test_masks.py": ("test_option_documents_under_cp_gathers_the_position_ids_of_every_rank",),
     "test_trace.py": (
