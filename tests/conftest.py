@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests import background
-from tests.dist import close_pools
+from tests.dist import close_pools, warm
 
 SLOW: dict[str, tuple[str, ...]] = {
     "test_analysis.py": ("test_cp_graphs_name_their_strategy_and_bytes_match_the_cost_model",),
@@ -69,12 +69,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the selected tests' early subprocesses (`tests.background`)."""
+    """Start the selected tests' early subprocesses (`tests.background`) and the 2-rank pool."""
     if session.config.option.collectonly:
         return
     for item in session.items:
         for mark in item.iter_markers("start_early"):
             background.start(*mark.args, **mark.kwargs)
+    if any(item.get_closest_marker("slow") for item in session.items):
+        warm(2)  # most multi-rank tests run on 2 ranks
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

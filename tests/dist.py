@@ -26,7 +26,7 @@ from typing import Any
 from usp_graph import launch
 from usp_graph.launch import RankError, RankPool
 
-__all__ = ["RankError", "run_ranks", "close_pools"]
+__all__ = ["RankError", "close_pools", "run_ranks", "warm"]
 
 _pools: dict[int, RankPool] = {}
 
@@ -44,10 +44,20 @@ def run_ranks(
     `RankError` when a rank fails, `TimeoutError` when one hangs)."""
     if os.environ.get("USP_TEST_FRESH_RANKS", "") not in ("", "0"):
         return launch.run_ranks(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout, **kwargs)
+    return _pool(world_size).run(fn, *args, timeout=timeout, pg_timeout=pg_timeout, **kwargs)
+
+
+def _pool(world_size: int) -> RankPool:
     pool = _pools.get(world_size)
     if pool is None:
         pool = _pools[world_size] = RankPool(world_size, respawn=True)
-    return pool.run(fn, *args, timeout=timeout, pg_timeout=pg_timeout, **kwargs)
+    return pool
+
+
+def warm(world_size: int) -> None:
+    """Spawn the session's pool of `world_size` ranks now, so they import while other tests run."""
+    if os.environ.get("USP_TEST_FRESH_RANKS", "") in ("", "0"):
+        _pool(world_size).start()
 
 
 def close_pools() -> None:

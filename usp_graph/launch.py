@@ -197,6 +197,12 @@ class RankPool:
         """Whether ranks are spawned and every one of them is still running."""
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
+    def start(self) -> None:
+        """Spawn the ranks now (they import while the caller goes on) unless they are running."""
+        if not self.alive:
+            self.close(grace=0.0)
+            self._spawn()
+
     def _spawn(self) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
         self._workdir = tempfile.mkdtemp(prefix="usp_graph_ranks_")
@@ -254,9 +260,7 @@ class RankPool:
         if pg_timeout is None:
             pg_timeout = timeout / 2
         start = time.monotonic()
-        if not self.alive:
-            self.close(grace=0.0)
-            self._spawn()
+        self.start()
         assert self._workdir is not None
         self._calls += 1
         job_path = os.path.join(self._workdir, f"call.{self._calls}")
