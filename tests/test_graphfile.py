@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import usp_graph.signature
 from tests.test_trace import (
     FLUX,
     FLUX_DYNAMIC,
@@ -207,6 +209,9 @@ def test_loaded_graph_keeps_inputs_symbols_sites_and_node_metadata(llama_traced,
     assert [x.name for x in step.sites] == [x.name for x in graph.sites] and step.skipped == ()
     roles = [i.role for i in step.file.inputs]
     assert roles == ["parameter"] * len(t.params) + ["batch"] * 3 + ["metadata"] * 2
+    # One input record: the traced signature's entries are the file's inputs (placeholder names aside).
+    assert usp_graph.InputSpec is InputSpec is usp_graph.signature.InputSpec
+    assert t.params + t.buffers + t.batch == tuple(replace(i, node=None) for i in step.file.inputs[:-2])
     assert step.file.inputs[-1].value == "max_seqlen" and step.file.inputs[-4].shape == (1, "T")
     old = {n.name: n for n in graph.graph_module.graph.nodes}
     for node in step.graph_module.graph.nodes:

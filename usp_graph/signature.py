@@ -2,12 +2,15 @@
 
 # T packed tokens, N document capacity (max_docs)
 
-`GraphSignature` (with one `TensorSpec` per tensor input) is the input spec of a train step: the
+`GraphSignature` (with one `InputSpec` per tensor input) is the input spec of a train step: the
 tracer (`trace_train_step` -> `TrainStepGraph`) builds it from the trace, a graph file
 (`load` -> `LoadedTrainStep`) rebuilds it from the file. Both are a `TrainStep`, whose
 `flat_inputs` is the only replay input check: a loaded graph refuses exactly what a freshly traced
 one refuses, with the same messages. Plain data (sympy expressions over the dim symbols, no
 ShapeEnv), so a serializer can write it out.
+
+`InputSpec` is the one record of a graph input: the signature's parameters, buffers and batch
+leaves, and every input a graph file describes (`usp_graph.graphfile` re-exports it).
 
 Also here, for both sides: `flatten_batch` (the batch's leaves and their names), `symbol_range`
 (a symbol's recorded value range) and `evaluate_recorded` (evaluating a recorded guard or size).
@@ -29,8 +32,11 @@ from .graph_inputs import check_token_count
 from .metadata import AttentionMetadata
 
 __all__ = [
+    "Dim",
     "GraphSignature",
-    "TensorSpec",
+    "InputSpec",
+    "KINDS",
+    "ROLES",
     "TrainStep",
     "check_bindings",
     "evaluate_recorded",
@@ -39,34 +45,61 @@ __all__ = [
 ]
 
 
+ROLES = ("parameter", "buffer", "batch", "metadata", "input", "tangent")
+KINDS = ("tensor", "symint", "int", "float", "bool", "none", "any")
+
+Dim = int | str | sympy.Expr
+
+
 @dataclass(frozen=True)
-class TensorSpec:
-    """One tensor input: its name, shape (an int per static dim, the dim's name per dynamic dim),
-    dtype and device."""
+class InputSpec:
+    """One graph input: a train step's parameter, buffer or batch leaf, or any input of a graph file.
+
+    name: what the caller calls it (a parameter name, a batch key, ``"cu_seqlens"``); role: one of
+    ROLES; kind: ``"tensor"``, ``"symint"`` (a symbolic int such as ``max_seqlen``), ``"int"``,
+    ``"float"``, ``"bool"``, ``"none"`` or ``"any"`` (not checked).
+    dtype / shape / device: for tensors; each dim an int (static), a symbol name (``"T"``), or a
+    sympy expression over symbols named like dims (``2*T``). value: for a symint, its symbol name or
+    expression. trainable: for parameters. node: the placeholder's name in a graph file (filled in
+    when saving or loading; None in a `GraphSignature`).
+    """
 
     name: str
-    shape: tuple[int | str, ...]
-    dtype: torch.dtype
-    device: torch.device
+    role: str = "input"
+    kind: str = "tensor"
+    dtype: torch.dtype | None = None
+    shape: tuple[Dim, ...] | None = None
+    device: torch.device | None = None
+    value: Dim | None = None
+    trainable: bool | None = None
+    node: str | None = None
 
     def describe(self) -> str:
-        return f"{self.name}: {tuple(self.shape)} {self.dtype} on {self.device}"
+        if self.kind == "tensor":
+            shape = "(" + ", ".join(str(d) for d in self.shape or ()) + ")"
+            dtype = str(self.dtype).removeprefix("torch.") if self.dtype else "?"
+            return f"{self.role} {self.name}: {shape} {dtype} on {self.device}"
+        return f"{self.role} {self.name}: {self.kind}" + (
+            f" = {self.value}" if self.value is not None else ""
+        )
 
 
 @dataclass(frozen=True)
 class GraphSignature:
     """Everything replay checks before running the graph.
 
+    params / buffers / batch: tensor `InputSpec`s (roles ``parameter`` / ``buffer`` / ``batch``; a
+    batch dim is an int or a dynamic dim's name, parameter and buffer dims are ints).
     symbols: dim name -> sympy symbol (``"max_seqlen"`` included). ranges: dim name -> (lo, hi),
     hi None for unbounded. guards: (expression that must hold, where it was recorded).
     token_checks: (site, source, expression of the tokens it attends over), equal to
     ``metadata.total_tokens`` at replay.
     """
 
-    params: tuple[TensorSpec, ...]
+    params: tuple[InputSpec, ...]
     trainable: tuple[str, ...]
-    buffers: tuple[TensorSpec, ...]
-    batch: tuple[TensorSpec, ...]
+    buffers: tuple[InputSpec, ...]
+    batch: tuple[InputSpec, ...]
     batch_spec: pytree.TreeSpec
     max_docs: int
     metadata_device: torch.device
@@ -230,7 +263,7 @@ class TrainStep:
         return flat
 
 
-def _check_tensor(where: str, t: Any, spec: TensorSpec) -> None:
+def _check_tensor(where: str, t: Any, spec: InputSpec) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != len(spec.shape):
@@ -249,7 +282,7 @@ def _check_tensor(where: str, t: Any, spec: TensorSpec) -> None:
         raise ValueError(f"{where} is on {t.device}, the graph was traced on {spec.device}")
 
 
-def _check_named(what: str, given: Any, specs: tuple[TensorSpec, ...], *, hint: str) -> list[torch.Tensor]:
+def _check_named(what: str, given: Any, specs: tuple[InputSpec, ...], *, hint: str) -> list[torch.Tensor]:
     if not isinstance(given, Mapping):
         raise TypeError(f"{what} must be a mapping of name -> tensor ({hint}), got {type(given).__name__}")
     want = [s.name for s in specs]

@@ -50,10 +50,10 @@ from .graph_inputs import INPUT_META, add_metadata_inputs, static_metadata_value
 from .metadata import AttentionMetadata
 from .passes import Pipeline, PipelineRun, default_pipeline
 from .passes.base import PASS_META, PassContext
-from .signature import GraphSignature, TensorSpec, TrainStep, flatten_batch, symbol_range
+from .signature import GraphSignature, InputSpec, TrainStep, flatten_batch, symbol_range
 from .sites import AttentionSite
 
-__all__ = ["trace_train_step", "TrainStepGraph", "TensorSpec", "GraphSignature"]
+__all__ = ["trace_train_step", "TrainStepGraph", "GraphSignature"]
 
 
 class _Step(nn.Module):
@@ -281,11 +281,11 @@ def trace_train_step(
     symbols = {n: s.node.expr for n, s in syms.items()}
     symbols["max_seqlen"] = meta_values.max_seqlen.node.expr
     signature = GraphSignature(
-        params=tuple(_spec(n, p) for n, p in param_items),
+        params=tuple(_spec(n, "parameter", p, trainable=p.requires_grad) for n, p in param_items),
         trainable=tuple(n for n, p in param_items if p.requires_grad),
-        buffers=tuple(_spec(n, b) for n, b in buffer_items),
+        buffers=tuple(_spec(n, "buffer", b) for n, b in buffer_items),
         batch=tuple(
-            TensorSpec(n, tuple(ds.get(d, s) for d, s in enumerate(t.shape)), t.dtype, t.device)
+            _spec(n, "batch", t, shape=tuple(ds.get(d, s) for d, s in enumerate(t.shape)))
             for n, t, ds in zip(names, leaves, dims, strict=True)
         ),
         batch_spec=batch_spec,
@@ -334,8 +334,18 @@ def _tag_inputs(
         node.target = node.name
 
 
-def _spec(name: str, t: torch.Tensor) -> TensorSpec:
-    return TensorSpec(name, tuple(t.shape), t.dtype, t.device)
+def _spec(
+    name: str,
+    role: str,
+    t: torch.Tensor,
+    *,
+    shape: tuple[int | str, ...] | None = None,
+    trainable: bool | None = None,
+) -> InputSpec:
+    """A tensor input of the signature; `shape` defaults to the tensor's (all dims static)."""
+    return InputSpec(
+        name, role, "tensor", t.dtype, tuple(t.shape) if shape is None else shape, t.device, trainable=trainable
+    )
 
 
 def _check_not_specialized(

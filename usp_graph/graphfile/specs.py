@@ -1,5 +1,6 @@
-"""What a graph file says about a graph's inputs and node metadata: `InputSpec`, the roles and
-kinds an input can have, and the shape each kept metadata key must have.
+"""What a graph file says about a graph's inputs and node metadata: `InputSpec` (defined in
+`usp_graph.signature`, the one input record of traced and loaded train steps), the roles and kinds
+an input can have, and the shape each kept metadata key must have.
 
 The node format itself (one JSON object per line in the file):
 
@@ -22,18 +23,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import sympy
-import torch
-
-from .values import dtype_name
+from ..signature import KINDS, ROLES, Dim, InputSpec
 
 __all__ = ["InputSpec", "ROLES", "KINDS", "NODE_META", "GRAPH_META", "Dim"]
 
-ROLES = ("parameter", "buffer", "batch", "metadata", "input", "tangent")
-KINDS = ("tensor", "symint", "int", "float", "bool", "none", "any")
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}")
 SOURCE = re.compile(r'(?P<file>[^"\n\r]{1,500}):(?P<line>\d{1,7}) in (?P<fn>[^\s"]{1,200})')
 META_KEY = re.compile(r"usp_[A-Za-z0-9_]{1,60}")
@@ -83,36 +78,3 @@ GRAPH_META: dict[str, Callable[[Any], bool]] = {
     "usp_sites": _is_rows(_is_str, _is_opt_str),
     "usp_skipped": _is_rows(_is_str, _is_opt_str, _is_opt_str),
 }
-
-Dim = int | str | sympy.Expr
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """One graph input as a graph file describes it.
-
-    name: what the caller calls it (a parameter name, a batch key, ``"cu_seqlens"``); role: one of
-    ROLES; kind: ``"tensor"``, ``"symint"`` (a symbolic int such as ``max_seqlen``), ``"int"``,
-    ``"float"``, ``"bool"``, ``"none"`` or ``"any"`` (not checked).
-    dtype / shape / device: for tensors; each dim an int (static), a symbol name (``"T"``), or a
-    sympy expression over symbols named like dims (``2*T``). value: for a symint, its symbol name or
-    expression. trainable: for parameters. node: the placeholder's name (filled in when saving).
-    """
-
-    name: str
-    role: str = "input"
-    kind: str = "tensor"
-    dtype: torch.dtype | None = None
-    shape: tuple[Dim, ...] | None = None
-    device: torch.device | None = None
-    value: Dim | None = None
-    trainable: bool | None = None
-    node: str | None = None
-
-    def describe(self) -> str:
-        if self.kind == "tensor":
-            shape = "(" + ", ".join(str(d) for d in self.shape or ()) + ")"
-            return f"{self.role} {self.name}: {shape} {dtype_name(self.dtype) if self.dtype else '?'} on {self.device}"
-        return f"{self.role} {self.name}: {self.kind}" + (
-            f" = {self.value}" if self.value is not None else ""
-        )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..metadata import AttentionMetadata
-from ..signature import GraphSignature, TensorSpec, TrainStep, flatten_batch
+from ..signature import GraphSignature, TrainStep, flatten_batch
 from ..trace import TrainStepGraph
 from . import document
 from .errors import GraphFileError, GraphFileSchemaError
@@ -101,12 +101,6 @@ def _decode_tree(data: Any, where: str, depth: int = 0) -> Any:
 # ---- saving ---------------------------------------------------------------------------------------
 
 
-def _tensor_input(spec: TensorSpec, role: str, trainable: bool | None = None) -> InputSpec:
-    return InputSpec(
-        spec.name, role, "tensor", spec.dtype, tuple(spec.shape), spec.device, trainable=trainable
-    )
-
-
 def save(
     graph: TrainStepGraph | LoadedTrainStep,
     path: str | os.PathLike[str],
@@ -128,11 +122,8 @@ def save(
             "use usp_graph.save_graph_module for other FX graphs"
         )
     s = graph.signature
-    trainable = set(s.trainable)
     inputs = (
-        [_tensor_input(p, "parameter", p.name in trainable) for p in s.params]
-        + [_tensor_input(b, "buffer") for b in s.buffers]
-        + [_tensor_input(b, "batch") for b in s.batch]
+        list(s.params + s.buffers + s.batch)
         + [
             InputSpec("cu_seqlens", "metadata", "tensor", torch.int32, (s.max_docs + 1,), s.metadata_device),
             InputSpec("max_seqlen", "metadata", "symint", value="max_seqlen"),
@@ -228,13 +219,15 @@ def _schema(where: str, msg: str) -> GraphFileSchemaError:
     return GraphFileSchemaError(f"{where}: {msg}")
 
 
-def _as_tensor_spec(spec: InputSpec, where: str, *, named_dims: bool) -> TensorSpec:
+def _as_tensor_spec(spec: InputSpec, where: str, *, named_dims: bool) -> InputSpec:
+    """A file's parameter / buffer / batch input as a `GraphSignature` entry (checked: a tensor,
+    dims ints or, for the batch, dim names); the same record a trace builds, placeholder name dropped."""
     if spec.kind != "tensor":
         raise _schema(where, f"input {spec.name!r} must be a tensor")
     for d in spec.shape or ():
         if not isinstance(d, int) and not (named_dims and isinstance(d, str)):
             raise _schema(where, f"input {spec.name!r} has dim {d}, which a {spec.role} cannot have")
-    return TensorSpec(spec.name, tuple(spec.shape or ()), spec.dtype, spec.device)  # type: ignore[arg-type]
+    return replace(spec, node=None)
 
 
 def _site(item: Any, where: str, kept: bool) -> SavedSite:
