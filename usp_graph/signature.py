@@ -196,7 +196,8 @@ class TrainStep:
         return loss, dict(zip(self.signature.trainable, grads, strict=True))
 
     def _before_run(self) -> None:
-        """What must happen between validating the inputs and running the graph (nothing here)."""
+        """What must happen between validating the inputs and running the graph (nothing here; a
+        loaded CP graph binds its process groups)."""
 
     def flat_inputs(
         self,

@@ -22,7 +22,6 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..metadata import AttentionMetadata
 from ..signature import GraphSignature, TrainStep, flatten_batch
 from ..trace import TrainStepGraph
 from . import document
@@ -162,7 +161,9 @@ def save(
 
 @dataclass(eq=False)
 class LoadedTrainStep(TrainStep):
-    """A train step loaded from a graph file; replays like the `TrainStepGraph` it was saved from.
+    """A train step loaded from a graph file; replays like the `TrainStepGraph` it was saved from
+    (the one `TrainStep.replay`: same checks and messages; a CP graph binds its process groups
+    before its first run).
 
     graph_module / signature / buffers: as on `TrainStepGraph`. sites / skipped: `SavedSite`
     records. file: the underlying `GraphFile` (inputs, symbols, versions, fingerprint, process
@@ -195,23 +196,9 @@ class LoadedTrainStep(TrainStep):
         """Bind a CP graph's process groups now (else the first replay does); see `GraphFile.bind_groups`."""
         return self.file.bind_groups(groups if groups is not None else self.groups)
 
-    def replay(
-        self,
-        params: Mapping[str, torch.Tensor],
-        batch: Any,
-        metadata: AttentionMetadata,
-        *,
-        buffers: Mapping[str, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Run the train step: ``(loss, {param name: grad})``, exactly as `TrainStepGraph.replay`.
-
-        Every input is validated first (names, shapes, dtypes, devices, dynamic dims against the
-        recorded ranges and guards, metadata capacity and token count); then, for a CP graph, the
-        process groups are bound (first call); then the graph runs.
-        """
-        return super().replay(params, batch, metadata, buffers=buffers)
-
     def _before_run(self) -> None:
+        """`TrainStep.replay`'s hook between validating the inputs and running the graph: a CP graph
+        binds its process groups here (first call)."""
         self.bind_groups()
 
 
