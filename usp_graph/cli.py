@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
+from .graphfile.document import SUFFIX
+
 EXAMPLES = """examples:
   usp-graph demo                              the main job: trace, CP over 2 gloo ranks, save,
                                               load fresh, replay with new documents, compare
@@ -63,11 +65,11 @@ def _graph_files(path: str) -> tuple[list[str], list[tuple[str, str]]]:
     if os.path.isdir(path):
         files, failed = [], []
         for root, _, names in sorted(os.walk(path)):
-            files += sorted(_regular(os.path.join(root, f)) for f in names if f.endswith(".uspg"))
+            files += sorted(_regular(os.path.join(root, f)) for f in names if f.endswith(SUFFIX))
             if "summary.json" in names:
                 failed += _failed_files(root)
         if not files and not failed:
-            raise _Unreadable(f"{path}: directory holds no graph files (*.uspg)")
+            raise _Unreadable(f"{path}: directory holds no graph files (*{SUFFIX})")
         return files, failed
     if not os.path.exists(path):
         raise _Unreadable(f"{path}: no such file")
@@ -106,7 +108,7 @@ def _failed_files(folder: str) -> list[tuple[str, str]]:
         if not isinstance(entry, dict):
             continue
         if entry.get("error"):
-            out.setdefault(f"{name}.uspg", str(entry["error"]))
+            out.setdefault(name + SUFFIX, str(entry["error"]))
         elif isinstance(entry.get("file"), str) and not os.path.exists(os.path.join(folder, entry["file"])):
             out.setdefault(entry["file"], "summary.json lists it as written, but it is not in the directory")
     return [(os.path.join(folder, what), error) for what, error in out.items()]
@@ -134,7 +136,7 @@ def _backward_file(path: str, g: Any, cache: dict[str, Any] | None) -> tuple[boo
     one directory; the backward's nodes name the forward nodes they differentiate."""
     if g.kind != "graph_module" or g.meta.get("graph") != "forward" or "compile_dump" not in g.meta:
         return False, None, None
-    other = os.path.join(os.path.dirname(path), "backward.uspg")
+    other = os.path.join(os.path.dirname(path), "backward" + SUFFIX)
     if not os.path.exists(other):
         return True, None, None
     b = _load(other, cache)
@@ -165,7 +167,7 @@ def _summary(
             "file": g.meta.get("graph"),
             "backward_file": b_path,
         }
-        forward_file = os.path.join(os.path.dirname(path), "forward.uspg")
+        forward_file = os.path.join(os.path.dirname(path), "forward" + SUFFIX)
         if g.meta.get("graph") == "backward" and os.path.exists(forward_file):
             s["compile_dump"]["forward_file"] = forward_file
     return s

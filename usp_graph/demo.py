@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .graphfile.document import SUFFIX
+
 __all__ = ["run_demo"]
 
 
@@ -95,7 +97,7 @@ def _trace_and_save(rank: int, world: int, out_dir: str, strategy: str, seed: in
     step = _make_step(cp)
     local_a, meta_a = _batch(config, _lengths(seed, docs, 64 * world), seed, cp, docs + 8)
     graph = trace_train_step(model, step, local_a, meta_a, cp=cp)
-    path = os.path.join(out_dir, f"rank{rank}.uspg")
+    path = os.path.join(out_dir, f"rank{rank}{SUFFIX}")
     save(graph, path)
     t_trace = time.perf_counter() - t0
 
@@ -130,7 +132,7 @@ def _load_and_replay(rank: int, world: int, out_dir: str, strategy: str) -> dict
 
     _cp(strategy)  # creates the process groups the graph's collectives name
     t0 = time.perf_counter()
-    graph = load(os.path.join(out_dir, f"rank{rank}.uspg"))
+    graph = load(os.path.join(out_dir, f"rank{rank}{SUFFIX}"))
     t_load = time.perf_counter() - t0
     exp = torch.load(os.path.join(out_dir, f"rank{rank}.expected.pt"), weights_only=True)
     meta = AttentionMetadata(exp["cu_seqlens"], exp["max_seqlen"], int(exp["cu_seqlens"][-1]))

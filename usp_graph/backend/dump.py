@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from .. import registry
+from ..graphfile.document import SUFFIX
 from ..passes.base import graph_text
 from ..passes.provenance import PHASE_META
 from ..sites import AttentionSite, node_value
@@ -178,7 +179,7 @@ class GraphDump:
         from ..graphfile import InputSpec as input_spec
         from ..graphfile import save_graph_module as save
 
-        path = self.dir / f"{name}.uspg"
+        path = self.dir / f"{name}{SUFFIX}"
         try:
             specs = symbols = None
             if inputs is not None:
