@@ -184,6 +184,19 @@ class TrainStepGraph(TrainStep):
         )
 
 
+def _refuse_fsdp(model: nn.Module) -> None:
+    """A traced train step takes whole parameters as graph inputs; FSDP2 holds shards and gathers
+    them in module hooks, which a make_fx trace of fake parameters cannot run (issue 20)."""
+    fsdp = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
+    if fsdp is not None and any(isinstance(m, fsdp) for m in model.modules()):
+        raise ValueError(
+            "trace_train_step does not compose with FSDP2 (fully_shard): a traced step takes whole parameters "
+            "as inputs, and FSDP2's hooks gather shards during forward and reduce-scatter grads during backward. "
+            "Trace the unsharded model (and replay with gathered parameters), or train the sharded model "
+            "with attention_mode / torch.compile(backend='usp') (usp_graph.fsdp.prepare)"
+        )
+
+
 def trace_train_step(
     model: nn.Module,
     step_fn: Callable[[nn.Module, Any], torch.Tensor],
@@ -205,6 +218,7 @@ def trace_train_step(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _refuse_fsdp(model)
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable as step_fn(model, batch) -> loss, got {step_fn!r}")
     if not isinstance(metadata, AttentionMetadata):

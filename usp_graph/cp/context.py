@@ -20,6 +20,20 @@ __all__ = ["ContextParallel", "STRATEGIES"]
 LOAD_BALANCE = (None, "zigzag")
 
 
+def token_mean(loss_sum: Tensor, num_tokens: Tensor | int, group) -> Tensor:
+    """`loss_sum / (num_tokens summed over the ranks of group)`, differentiable in `loss_sum`."""
+    from torch.distributed import _functional_collectives as funcol
+
+    if isinstance(num_tokens, torch.Tensor):
+        n = num_tokens.detach().to(torch.float64)
+    else:  # an int or a traced SymInt (e.g. x.numel()): full() keeps it symbolic, as_tensor would not
+        n = torch.full((), num_tokens, dtype=torch.float64, device=loss_sum.device)
+    # A functional all-reduce, so a traced train step records it as a graph node. Token counts
+    # are integers: their float64 sum is exact in any reduction order.
+    total = funcol.wait_tensor(funcol.all_reduce(n, "sum", group))
+    return loss_sum / total.to(loss_sum.dtype)
+
+
 def _ordered_sum(x: Tensor, group) -> Tensor:
     """Sum over ranks in rank order 0..P-1: bitwise reproducible, unlike a backend's all-reduce."""
     return all_reduce_sum_ordered([x], group)[0]
@@ -34,8 +48,10 @@ class ContextParallel:
     them instead, with `max_document_len`) or ``"halo"`` (Q and K/V stay sharded;
     each rank takes from its neighbours only the K/V that documents crossing its shard boundary
     need: at most ``max_document_len - 1`` tokens each way).
-    group / mesh: the CP ranks (default: the whole world). For ``"usp"`` a 2-D `mesh` gives the
-    ring dimension first and the Ulysses dimension second.
+    group / mesh: the CP ranks (default: the whole world). `mesh` is a 1-D `DeviceMesh`, e.g. the
+    CP dim of a torchtitan-style mesh: ``ContextParallel("ulysses", mesh=world_mesh["cp"])`` (FSDP2
+    over the other dims: `usp_graph.fsdp.prepare`). For ``"usp"`` a 2-D `mesh` gives the ring
+    dimension first and the Ulysses dimension second.
     load_balance: None (rank p holds the p-th 1/P of each row) or ``"zigzag"`` (rank p holds
     chunks p and 2P-1-p of 2P, which balances causal work).
     max_document_len: for ``"halo"`` only, and required there: the longest document a step may
@@ -118,7 +134,11 @@ class ContextParallel:
                 group = dist.new_group([int(r) for r in mesh.mesh.flatten().tolist()])
             else:
                 if mesh.ndim != 1:
-                    raise ValueError(f"strategy {strategy!r} needs a 1-D mesh, got {mesh.ndim}-D")
+                    names = getattr(mesh, "mesh_dim_names", None) or ()
+                    hint = f"; pass its CP dim, e.g. mesh=mesh[{names[-1]!r}]" if names else ""
+                    raise ValueError(
+                        f"strategy {strategy!r} needs a 1-D mesh (the CP dim), got {mesh.ndim}-D{hint}"
+                    )
                 group = mesh.get_group()
         self.group = group if group is not None else dist.group.WORLD
         self.world = dist.get_world_size(self.group)
@@ -266,18 +286,10 @@ class ContextParallel:
         """This rank's share of the global token-mean loss: `loss_sum / (tokens over all ranks)`.
 
         Summed over the CP ranks (`global_sum`) it equals the single-process mean; its gradient,
-        after `reduce_grads`, equals the single-process gradient.
+        after `reduce_grads`, equals the single-process gradient. With FSDP2 over a mesh that
+        holds these CP ranks, use `usp_graph.fsdp.prepare(...).token_mean` instead.
         """
-        from torch.distributed import _functional_collectives as funcol
-
-        if isinstance(num_tokens, torch.Tensor):
-            n = num_tokens.detach().to(torch.float64)
-        else:  # an int or a traced SymInt (e.g. x.numel()): full() keeps it symbolic, as_tensor would not
-            n = torch.full((), num_tokens, dtype=torch.float64, device=loss_sum.device)
-        # A functional all-reduce, so a traced train step records it as a graph node. Token counts
-        # are integers: their float64 sum is exact in any reduction order.
-        total = funcol.wait_tensor(funcol.all_reduce(n, "sum", self.group))
-        return loss_sum / total.to(loss_sum.dtype)
+        return token_mean(loss_sum, num_tokens, self.group)
 
     def global_sum(self, x: Tensor) -> Tensor:
         """Sum of a (detached) tensor over the CP ranks, in rank order."""
@@ -287,7 +299,10 @@ class ContextParallel:
         """Sum every parameter's grad over the CP ranks, in place, in rank order (deterministic).
 
         A parameter with no grad on this rank contributes zeros; it gets a grad when any rank has one.
+        FSDP2's sharded (DTensor) grads are refused: see `usp_graph.fsdp` for that layout.
         """
+        params = list(params)
+        _refuse_fsdp_grads(params, self.group)
         buckets: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
         for p in params:
             if p.requires_grad:
@@ -302,3 +317,26 @@ class ContextParallel:
                 n = p.numel()
                 p.grad = total[offset : offset + n].view_as(p).clone()
                 offset += n
+
+
+def _refuse_fsdp_grads(params: list[torch.nn.Parameter], group) -> None:
+    """A clear error for FSDP2's DTensor grads, which `reduce_grads` must not sum (again)."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = next((p for p in params if isinstance(p.grad, DTensor) or isinstance(p, DTensor)), None)
+    if sharded is None:
+        return
+    mesh_ranks = set(sharded.device_mesh.mesh.flatten().tolist())
+    cp_ranks = set(dist.get_process_group_ranks(group))
+    if cp_ranks <= mesh_ranks and len(cp_ranks) > 1:
+        why = (
+            "FSDP's reduce-scatter already summed them over these CP ranks (its mesh holds them); "
+            "summing again would count every CP rank's part P times"
+        )
+    else:
+        why = "they are FSDP2 shards (DTensors), not whole gradients"
+    raise ValueError(
+        f"reduce_grads got FSDP2-sharded parameters: {why}. Shard with usp_graph.fsdp.prepare(model, mesh, cp) "
+        "and build the loss with its token_mean (FSDP's divide factor set to 1); its reduce_grads does "
+        "what the layout needs"
+    )

@@ -1,0 +1,92 @@
+"""Activation checkpointing of a model's blocks, full or selective, for usp's attention.
+
+    checkpoint_blocks(model)                           # every block recomputed in backward
+    checkpoint_blocks(model, policy="save_attention")  # attention (and its collectives) kept, the rest recomputed
+    checkpoint_blocks(model, policy="recompute_attention")  # matmuls kept, attention recomputed
+
+Each block's forward runs under non-reentrant `torch.utils.checkpoint` (torchtitan's layout: one
+region per decoder block). The recompute runs the same usp ops as the forward, eager and compiled
+and under context parallelism, with nothing for the user to add: `attention_mode` re-enters itself
+for recomputes started inside it (`usp_graph.mode`), and ``backend="usp"`` rewrites the attention
+inside checkpointed regions. A selective policy is a `create_selective_checkpoint_contexts`
+`context_fn`: ``save_attention`` saves the outputs of usp's attention ops and collectives (the
+recompute skips attention and communication, at the memory of the attention outputs);
+``recompute_attention`` saves matmul outputs and recomputes attention and its collectives (every
+rank recomputes them in the same order, so the collectives pair up).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["POLICIES", "attention_ops", "checkpoint_blocks", "selective_context_fn"]
+
+POLICIES = (None, "full", "save_attention", "recompute_attention")
+
+_ATTENTION = ("varlen_fwd", "ring_attn_fwd", "all_to_all", "all_gather", "reduce_scatter", "halo_exchange")
+_MATMULS = ("mm", "addmm", "bmm", "linear")
+
+
+def attention_ops() -> tuple[torch._ops.OpOverloadPacket, ...]:
+    """usp's forward attention and collective ops (what ``save_attention`` saves)."""
+    from . import ops  # noqa: F401  (registers the usp ops)
+
+    return tuple(getattr(torch.ops.usp, name) for name in _ATTENTION if hasattr(torch.ops.usp, name))
+
+
+def _policy(save: frozenset, ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    packet = getattr(op, "overloadpacket", op)
+    return CheckpointPolicy.MUST_SAVE if packet in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context_fn(policy: str):
+    """The `context_fn` of `torch.utils.checkpoint.checkpoint` for a selective `policy`
+    (``"save_attention"`` or ``"recompute_attention"``)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    if policy == "save_attention":
+        save = frozenset(attention_ops())
+    elif policy == "recompute_attention":
+        save = frozenset(getattr(torch.ops.aten, name) for name in _MATMULS)
+    else:
+        raise ValueError(f"policy must be 'save_attention' or 'recompute_attention', got {policy!r}")
+    return functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, save))
+
+
+def checkpoint_blocks(
+    model: nn.Module, blocks: Sequence[nn.Module] | None = None, *, policy: str | None = "full"
+) -> list[nn.Module]:
+    """Run each block's forward under non-reentrant activation checkpointing; returns the blocks.
+
+    `blocks` defaults to the items of the model's module lists (its decoder blocks). `policy`:
+    ``"full"`` (or None) recomputes the whole block; ``"save_attention"`` and
+    ``"recompute_attention"`` are selective (see the module docstring). Parameters and their
+    names are unchanged (the block's `forward` is wrapped in place), so optimizers, FSDP2 and
+    state dicts see the same model; apply it before or after `fully_shard`."""
+    from torch.utils.checkpoint import checkpoint
+
+    from .fsdp import blocks_of
+
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    context = {} if policy in (None, "full") else {"context_fn": selective_context_fn(policy)}
+    chosen = blocks_of(model) if blocks is None else list(blocks)
+    if not chosen:
+        raise ValueError("the model has no blocks (no nn.ModuleList); pass blocks= explicitly")
+    for block in chosen:
+        if getattr(block.forward, "_usp_checkpointed", False):
+            raise ValueError(f"{type(block).__name__} is already checkpointed (checkpoint_blocks ran twice)")
+        inner = block.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **context, **kwargs)
+
+        forward._usp_checkpointed = True  # type: ignore[attr-defined]
+        block.forward = forward
+    return chosen
