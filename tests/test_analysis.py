@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist import run_ranks
-from usp_graph import AttentionMetadata, trace_train_step
-from usp_graph.analysis import diff, summarize, to_dot
+from usp_graph import AttentionMetadata, registry, trace_train_step
+from usp_graph.analysis import _comm_ops, diff, summarize, to_dot
+from usp_graph.cp.table import STRATEGY_TABLE
 from usp_graph.models import Llama, LlamaConfig, llama_loss, make_llama_batch
 
 CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
@@ -72,6 +73,45 @@ def test_diff_of_a_graph_with_itself_is_empty_and_sees_a_changed_model():
     d = diff(a, summarize(g3.graph_module))
     assert not d["same"]
     assert d["op_counts"]["usp.varlen_fwd.default"] == {"a": 2, "b": 3}
+
+
+def _schema_arg(arg, graph: torch.fx.Graph, prefix: str):
+    """A value of the schema type of `arg`: a placeholder per tensor, small ints, a group name."""
+    kind = str(arg.type)
+    if kind == "Tensor":
+        return graph.placeholder(f"{prefix}_{arg.name}")
+    if kind in ("int", "SymInt"):
+        return 2
+    if kind.startswith("List[int]"):
+        return [1, 1]
+    if kind == "str":
+        return "group0"
+    raise AssertionError(f"no test value for a {kind} argument ({prefix}.{arg.name}); add one here")
+
+
+def test_every_collective_of_the_registry_table_is_listed_as_a_collective_by_inspect():
+    names = sorted(
+        {op for row in registry.TABLE if row.kind == "collective" for op in (row.op, *row.backward_ops, row.adjoint)}
+    )
+    assert names, "the registry table has no collective row"
+    graph = torch.fx.Graph()
+    outs = []
+    for qualified in names:
+        ns, name = qualified.split("::")
+        op = getattr(getattr(torch.ops, ns), name).default
+        outs.append(graph.call_function(op, tuple(_schema_arg(a, graph, name) for a in op._schema.arguments)))
+    graph.output(tuple(outs))
+    s = summarize(torch.fx.GraphModule(torch.nn.Module(), graph))
+    assert sorted(c["op"] for c in s["collectives"]) == sorted(q.replace("::", ".") for q in names)
+
+
+def test_a_new_collective_row_is_recognised_without_editing_the_analysis():
+    row = registry.Rule("usp::shift", "collective", ("usp::unshift",), "usp::unshift", "ext", "a test row")
+    collectives, communicating = _comm_ops((*registry.TABLE, row), STRATEGY_TABLE)
+    assert {"shift", "unshift"} <= collectives <= communicating
+    # attention communicates only where a strategy's forward says so (ring), local varlen never
+    assert {"ring_attn_fwd", "ring_attn_bwd"} <= communicating - collectives
+    assert "varlen_fwd" not in communicating and "varlen_bwd" not in communicating
 
 
 def _cp_summaries(rank: int, world: int) -> list[dict]:

@@ -18,7 +18,8 @@ import networkx as nx
 import torch
 from torch import fx
 
-from .cp.table import strategy_of
+from . import registry
+from .cp.table import STRATEGY_TABLE, strategy_of
 from .passes.pairing import pair_backward
 
 __all__ = ["summarize", "to_networkx", "to_dot", "diff"]
@@ -44,17 +45,29 @@ def _usp_name(node: fx.Node) -> str | None:
     return None
 
 
+def _comm_ops(table: Sequence[Any], strategies: Any) -> tuple[frozenset[str], frozenset[str]]:
+    """(collectives, every op that communicates): op names without the namespace, read from the
+    tables so a new collective or a new strategy's op is recognised here without an edit.
+
+    Collectives: the registry's collective rows. Communicating: those and the attention ops a CP
+    strategy's forward communicates with (ring attention). Each with the ops its row's backward emits.
+    """
+
+    def with_backward(ops: set[str]) -> frozenset[str]:
+        out = set(ops)
+        for row in table:
+            if row.op in ops:
+                out |= {*row.backward_ops, *([row.adjoint] if row.adjoint else [])}
+        return frozenset(name.split("::")[-1] for name in out)
+
+    collectives = with_backward({row.op for row in table if row.kind == "collective"})
+    in_strategies = {f"{registry.NAMESPACE}::{op}" for s in strategies.values() for ops in s.forward_ops for op in ops}
+    return collectives, collectives | with_backward(in_strategies)
+
+
 # usp ops that communicate (the rest compute locally).
-_COMM_OPS = (
-    "all_to_all",
-    "all_gather",
-    "reduce_scatter",
-    "halo_exchange",
-    "halo_reduce",
-    "ring_attn_fwd",
-    "ring_attn_bwd",
-)
-_COMM_OPS_SET = frozenset(_COMM_OPS)
+_COLLECTIVE_OPS, _COMM_OPS = _comm_ops(registry.TABLE, STRATEGY_TABLE)
+_COMM_OPS_SET = _COMM_OPS
 
 
 def _vals(node: fx.Node) -> list[Any]:
@@ -173,7 +186,7 @@ def _strategy(g: nx.DiGraph, attn: str) -> str:
     ups = nx.ancestors(g, attn)
     ops = {g.nodes[attn]["usp"]} & _COMM_OPS_SET
     for u in ups:
-        if g.nodes[u]["usp"] in _COMM_OPS_SET - {"ring_attn_fwd", "ring_attn_bwd"}:  # another site's
+        if g.nodes[u]["usp"] in _COLLECTIVE_OPS:  # another site's
             between = nx.descendants(g, u) & ups
             if not any(g.nodes[b]["usp"] in ("varlen_fwd", "ring_attn_fwd") for b in between):
                 ops.add(g.nodes[u]["usp"])

@@ -74,7 +74,8 @@ def verify(gm: fx.GraphModule) -> PassResult:
             if node.target not in rules and not registry.is_backward_op(node.target):
                 raise VerifyError(
                     f"node {node.name} ({node.target}) {_where(node)} has no backward rule in "
-                    "usp_graph.registry; register one with usp_graph.registry.register_rule(...)"
+                    "usp_graph.registry; add its row (backward ops, adjoint collective, implementing module) "
+                    "to TABLE in usp_graph/registry.py and implement it there with registry.implement(...)"
                 )
 
     pairing = pair_backward(gm)
