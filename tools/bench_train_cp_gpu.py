@@ -73,7 +73,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--usp-kernel", choices=CUDA_KERNELS, default="auto",
-                    help="usp's CUDA attention kernel for every step (usp_graph.ops.varlen.cuda_kernel)")  # fmt: skip
+                    help="usp's CUDA attention kernel for every step (usp_graph.ops.kernel_choice.cuda_kernel)")  # fmt: skip
     add_json_arg(ap)
     args = ap.parse_args()
     if args.quick:

@@ -7,7 +7,7 @@ distribution (`usp_graph.testing.lognormal_lengths`), then timed on each shape (
 median of CUDA events):
 
   usp           usp_graph.varlen_attn (this repo's public wrapper; its per-shape kernel choice)
-  usp_flash     the same, flash varlen forced (usp_graph.ops.varlen.cuda_kernel("flash"))
+  usp_flash     the same, flash varlen forced (usp_graph.ops.kernel_choice.cuda_kernel("flash"))
   usp_flex      the same, flex_attention with a document block mask forced ("flex")
   usp_cudnn     the same, cuDNN's ragged attention forced ("cudnn"; needs nvidia-cudnn-frontend)
   cudnn_raw     cuDNN's ragged graphs alone: built once, their inputs and metadata bound once,

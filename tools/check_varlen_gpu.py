@@ -220,7 +220,7 @@ def main() -> int:
         "--kernel",
         choices=CUDA_KERNELS,
         default="auto",
-        help="CUDA kernel for self-attention cases (usp_graph.ops.varlen.cuda_kernel); default auto",
+        help="CUDA kernel for self-attention cases (usp_graph.ops.kernel_choice.cuda_kernel); default auto",
     )
     ap.add_argument(
         "--dtypes", default="bfloat16,float16,float32", help="comma list of dtypes for the kernel cases"
