@@ -125,6 +125,10 @@ def demo_dir():
 
 def test_demo_prints_progress_and_the_inspect_summary(demo_dir):
     assert os.path.exists(demo_dir / "rank0.uspg") and os.path.exists(demo_dir / "rank1.uspg")
+    _, output = background.result("demo", _DEMO, timeout=900, env=_ENV)
+    report = demo_dir / "report.html"
+    assert f"HTML report (the step as a picture, every rank): {report}" in output
+    assert report.read_text().count('data-sites="2" data-collectives="16" data-pairs="10"') == 2  # a rank each
 
 
 def test_inspect_json_lists_sites_collectives_and_pairing(demo_dir):
@@ -151,7 +155,8 @@ def test_inspect_text_dot_and_html(demo_dir, tmp_path):
     g = nx.nx_pydot.from_pydot(parsed)
     assert any("varlen_fwd" in n for n in g.nodes)
     html = page.read_text()
-    assert html.startswith("<!doctype html>") and "<script" not in html
+    assert html.startswith("<!doctype html>") and html.count("<script>") == 1  # its own, inline
+    assert 'data-sites="2" data-collectives="16" data-pairs="10" data-alarms="0"' in html  # the picture
     for site in ("varlen_fwd", "varlen_fwd_1"):
         assert f"<td>{site}</td>" in html
 

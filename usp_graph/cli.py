@@ -253,16 +253,37 @@ def _inspect(args: argparse.Namespace) -> int:
             for path, error in failed:
                 print(f"  {path}: {error}")
     if args.html:
-        page = "\n".join(report.to_html(s, title=f) for f, s in summaries.items())
-        with open(args.html, "w") as fh:
-            fh.write(page)
-        print(f"wrote {args.html}", file=sys.stderr)
+        write_html(args.html, summaries, cache, title=args.path)
     if args.dot and files:
         with open(args.dot, "w") as fh:
             fh.write(analysis.to_dot(_load(files[0], cache).graph_module))
         print(f"wrote {args.dot}", file=sys.stderr)
     _report_failed(failed)
     return 1 if failed else 0
+
+
+def write_html(out: str, summaries: dict[str, dict[str, Any]], cache: dict[str, Any], *, title: str) -> None:
+    """One page for every graph file summarized (a section each: the step as a picture, then the
+    tables); `cache` holds the loaded files (`_load`)."""
+    from . import report
+
+    sections = []
+    for f, s in summaries.items():
+        g = _load(f, cache)
+        sections.append({"title": f, "summary": s, "graph": g.graph_module, "symbols": g.symbols})
+    page = report.to_html_page(sections, title=title)
+    try:
+        with open(out, "w", encoding="utf-8") as fh:
+            fh.write(page)
+    except OSError as e:
+        raise _Usage(f"--html {out}: cannot write it ({e.strerror or e}); give a path in a writable folder") from None
+    print(f"wrote {out}", file=sys.stderr)
+
+
+def inspect_html(paths: Sequence[str], out: str) -> None:
+    """Write `write_html`'s page for these graph files (the demo's report of its per-rank files)."""
+    cache: dict[str, Any] = {}
+    write_html(out, {p: _summary(p, cache=cache) for p in paths}, cache, title=", ".join(paths))
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -319,7 +340,12 @@ def _demo(args: argparse.Namespace) -> int:
 
     out_dir = args.out or tempfile.mkdtemp(prefix="usp_demo_")
     return run_demo(
-        out_dir=out_dir, summary=inspect_text, strategy=args.strategy, seed=args.seed, layers=args.layers
+        out_dir=out_dir,
+        summary=inspect_text,
+        html_report=inspect_html,
+        strategy=args.strategy,
+        seed=args.seed,
+        layers=args.layers,
     )
 
 

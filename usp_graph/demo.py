@@ -146,13 +146,16 @@ def run_demo(
     *,
     out_dir: str,
     summary: Callable[[str], str],
+    html_report: Callable[[list[str], str], None] | None = None,
     strategy: str = "ulysses",
     seed: int = 0,
     layers: int = 2,
     docs: int = 6,
 ) -> int:
     """Run the main job; print progress and `summary(path)` of rank 0's graph file (the CLI passes
-    its inspect text, so the demo does not import the CLI that runs it); return a process exit code."""
+    its inspect text, so the demo does not import the CLI that runs it) and, with `html_report(paths,
+    out)`, write the HTML report of every rank's file as report.html next to them; return a process
+    exit code."""
     from .launch import run_local_ranks
 
     def say(msg: str) -> None:
@@ -182,5 +185,9 @@ def run_demo(
         )
     say("[4/4] inspect summary of rank 0's graph file")
     say(summary(traced[0]["path"]))
+    if html_report is not None:
+        report = os.path.join(out_dir, "report.html")
+        html_report([t["path"] for t in traced], report)
+        say(f"HTML report (the step as a picture, every rank): {report}")
     say(f"done in {time.perf_counter() - t0:.1f} s: {'replay == eager, bitwise' if ok else 'MISMATCH'}")
     return 0 if ok else 1

@@ -1,4 +1,5 @@
-"""Render an `analysis.summarize` result as text tables or one self-contained HTML page."""
+"""Render an `analysis.summarize` result as text tables or one self-contained HTML page
+(the picture of the step in it is drawn by `usp_graph.report_view`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from .analysis import human_bytes
 
-__all__ = ["text", "to_html", "diff_text"]
+__all__ = ["text", "to_html", "to_html_page", "diff_text"]
 
 
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -119,18 +120,10 @@ def text(summary: dict[str, Any], *, title: str = "") -> str:
     return "\n".join(out) + "\n"
 
 
-def to_html(summary: dict[str, Any], *, title: str = "usp_graph") -> str:
-    """One self-contained page (no scripts, no external files)."""
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'>",
-        f"<title>{html.escape(title)}</title>",
-        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:1.5em}"
-        "td,th{border:1px solid #ccc;padding:2px 8px;font-size:13px;text-align:left}"
-        "th{background:#eee}.bad{color:#b00;font-weight:bold}</style></head><body>",
-        f"<h1>{html.escape(title)}</h1>",
-    ]
+def _tables_html(summary: dict[str, Any]) -> list[str]:
+    parts = []
     for name, headers, rows in _sections(summary):
-        parts.append(f"<h2>{html.escape(name)}</h2>")
+        parts.append(f"<h3>{html.escape(name)}</h3>")
         if not rows:
             parts.append("<p>(none)</p>")
             continue
@@ -145,8 +138,49 @@ def to_html(summary: dict[str, Any], *, title: str = "usp_graph") -> str:
         parts.append("</table>")
     crit = summary.get("critical_path_comm") or []
     parts.append(f"<p>Collectives on the critical path: {html.escape(', '.join(crit) or 'none')}</p>")
-    parts.append(f"<p>{summary['nodes']} nodes</p></body></html>\n")
+    parts.append(f"<p>{summary['nodes']} nodes</p>")
+    return parts
+
+
+def to_html_page(sections: list[dict[str, Any]], *, title: str = "usp_graph") -> str:
+    """One self-contained page (inline SVG, CSS and script; no network, no external files) with a
+    section per graph: the step as a picture (`usp_graph.report_view`) when the section has its
+    ``graph``, then the tables. Each section: ``{"title", "summary"}`` and optionally ``"graph"``
+    (the `fx.GraphModule` summarized) and ``"symbols"`` (as given to summarize)."""
+    from . import report_view
+
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title>",
+        report_view.PAGE_HEAD,
+        "</head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    if len(sections) > 1:
+        parts.append("<ul class='toc'>")
+        parts += [f"<li><a href='#s{i}'>{html.escape(s['title'])}</a></li>" for i, s in enumerate(sections)]
+        parts.append("</ul>")
+    for i, sec in enumerate(sections):
+        parts.append(f"<section id='s{i}' data-file='{html.escape(sec['title'], quote=True)}'>")
+        if len(sections) > 1:
+            parts.append(f"<h2>{html.escape(sec['title'])}</h2>")
+        if sec.get("graph") is not None:
+            view = report_view.step(sec["graph"], sec["summary"], symbols=sec.get("symbols"))
+            parts.append("<h3>The step</h3>")
+            parts.append(report_view.render(view, key=f"g{i}"))
+        parts += _tables_html(sec["summary"])
+        parts.append("</section>")
+    parts.append(report_view.page_script())
+    parts.append("</body></html>\n")
     return "\n".join(parts)
+
+
+def to_html(
+    summary: dict[str, Any], *, title: str = "usp_graph", graph: Any = None, symbols: dict[str, Any] | None = None
+) -> str:
+    """One self-contained page for one graph: the picture (when `graph`, the summarized
+    `fx.GraphModule`, is given) and the tables; see `to_html_page`."""
+    return to_html_page([{"title": title, "summary": summary, "graph": graph, "symbols": symbols}], title=title)
 
 
 def diff_text(d: dict[str, Any]) -> str:
