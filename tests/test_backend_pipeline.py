@@ -65,12 +65,27 @@ def test_options_disable_and_dump_passes_build_the_pipeline(tmp_path):
         ({"dump_passes": True}, ValueError, "option 'dump_passes' writes each pass's before/after graph below dump_dir; set that too"),
         ({"dump_passes": ["x"], "dump_dir": "d"}, ValueError, r"option 'dump_passes': cannot dump unknown pass\(es\) \['x'\]"),
         ({"disable": 3}, TypeError, "option 'disable' must be a pass name or a list of pass names, got 3"),
+        ({"disable": ["verify", None]}, TypeError, r"option 'disable' must be a pass name or a list of pass names, got \['verify', None\]; the passes are \['rewrite_sdpa', 'verify_rewrite', 'joint', 'verify'\]"),
+        ({"disable": {"verify"}}, TypeError, r"option 'disable' must be .*, got \{'verify'\}; the passes are \['rewrite_sdpa', "),
+        ({"dump_passes": 1, "dump_dir": "d"}, TypeError, r"option 'dump_passes' must be True, a pass name or a list of pass names, got 1; the passes are \['rewrite_sdpa', 'verify_rewrite', 'joint', 'verify'\]"),
+        ({"dump_passes": ["joint", 2], "dump_dir": "d"}, TypeError, r"option 'dump_passes' must be True, .*; the passes are \['rewrite_sdpa', "),
+        ({"dump_passes": ["x"], "dump_dir": "d"}, ValueError, r"cannot dump unknown pass\(es\) \['x'\]; the passes are \['rewrite_sdpa', 'verify_rewrite', 'joint', 'verify'\]"),
+        ({"disable": "Verify"}, ValueError, r"option 'disable': cannot disable unknown pass\(es\) \['Verify'\]; the passes are \["),
     ],
-    ids=["unknown", "required", "dump_without_dir", "dump_unknown", "not_names"],
+    ids=["unknown", "required", "dump_without_dir", "dump_unknown", "not_names", "disable_list_not_names",
+         "disable_set", "dump_int", "dump_list_not_names", "dump_unknown_lists_passes", "disable_wrong_case"],
 )  # fmt: skip
 def test_bad_pass_options_say_what_the_passes_are(options, error, message):
     with pytest.raises(error, match=message):
         UspOptions.parse(options)
+
+
+def test_good_pass_options_are_kept_as_tuples_of_names(tmp_path):
+    o = UspOptions.parse({"disable": "verify", "dump_passes": "joint", "dump_dir": str(tmp_path)})
+    assert o.disable == ("verify",) and o.dump_passes == ("joint",)
+    o = UspOptions.parse({"disable": ("verify_rewrite", "verify"), "dump_passes": False})
+    assert o.disable == ("verify_rewrite", "verify") and o.dump_passes is False
+    assert o.pipeline().disabled == {"verify_rewrite", "verify"} and o.pipeline().dump == set()
 
 
 def test_a_compile_reports_each_pass_and_a_disabled_one_does_not_run():

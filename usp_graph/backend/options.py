@@ -166,10 +166,16 @@ class UspOptions:
 
 
 def _names(key: str, value: Any) -> tuple[str, ...]:
-    """A pass name or a sequence of them, as a tuple (`TypeError` naming the option otherwise)."""
+    """A pass name or a sequence of them, as a tuple (`TypeError` naming the option and the
+    backend's passes otherwise)."""
     names = (value,) if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise TypeError(f"option {key!r} must be a pass name or a list of pass names, got {value!r}")
+        from .pipeline import backend_pipeline
+
+        what = "True, a pass name or a list of pass names" if key == "dump_passes" else "a pass name or a list of pass names"
+        raise TypeError(
+            f"option {key!r} must be {what}, got {value!r}; the passes are {backend_pipeline().names}"
+        )
     return tuple(names)
 
 
