@@ -31,20 +31,11 @@ __all__ = ["RankError", "close_pools", "run_ranks", "warm"]
 _pools: dict[int, RankPool] = {}
 
 
-def run_ranks(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    timeout: float | None = None,
-    pg_timeout: float | None = None,
-    **kwargs: Any,
-) -> list[Any]:
-    """``fn(rank, world_size, *args, **kwargs)`` on `world_size` gloo ranks of the session's pool
-    (`usp_graph.launch.RankPool.run`: a fresh default process group, `pg_timeout` default timeout / 2,
-    `RankError` when a rank fails, `TimeoutError` when one hangs)."""
-    if os.environ.get("USP_TEST_FRESH_RANKS", "") not in ("", "0"):
-        return launch.run_ranks(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout, **kwargs)
-    return _pool(world_size).run(fn, *args, timeout=timeout, pg_timeout=pg_timeout, **kwargs)
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """`usp_graph.launch.run_ranks` on the session's pool of `world_size` ranks (keywords as there:
+    `timeout`, `pg_timeout`, the rest for `fn`)."""
+    fresh = os.environ.get("USP_TEST_FRESH_RANKS", "") not in ("", "0")
+    return launch.run_ranks(fn, world_size, *args, pool=None if fresh else _pool(world_size), **kwargs)
 
 
 def _pool(world_size: int) -> RankPool:

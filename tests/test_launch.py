@@ -59,6 +59,15 @@ def test_default_timeout_reads_the_environment(monkeypatch):
             launch.default_timeout()
 
 
+def test_run_ranks_refuses_a_pool_of_another_size_before_spawning_anything():
+    pool = launch.RankPool(4)
+    with pytest.raises(ValueError, match="pool has 4 ranks but world_size is 2; pass a pool of that size"):
+        launch.run_ranks(_pid, 2, pool=pool)
+    assert not pool.alive and pool._procs == []
+    with pytest.raises(TypeError, match="pool must be a usp_graph.launch.RankPool or None, got int"):
+        launch.run_ranks(_pid, 2, pool=2)
+
+
 @pytest.mark.slow
 def test_each_pooled_call_starts_with_a_fresh_process_group_and_process_state():
     first = run_ranks(_state, 2, pg_timeout=11)

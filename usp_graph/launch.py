@@ -376,13 +376,22 @@ def run_ranks(
     *args: Any,
     timeout: float | None = None,
     pg_timeout: float | None = None,
+    pool: RankPool | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """``fn(rank, world_size, *args, **kwargs)`` on `world_size` fresh spawned gloo ranks (a
-    `RankPool` used once); their results, by rank. All processes are gone when this returns or
-    raises. See `RankPool.run` for the timeouts and errors."""
-    with RankPool(world_size) as pool:
+    """``fn(rank, world_size, *args, **kwargs)`` on `world_size` gloo ranks; their results, by rank.
+
+    pool: a `RankPool` of `world_size` ranks to run on (kept afterwards); None: fresh spawned ranks
+    (a pool used once), all gone when this returns or raises. See `RankPool.run` for the timeouts
+    and errors."""
+    if pool is not None:
+        if not isinstance(pool, RankPool):
+            raise TypeError(f"pool must be a usp_graph.launch.RankPool or None, got {type(pool).__name__}")
+        if pool.world_size != world_size:
+            raise ValueError(f"pool has {pool.world_size} ranks but world_size is {world_size}; pass a pool of that size")
         return pool.run(fn, *args, timeout=timeout, pg_timeout=pg_timeout, **kwargs)
+    with RankPool(world_size) as fresh:
+        return fresh.run(fn, *args, timeout=timeout, pg_timeout=pg_timeout, **kwargs)
 
 
 def run_local_ranks(
