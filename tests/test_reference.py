@@ -8,31 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from usp_graph.testing import attention_reference, cu_seqlens, lognormal_lengths, rel_err
+from usp_graph.testing import attention_reference, cu_seqlens, document_mask, lognormal_lengths, rel_err
 
 # T packed tokens, H query heads, G key/value heads, K head dim, N documents
-
-
-def _dense_mask(
-    cu_q: list[int], cu_k: list[int], t_q: int, t_k: int, is_causal: bool, window
-) -> torch.Tensor:
-    """Boolean (t_q, t_k): block-diagonal over documents, bottom-right causal and windowed inside each."""
-    left, right = window
-    keep = torch.zeros(t_q, t_k, dtype=torch.bool)
-    for i in range(len(cu_q) - 1):
-        sq, eq, sk, ek = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
-        lq, lk = eq - sq, ek - sk
-        d = torch.arange(lq).unsqueeze(1) + lk - lq
-        c = torch.arange(lk).unsqueeze(0)
-        blk = torch.ones(lq, lk, dtype=torch.bool)
-        if is_causal:
-            blk &= c <= d
-        if left >= 0:
-            blk &= c >= d - left
-        if right >= 0:
-            blk &= c <= d + right
-        keep[sq:eq, sk:ek] = blk
-    return keep
 
 
 def _sdpa_dense(q_THK, k_TGK, v_TGK, keep_QS, scale):
@@ -72,7 +50,7 @@ def test_reference_matches_block_diagonal_sdpa_fp64(lq, lk, causal, window, head
     v = torch.randn(t_k, g, 16, dtype=torch.float64, requires_grad=True)
     scale = 0.3
     out, lse = attention_reference(q, k, v, cu_q, cu_k, is_causal=causal, scale=scale, window=window)
-    keep = _dense_mask(cu_q.tolist(), cu_k.tolist(), t_q, t_k, causal, window)
+    keep = document_mask(cu_q, cu_k, is_causal=causal, window=window)
     ref_out, ref_lse = _sdpa_dense(q, k, v, keep, scale)
     assert out.dtype == torch.float64 and lse.shape == (h, t_q)
     assert rel_err(out, ref_out) <= 1e-12
@@ -85,6 +63,24 @@ def test_reference_matches_block_diagonal_sdpa_fp64(lq, lk, causal, window, head
     for name, a, b in zip("qkv", grads, ref_grads, strict=True):
         assert torch.isfinite(a).all(), name
         assert rel_err(a, b) <= 1e-10, name
+
+
+@pytest.mark.parametrize("lq, lk, causal, window, heads", CASES)
+def test_document_mask_keeps_exactly_the_keys_the_contract_names(lq, lk, causal, window, heads):
+    # Element by element from the contract (usp_graph.testing's docstring), padding rows/columns too.
+    lk = lq if lk is None else lk
+    cu_q, cu_k = cu_seqlens(lq).tolist(), cu_seqlens(lk).tolist()
+    keep = document_mask(cu_q, cu_k, is_causal=causal, window=window, total_q=cu_q[-1] + 2, total_k=cu_k[-1] + 1)
+    left, right = window
+    want = torch.zeros_like(keep)
+    for i in range(len(lq)):
+        for r in range(lq[i]):
+            for c in range(lk[i]):
+                d = r + lk[i] - lq[i]
+                want[cu_q[i] + r, cu_k[i] + c] = (
+                    (not causal or c <= d) and (left < 0 or c >= d - left) and (right < 0 or c <= d + right)
+                )
+    assert keep.shape == (cu_q[-1] + 2, cu_k[-1] + 1) and torch.equal(keep, want)
 
 
 def test_reference_rows_outside_documents_are_zero_with_lse_minus_inf():

@@ -1,4 +1,5 @@
-"""Independent references for tests and benchmarks: fp64 per-document attention, document lengths, rel_err.
+"""Independent references for tests and benchmarks: fp64 per-document attention, its dense mask,
+document lengths, rel_err.
 
 # T packed tokens, H query heads, G key/value heads (H % G == 0), K head dim, Kv value head dim,
 # N documents, Q / S query / key rows of one document
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["attention_reference", "lognormal_lengths", "cu_seqlens", "rel_err"]
+__all__ = ["attention_reference", "document_mask", "lognormal_lengths", "cu_seqlens", "rel_err"]
 
 
 def rel_err(x: Tensor, ref: Tensor) -> float:
@@ -55,6 +56,43 @@ def _keep_SQ(lq: int, lk: int, is_causal: bool, left: int, right: int) -> Tensor
     return keep
 
 
+def _boundaries(cu: Tensor | Sequence[int]) -> list[int]:
+    return [int(x) for x in (cu.tolist() if isinstance(cu, Tensor) else cu)]
+
+
+def _window(window: tuple[int, int] | None) -> tuple[int, int]:
+    return (-1, -1) if window is None else (int(window[0]), int(window[1]))
+
+
+def document_mask(
+    cu_seqlens_q: Tensor | Sequence[int],
+    cu_seqlens_k: Tensor | Sequence[int] | None = None,
+    *,
+    is_causal: bool = False,
+    window: tuple[int, int] | None = None,
+    total_q: int | None = None,
+    total_k: int | None = None,
+) -> Tensor:
+    """Boolean ``(total_q, total_k)``: which keys each packed query attends under the varlen
+    contract, the mask of one dense SDPA over the whole pack that `attention_reference` equals.
+
+    Block-diagonal over documents, bottom-right causal and windowed inside each (the same per-document
+    rule as `attention_reference`); rows and columns outside every document are all False. `total_q`
+    / `total_k` default to the last boundary of `cu_seqlens_q` / `cu_seqlens_k` (which defaults to
+    `cu_seqlens_q`)."""
+    cu_q = _boundaries(cu_seqlens_q)
+    cu_k = cu_q if cu_seqlens_k is None else _boundaries(cu_seqlens_k)
+    if len(cu_q) != len(cu_k):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k need the same length; got {len(cu_q)} and {len(cu_k)}")
+    left, right = _window(window)
+    keep_TS = torch.zeros(cu_q[-1] if total_q is None else total_q, cu_k[-1] if total_k is None else total_k,
+                          dtype=torch.bool)  # fmt: skip
+    for i in range(len(cu_q) - 1):
+        sq, eq, sk, ek = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        keep_TS[sq:eq, sk:ek] = _keep_SQ(eq - sq, ek - sk, is_causal, left, right)
+    return keep_TS
+
+
 def attention_reference(
     q_THK: Tensor,
     k_TGK: Tensor,
@@ -72,9 +110,8 @@ def attention_reference(
     head ``h // (H // G)`` (SDPA's ``enable_gqa``). `scale` defaults to 1/sqrt(K). `lse` is the
     natural log of each row's softmax denominator. The result is differentiable: backward through
     it gives the reference dq, dk, dv (in float64 when the inputs require grad in float64)."""
-    cu_q = [int(x) for x in (cu_seqlens_q.tolist() if isinstance(cu_seqlens_q, Tensor) else cu_seqlens_q)]
-    cu_k_src = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-    cu_k = [int(x) for x in (cu_k_src.tolist() if isinstance(cu_k_src, Tensor) else cu_k_src)]
+    cu_q = _boundaries(cu_seqlens_q)
+    cu_k = cu_q if cu_seqlens_k is None else _boundaries(cu_seqlens_k)
     if len(cu_q) != len(cu_k):
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k need the same length; got {len(cu_q)} and {len(cu_k)}"
@@ -83,7 +120,7 @@ def attention_reference(
     g = k_TGK.shape[1]
     if h % g:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({g})")
-    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    left, right = _window(window)
     scale = 1.0 / math.sqrt(kd) if scale is None else float(scale)
     q, k, v = q_THK.double(), k_TGK.double(), v_TGKv.double()
     # Rows outside every document keep out 0 and lse -inf; each document's rows are written once.
