@@ -156,3 +156,32 @@ def test_a_big_step_starts_with_its_lanes_collapsed(ulysses_file):
     for page, is_open in ((small, True), (big, False)):
         details = [a for tag, a in page.elements if tag == "details"]
         assert len(details) == 2 and all(("open" in d) == is_open for d in details)
+
+
+@pytest.mark.slow  # a torch.compile
+def test_a_compile_dump_dir_is_one_page_with_a_section_per_graph_linked_across_files(tmp_path):
+    from usp_graph import documents
+    from usp_graph.models import Llama, LlamaConfig, make_llama_batch
+
+    config = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+    batch = make_llama_batch(config, [6, 1, 0, 9], generator=torch.Generator().manual_seed(0))
+    meta = AttentionMetadata.from_position_ids(batch["position_ids"], max_docs=6)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(Llama(config), backend="usp", options={"dump_dir": str(tmp_path / "dump")})
+        with documents(meta):
+            compiled(batch["input_ids"], batch["position_ids"]).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    p = parse(_inspect_html(tmp_path / "dump", tmp_path / "r.html"))
+    files = [a["data-file"].rsplit("/", 1)[-1] for tag, a in p.elements if tag == "section"]
+    assert files == ["backward.uspg", "forward.uspg", "joint.uspg"]
+    bwd, fwd, joint = (boxes(p, section=f"g{i}") for i in range(3))
+    assert [b["data-op"] for b in bwd] == ["varlen_bwd"] * 2 and [b["data-op"] for b in fwd] == ["varlen_fwd"] * 2
+    # the forward file's attention ops name their backward ops in the backward file
+    assert sorted(b["data-pair-elsewhere"] for b in fwd) == sorted(b["data-node"] for b in bwd)
+    arcs = [a for tag, a in p.elements if a.get("class") == "pair" and a.get("data-section") == "g2"]
+    assert len(arcs) == 2 and sorted(b["data-op"] for b in joint) == ["varlen_bwd"] * 2 + ["varlen_fwd"] * 2
+    # each lane holds one layer's forward and backward ops
+    lanes = [a for tag, a in p.elements if tag == "svg" and a.get("data-lane", "").startswith("g2-")]
+    assert len(lanes) == 2

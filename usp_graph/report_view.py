@@ -118,7 +118,6 @@ def step(gm: fx.GraphModule, summary: dict[str, Any], *, symbols: dict[str, Any]
         if not site and kind == "sdpa":
             site = f"sdpa at {src.rsplit('/', 1)[-1]}" if src else node.name
             drawn_sources.add(src)
-        lane = lanes.setdefault(site or _NO_SITE, {"site": site or _NO_SITE, "events": []})
         phase = node.meta.get("usp_phase") or ""
         ev: dict[str, Any] = {
             "node": node.name,
@@ -134,6 +133,7 @@ def step(gm: fx.GraphModule, summary: dict[str, Any], *, symbols: dict[str, Any]
             "pair": [p for p in pair_of.get(node.name, []) if p in by_name],
             "pair_elsewhere": [p for p in pair_of.get(node.name, []) if p not in by_name],
             "alarm": None,
+            "site": site,
         }
         if kind == "collective":
             c = coll.get(node.name, {})
@@ -146,8 +146,11 @@ def step(gm: fx.GraphModule, summary: dict[str, Any], *, symbols: dict[str, Any]
         if kind == "sdpa":
             reason = kept_reason.get(src) or not_rewritten.get(node.name, {}).get("reason") or "SDPA left in the graph"
             ev["alarm"] = f"not rewritten: {reason}"
-        lane["events"].append(ev)
         events.append(ev)
+    _assign_sites(events, by_name)
+    for ev in events:
+        site = ev.pop("site") or _NO_SITE
+        lanes.setdefault(site, {"site": site, "events": []})["events"].append(ev)
     for a in summary["attention"]:  # sites kept as SDPA that left no node (the tracer's records)
         if not a["rewritten"] and a["node"] not in by_name and not (a.get("source") and a["source"] in drawn_sources):
             name = a["node"] or "sdpa"
@@ -160,7 +163,7 @@ def step(gm: fx.GraphModule, summary: dict[str, Any], *, symbols: dict[str, Any]
             lanes.setdefault(name, {"site": name, "events": []})["events"].append(ev)
             events.append(ev)
 
-    attention_of = {a.get("site"): a for a in summary["attention"] if a["rewritten"]}
+    attention_of = {a.get("site") or a["node"]: a for a in summary["attention"] if a["rewritten"]}
     out_lanes = []
     for i, lane in enumerate(lanes.values()):
         evs = lane["events"]
@@ -195,6 +198,21 @@ def step(gm: fx.GraphModule, summary: dict[str, Any], *, symbols: dict[str, Any]
         "critical": sorted(critical),
         "nodes": summary["nodes"],
     }
+
+
+def _assign_sites(events: list[dict[str, Any]], by_name: dict[str, fx.Node]) -> None:
+    """A site for the events whose nodes carry no ``usp_site`` (a torch.compile dump's graphs):
+    an attention op's site is its forward op's name, and any other op goes with the attention op
+    nearest to it in graph order within its phase (a site's collectives surround its attention)."""
+    attn = [e for e in events if e["kind"] == "attention" and not e["site"]]
+    for e in attn:
+        e["site"] = by_name[e["node"]].meta.get("usp_fwd_node") or e["node"]
+    for e in events:
+        if e["site"]:
+            continue
+        near = [a for a in attn if a["phase"] == e["phase"]] or attn
+        if near:
+            e["site"] = min(near, key=lambda a: abs(a["order"] - e["order"]))["site"]
 
 
 # ---- drawing ------------------------------------------------------------------------------------
@@ -311,7 +329,8 @@ def _overview(view: dict[str, Any], key: str) -> str:
         out.append(f'<rect x="{x(fb):.1f}" y="{top - 4}" width="{_LABEL_W + plot_w - x(fb):.1f}" '
                    f'height="{height - top}" class="bwd-bg"/>')  # fmt: skip
         out.append(f'<text x="{x(fb) + 4:.1f}" y="14" class="axis">backward →</text>')
-    out.append(f'<text x="{_LABEL_W + 4}" y="14" class="axis">forward →</text>')
+    if fb != 0:
+        out.append(f'<text x="{_LABEL_W + 4}" y="14" class="axis">forward →</text>')
     for i, lane in enumerate(view["lanes"]):
         y = top + i * row_h
         label = _lane_title(lane)
@@ -356,7 +375,10 @@ def _lane_svg(lane: dict[str, Any], key: str) -> str:
         bx = pos[evs[n_fwd]["node"]] - split / 2 - _GAP / 2
         out.append(f'<rect x="{bx:.1f}" y="0" width="{width - bx:.1f}" height="{height}" class="bwd-bg"/>')
         out.append(f'<text x="{bx + 6:.1f}" y="{height - 6}" class="axis">backward</text>')
-    out.append(f'<text x="10" y="{height - 6}" class="axis">forward</text>')
+    if n_fwd:
+        out.append(f'<text x="10" y="{height - 6}" class="axis">forward</text>')
+    else:
+        out.append(f'<text x="10" y="{height - 6}" class="axis">backward</text>')
     for ev in evs:  # arcs first, under the boxes
         for b in ev["pair"]:
             if ev["phase"] == "backward" or b not in pos:
