@@ -41,7 +41,7 @@ def fingerprint(doc: dict[str, Any]) -> str:
     """sha256 over the canonical content (every field but ``fingerprint`` itself).
 
     Hashed piece by piece (the same bytes as `canonical_bytes`): encoding the whole document at
-    once held about 7x the file size in memory on top of the parsed document (issue 17)."""
+    once held about 7x the file size in memory on top of the parsed document."""
     h = hashlib.sha256()
     _hash_canonical(h, {k: v for k, v in doc.items() if k != "fingerprint"})
     return "sha256:" + h.hexdigest()
@@ -49,13 +49,9 @@ def fingerprint(doc: dict[str, Any]) -> str:
 
 def _hash_canonical(h: Any, v: Any) -> None:
     # json.dumps(sort_keys=True, separators=(",", ":")) writes an object as {"k":v,...} in key order
-    # and a list as [a,...]. A flat container of up to 256 scalars is encoded at once; anything
-    # larger is walked, so no encoding holds more than one small piece.
-    if not isinstance(v, (dict, list)):
-        h.update(_canonical_piece(v))
-        return
-    values = v.values() if isinstance(v, dict) else v
-    if len(v) <= 256 and not any(isinstance(x, (dict, list)) for x in values):
+    # and a list as [a,...]. A value whose encoding is small (`_encoded_size_at_most`) is encoded at
+    # once; a larger container is walked, so no encoding holds more than one small piece.
+    if not isinstance(v, (dict, list)) or _encoded_size_at_most(v, _PIECE) >= 0:
         h.update(_canonical_piece(v))
         return
     if isinstance(v, list):  # walked in place: a list of pairs would cost 64 bytes an item
@@ -73,6 +69,31 @@ def _hash_canonical(h: Any, v: Any) -> None:
         h.update((b"," if i else b"") + _canonical_piece(k) + b":")
         _hash_canonical(h, v[k])
     h.update(b"}")
+
+
+_PIECE = 1 << 14  # bytes: the most one encoding of a piece of the document may take
+
+
+def _encoded_size_at_most(v: Any, budget: int) -> int:
+    """`budget` minus an upper bound of `v`'s canonical encoding size, or -1 once it is spent (the
+    walk stops there, so a huge container costs no more than the budget to look at)."""
+    if isinstance(v, str):
+        return budget - 6 * len(v) - 2  # \uXXXX per character at worst, and the quotes
+    if isinstance(v, (dict, list)):
+        budget -= 2
+        items = v.items() if isinstance(v, dict) else ((None, x) for x in v)
+        for k, x in items:
+            if budget < 0:
+                return -1
+            if k is not None:
+                budget = _encoded_size_at_most(k, budget - 2)
+                if budget < 0:
+                    return -1
+            budget = _encoded_size_at_most(x, budget - 1)
+        return budget if budget >= 0 else -1
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 1 << 64:
+        return budget - len(str(v)) if budget >= len(str(v)) // 2 else -1
+    return budget - 32  # a float's repr, a small int, true / false / null
 
 
 def _canonical_piece(v: Any) -> bytes:
