@@ -335,6 +335,15 @@ def _first_file(path: str) -> str:
     return files[0]
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .train import UsageError, run
+
+    try:
+        return run(args)
+    except UsageError as e:
+        raise _Usage(str(e)) from None
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -394,6 +403,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="directory for the graph files (default: a new temp dir)")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser(
+        "train",
+        help="the training recipe: a transformers LM on packed documents, CP x FSDP2, checkpointing (torchrun)",
+        description="Train a transformers causal LM (tiny Llama by default) on packed documents with context "
+        "parallelism, data parallelism or FSDP2, activation checkpointing and torch.compile(backend='usp'); "
+        "save and resume with torch.distributed.checkpoint. One process as is; several with "
+        "torchrun --nproc-per-node N -m usp_graph train ...",
+    )
+    from .train import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=_train)
     return parser
 
 

@@ -1,0 +1,514 @@
+"""A training recipe: a transformers causal LM on packed documents, context parallel (usp_graph),
+data parallel or FSDP2, activation checkpointing, compile, distributed checkpoints.
+
+    torchrun --nproc-per-node 4 -m usp_graph.train --dp 2 --cp 2 --fsdp --steps 20
+    usp-graph train --steps 5                     # one process (CP 1), the same loop
+
+# B batch rows (1 per replica), L tokens per row (--seq-len), P CP ranks, D data-parallel replicas
+
+Layout: the ranks form a ``(dp, cp)`` mesh (``dp_shard`` with --fsdp, else ``dp_replicate``).
+Each data-parallel replica trains on its own packed row of `--seq-len` tokens; the row's documents
+(`AttentionMetadata`, global) are the same on its CP ranks, and each CP rank holds 1/P of the row.
+The loss is the token mean over every rank's tokens; gradients are summed over all ranks exactly
+once (FSDP2's reduce-scatter with `usp_graph.fsdp.prepare`, or an ordered all-reduce without it),
+so the step is the single-process step on the global batch.
+
+Data: synthetic documents with log-normal lengths (`usp_graph.testing.lognormal_lengths`) and
+random tokens, a pure function of (seed, step, replica); or `--text FILE`, byte-level tokens
+(ids 0-255), documents separated by blank lines, packed back to back into rows (a document cut
+by a row end continues, from position 0, in the next). The data position (the next step) is
+saved with the model and optimizer (`torch.distributed.checkpoint`), so `--resume` continues with
+the batches the uninterrupted run would have seen.
+
+Nothing but the standard library is imported at module load: ``usp-graph --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["add_arguments", "main", "run"]
+
+CHECKPOINT_POLICIES = ("full", "save_attention", "recompute_attention")
+DTYPES = ("float32", "bfloat16", "float64")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The recipe's flags (shared by ``python -m usp_graph.train`` and ``usp-graph train``)."""
+    p.add_argument("--model", metavar="PATH", help="a local transformers model directory (config.json, "
+                   "weights if present); default: a tiny random Llama built from transformers.LlamaConfig")  # fmt: skip
+    p.add_argument("--text", metavar="FILE", help="train on a local text file (byte-level tokens, documents "
+                   "separated by blank lines); default: synthetic documents")  # fmt: skip
+    p.add_argument(
+        "--cp-strategy", default="ulysses", help="allgather_kv, ulysses, ring or usp (default ulysses)"
+    )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=None,
+        help="context-parallel degree (default: WORLD / dp, or 2 when WORLD is even)",
+    )
+    p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: WORLD / cp)")
+    p.add_argument("--ulysses-degree", type=int, default=None, help="strategy usp: ranks per Ulysses group")
+    p.add_argument(
+        "--fsdp", action="store_true", help="FSDP2: shard parameters over dp x cp (usp_graph.fsdp)"
+    )
+    p.add_argument("--checkpoint", nargs="?", const="full", default=None, choices=CHECKPOINT_POLICIES,
+                   help="activation checkpointing of every decoder block; optional policy: full (default), "
+                   "save_attention, recompute_attention")  # fmt: skip
+    p.add_argument(
+        "--compile", action="store_true", help='torch.compile(backend="usp") instead of eager attention_mode'
+    )
+    p.add_argument(
+        "--steps", type=int, default=10, help="train until this step (a resumed run counts from its step)"
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=256, help="tokens per packed row of one replica (global, before CP)"
+    )
+    p.add_argument(
+        "--mean-doc-len",
+        type=float,
+        default=None,
+        help="synthetic mean document length (default seq-len / 8)",
+    )
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype (default float32)")
+    p.add_argument(
+        "--save", metavar="DIR", help="save model, optimizer, step and data position to DIR/step_N at the end"
+    )
+    p.add_argument(
+        "--save-every", type=int, default=0, metavar="N", help="also save every N steps (with --save)"
+    )
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue from a checkpoint: a --save DIR (its newest step_N) or one step_N directory",
+    )
+    p.add_argument(
+        "--metrics", metavar="FILE", help="append one JSON line per step (step, loss, tokens_per_s)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return add_arguments(
+        argparse.ArgumentParser(prog="python -m usp_graph.train", description=__doc__.split("\n")[0])
+    )
+
+
+class UsageError(ValueError):
+    """A bad flag combination; the message says what to change."""
+
+
+# ---- distributed setup ----------------------------------------------------------------------------
+
+
+def _init_distributed():
+    """(device, launched by torchrun): NCCL on GPUs, gloo on CPU; one process without torchrun."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"), False
+    if "RANK" not in os.environ:  # a plain `python -m usp_graph.train`: a group of one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device, True
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _degrees(args, world: int) -> tuple[int, int]:
+    dp, cp = args.dp, args.cp
+    if cp is None:
+        cp = world // dp if dp else (2 if world % 2 == 0 else 1)
+    if dp is None:
+        dp = world // cp if cp and world % cp == 0 else 0
+    if dp < 1 or cp < 1 or dp * cp != world:
+        raise UsageError(f"--dp {args.dp} x --cp {args.cp} must multiply to the {world} ranks launched")
+    return dp, cp
+
+
+def _context_parallel(args, mesh):
+    from .cp import ContextParallel
+    from .cp.table import STRATEGIES
+
+    if args.cp_strategy not in STRATEGIES:
+        raise UsageError(f"--cp-strategy must be one of {', '.join(STRATEGIES)}; got {args.cp_strategy!r}")
+    if args.cp_strategy == "halo":
+        raise UsageError(
+            "--cp-strategy halo needs a document length cap; the recipe runs allgather_kv, ulysses, ring, usp"
+        )
+    extra: dict[str, Any] = {}
+    if args.cp_strategy == "usp":
+        u = args.ulysses_degree or (2 if mesh["cp"].size() % 2 == 0 else 1)
+        extra["ulysses_degree"] = u
+        return ContextParallel("usp", group=mesh["cp"].get_group(), **extra)
+    return ContextParallel(args.cp_strategy, mesh=mesh["cp"])
+
+
+class _DataParallel:
+    """Without FSDP: full parameters on every rank; gradients summed over every rank in rank order."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def token_mean(self, loss_sum, num_tokens):
+        from .cp.context import token_mean
+
+        return token_mean(loss_sum, num_tokens, self.group)
+
+    def global_sum(self, x):
+        from .cp.context import _ordered_sum
+
+        return _ordered_sum(x.detach(), self.group)
+
+    def reduce_grads(self, params) -> None:
+        import torch
+
+        from .distributed import all_reduce_sum_ordered
+
+        params = [p for p in params if p.requires_grad]
+        if not params or self.group.size() == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        for p, g in zip(params, all_reduce_sum_ordered(grads, self.group), strict=True):
+            p.grad = g
+
+
+# ---- model ----------------------------------------------------------------------------------------
+
+
+ATTENTION = "usp_sdpa"
+
+
+def _register_attention() -> None:
+    """transformers attention `usp_sdpa`: its SDPA with no mask (causal), and no mask built for it.
+
+    The documents are usp_graph's metadata (global, the same on every CP rank). transformers' own
+    ``"sdpa"`` builds a packed-sequence mask from this rank's shard of the position ids, when the
+    shard holds a document start: then it also repeats K/V heads itself, so two CP ranks of one
+    step would run different collectives; with FSDP2 (a graph per block under compile) the mask
+    reaches the block's graph as an input that no longer shows it came from position ids."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def usp_sdpa(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+    AttentionInterface.register(ATTENTION, usp_sdpa)
+
+
+def _model(args, dtype, device):
+    import torch
+    import transformers
+
+    _register_attention()
+    if args.model:
+        if not os.path.isdir(args.model):
+            raise UsageError(
+                f"--model {args.model}: not a directory (give a local transformers model directory)"
+            )
+        config = transformers.AutoConfig.from_pretrained(args.model)
+        windows = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        if windows or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+            raise UsageError(f"--model {args.model}: sliding-window attention is not supported by the recipe (its "
+                             "attention runs causal within documents); use a full-attention model")  # fmt: skip
+        weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(args.model))
+        torch.manual_seed(args.seed)
+        if weights:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                args.model, attn_implementation=ATTENTION, dtype=dtype
+            )
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION)
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=max(args.seq_len, 64), tie_word_embeddings=False,
+        )  # fmt: skip
+        torch.manual_seed(args.seed)
+        model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=ATTENTION)
+    model = model.to(device=device, dtype=dtype)
+    if args.text and model.config.vocab_size < 256:
+        raise UsageError(
+            f"--text uses byte-level ids 0-255, but the model's vocab_size is {model.config.vocab_size}"
+        )
+    return model
+
+
+# ---- data -----------------------------------------------------------------------------------------
+
+
+class _Data:
+    """Packed rows: `row(step, replica)` -> (input_ids_1L, position_ids_1L, labels_1L, lengths)."""
+
+    def __init__(self, args, vocab: int, replicas: int) -> None:
+        self.seq_len, self.seed, self.vocab, self.replicas = args.seq_len, args.seed, vocab, replicas
+        self.mean = args.mean_doc_len or max(2.0, args.seq_len / 8)
+        self.docs: list[bytes] | None = None
+        if args.text:
+            try:
+                with open(args.text, "rb") as f:
+                    raw = f.read()
+            except OSError as e:
+                raise UsageError(f"--text {args.text}: {e.strerror or e}") from None
+            docs = [d.strip() for d in raw.replace(b"\r\n", b"\n").split(b"\n\n")]
+            self.docs = [d for d in docs if d]
+            if not self.docs:
+                raise UsageError(f"--text {args.text}: no text in the file")
+            self.stream = b"".join(self.docs)
+            self.starts = set()
+            at = 0
+            for d in self.docs:
+                self.starts.add(at)
+                at += len(d)
+
+    def row(self, step: int, replica: int):
+        import torch
+
+        from .testing import lognormal_lengths
+
+        n = self.seq_len
+        if self.docs is None:
+            seed = (self.seed * 1_000_003 + step) * 4099 + replica
+            lengths = lognormal_lengths(n, self.mean, seed=seed)
+            ids = torch.randint(0, self.vocab, (n,), generator=torch.Generator().manual_seed(seed))
+        else:  # rows follow each other through the byte stream, wrapping at its end
+            total = len(self.stream)
+            start = ((step * self.replicas + replica) * n) % total
+            ids_list, lengths, cur = [], [], 0
+            for i in range(n):
+                at = (start + i) % total
+                if i > 0 and at in self.starts:
+                    lengths.append(cur)
+                    cur = 0
+                ids_list.append(self.stream[at])
+                cur += 1
+            lengths.append(cur)
+            ids = torch.tensor(ids_list, dtype=torch.long)
+        pos = torch.cat([torch.arange(k) for k in lengths])
+        labels = torch.full((n,), -100, dtype=torch.long)
+        at = 0
+        for k in lengths:  # token t predicts t + 1 within its document
+            labels[at : at + k - 1] = ids[at + 1 : at + k]
+            at += k
+        return ids[None], pos[None], labels[None], lengths
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+
+
+def _step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step}")
+
+
+def _resume_dir(path: str) -> str:
+    """`path` itself when it holds a checkpoint, else its newest ``step_N`` subdirectory."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    steps = []
+    if os.path.isdir(path):
+        for name in os.listdir(path):
+            if (
+                name.startswith("step_")
+                and name[5:].isdigit()
+                and os.path.isfile(os.path.join(path, name, ".metadata"))
+            ):
+                steps.append(int(name[5:]))
+    if not steps:
+        raise UsageError(
+            f"--resume {path}: no checkpoint there (give a --save DIR or one of its step_N directories)"
+        )
+    return _step_dir(path, max(steps))
+
+
+def _save(root: str, model, opt, step: int) -> str:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    path = _step_dir(root, step)
+    msd, osd = get_state_dict(model, opt)
+    # The step is the data position too: every batch is a function of (seed, step, replica).
+    dcp.save({"model": msd, "optim": osd, "train": {"step": torch.tensor(step)}}, checkpoint_id=path)
+    return path
+
+
+def _load(path: str, model, opt) -> int:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "train": {"step": torch.tensor(-1)}}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["train"]["step"])
+
+
+# ---- the loop -------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """A progress bar on rank 0: tqdm when installed (a transformers dependency), else one line per step."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, plain: bool) -> None:
+        self.enabled, self.bar = enabled, None
+        if enabled and not plain:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, total: int, loss: float, tps: float) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.4f}, {tps:,.0f} tok/s", refresh=False)
+            self.bar.update(1)
+        else:
+            print(f"step {step}/{total}  loss {loss:.6f}  {tps:,.0f} tok/s", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train as `args` says; returns a process exit code."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from . import AttentionMetadata, attention_mode, documents
+    from .checkpointing import checkpoint_blocks
+    from .fsdp import prepare
+
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if args.save_every and not args.save:
+        raise UsageError("--save-every needs --save DIR")
+    device, owns_group = _init_distributed()
+    try:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        dp, cp_degree = _degrees(args, world)
+        row_chunks = cp_degree
+        if args.seq_len % row_chunks or args.seq_len < 2 * cp_degree:
+            raise UsageError(
+                f"--seq-len {args.seq_len} must be a multiple of --cp {cp_degree} (and >= 2 x it)"
+            )
+        dims = ("dp_shard" if args.fsdp else "dp_replicate", "cp")
+        mesh = init_device_mesh(device.type, (dp, cp_degree), mesh_dim_names=dims)
+        cp = _context_parallel(args, mesh)
+        dtype = getattr(torch, args.dtype)
+        model = _model(args, dtype, device)
+        if args.checkpoint:
+            checkpoint_blocks(model, policy=args.checkpoint)
+        if args.fsdp:
+            plan: Any = prepare(model, mesh, cp)
+        else:
+            plan = _DataParallel(
+                mesh._flatten("dp_replicate_cp").get_group() if world > 1 else dist.group.WORLD
+            )
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        run_model = torch.compile(model, backend="usp", options={"cp": cp}) if args.compile else model
+        resume = _resume_dir(args.resume) if args.resume else None
+        start = _load(resume, model, opt) if resume else 0
+        replica = mesh.get_coordinate()[0]
+        data = _Data(args, model.config.vocab_size, dp)
+        max_docs = args.seq_len  # one slot per token: always enough, fixed, so nothing recompiles
+        if rank == 0:
+            print(
+                f"usp_graph.train: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} params, "
+                f"{args.dtype}) on {world} {device.type} rank(s): dp {dp} x cp {cp_degree} ({args.cp_strategy}), "
+                f"{'FSDP2' if args.fsdp else 'replicated'}, checkpoint {args.checkpoint or 'off'}, "
+                f"{'compiled' if args.compile else 'eager'}; {args.seq_len} tokens per row, "
+                f"{dp * args.seq_len} per step; steps {start + 1}..{args.steps}",
+                flush=True,
+            )
+        progress = _Progress(args.steps, start, rank == 0, args.no_progress)
+        log = open(args.metrics, "a") if args.metrics and rank == 0 else None  # noqa: SIM115 (closed below)
+        loss_value = math.nan
+        for step in range(start, args.steps):
+            t0 = time.perf_counter()
+            ids, pos, labels, lengths = data.row(step, replica)
+            meta = AttentionMetadata.from_lengths(
+                lengths, max_docs=max_docs, max_seqlen=args.seq_len, device=device
+            )
+            local = [cp.shard(x, 1).to(device) for x in (ids, pos, labels)]
+            with documents(meta) if args.compile else attention_mode(meta, cp=cp):
+                logits = run_model(input_ids=local[0], position_ids=local[1], use_cache=False).logits
+            flat = local[2].flatten()
+            loss_sum = F.cross_entropy(
+                logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                flat,
+                ignore_index=-100,
+                reduction="sum",
+            )
+            loss = plan.token_mean(loss_sum, (flat != -100).sum())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            plan.reduce_grads(model.parameters())
+            opt.step()
+            loss_value = plan.global_sum(loss).item()  # a host sync: the step is done
+            tps = dp * args.seq_len / (time.perf_counter() - t0)
+            progress.update(step + 1, args.steps, loss_value, tps)
+            if log is not None:
+                log.write(json.dumps({"step": step + 1, "loss": loss_value, "tokens_per_s": tps}) + "\n")
+                log.flush()
+            if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+                _save(args.save, model, opt, step + 1)
+        progress.close()
+        if log is not None:
+            log.close()
+        if args.save:
+            where = _save(args.save, model, opt, args.steps)
+            if rank == 0:
+                print(f"saved step {args.steps} to {where}", flush=True)
+        if rank == 0:
+            print(f"done: step {args.steps}, loss {loss_value:.6f}", flush=True)
+        return 0
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as e:
+        print(f"usp_graph.train: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
