@@ -70,7 +70,9 @@ def test_collectives_show_bytes_symbolic_and_numeric_with_values(ulysses_file, t
     t_expr = g.symbols["T"].node.expr
     for b in boxes(p, kind="collective"):
         x = by_name[b["data-node"]].args[0].meta["val"]  # all_to_all(x, ...): a rank sends (P-1)/P of x
-        size = x.element_size() * sympy.prod([d.node.expr if isinstance(d, torch.SymInt) else d for d in x.shape])
+        size = x.element_size() * sympy.prod(
+            [d.node.expr if isinstance(d, torch.SymInt) else d for d in x.shape]
+        )
         assert int(b["data-bytes"]) == size.subs(t_expr, 64) / 2
         assert sympy.sympify(b["data-bytes-symbolic"]) == (size / 2).subs(t_expr, sympy.Symbol("T"))
 
@@ -128,7 +130,9 @@ def test_boxes_carry_node_source_line_and_shapes(ulysses_file, ulysses_page):
     t_expr = g.symbols["T"].node.expr
 
     def shape(x) -> str:
-        dims = [d.node.expr.subs(t_expr, sympy.Symbol("T")) if isinstance(d, torch.SymInt) else d for d in x.shape]
+        dims = [
+            d.node.expr.subs(t_expr, sympy.Symbol("T")) if isinstance(d, torch.SymInt) else d for d in x.shape
+        ]
         return "(" + ", ".join(map(str, dims)) + ")"
 
     q, k, v = (a.meta["val"] for a in node.args[:3])
@@ -142,7 +146,7 @@ def test_the_page_is_self_contained(ulysses_page):
         assert not any(k in ("src", "href") and not v.startswith("#") for k, v in a.items()), (tag, a)
     assert len(p.scripts) == 1 and "http" not in p.scripts[0] and "import" not in p.scripts[0]
     assert "<td>varlen_fwd</td>" in ulysses_page  # the tables stay below the picture
-    assert ulysses_page.index("class=\"overview\"") < ulysses_page.index("<h3>Attention sites</h3>")
+    assert ulysses_page.index('class="overview"') < ulysses_page.index("<h3>Attention sites</h3>")
 
 
 def test_a_big_step_starts_with_its_lanes_collapsed(ulysses_file):
@@ -177,7 +181,8 @@ def test_a_compile_dump_dir_is_one_page_with_a_section_per_graph_linked_across_f
     files = [a["data-file"].rsplit("/", 1)[-1] for tag, a in p.elements if tag == "section"]
     assert files == ["backward.uspg", "forward.uspg", "joint.uspg"]
     bwd, fwd, joint = (boxes(p, section=f"g{i}") for i in range(3))
-    assert [b["data-op"] for b in bwd] == ["varlen_bwd"] * 2 and [b["data-op"] for b in fwd] == ["varlen_fwd"] * 2
+    assert [b["data-op"] for b in bwd] == ["varlen_bwd"] * 2
+    assert [b["data-op"] for b in fwd] == ["varlen_fwd"] * 2
     # the forward file's attention ops name their backward ops in the backward file
     assert sorted(b["data-pair-elsewhere"] for b in fwd) == sorted(b["data-node"] for b in bwd)
     arcs = [a for tag, a in p.elements if a.get("class") == "pair" and a.get("data-section") == "g2"]

@@ -41,7 +41,7 @@ def page(tmp_path_factory) -> Path:
 
 
 def test_the_screenshot_shows_the_picture(page, tmp_path):
-    from PIL import Image
+    Image = pytest.importorskip("PIL.Image", reason="pillow (matplotlib's dependency) reads the screenshot")
 
     shot = tmp_path / "shot.png"
     r = _chromium(f"--screenshot={shot}", "--window-size=1400,1000", page.as_uri(), home=tmp_path)

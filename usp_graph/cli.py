@@ -276,7 +276,9 @@ def write_html(out: str, summaries: dict[str, dict[str, Any]], cache: dict[str, 
         with open(out, "w", encoding="utf-8") as fh:
             fh.write(page)
     except OSError as e:
-        raise _Usage(f"--html {out}: cannot write it ({e.strerror or e}); give a path in a writable folder") from None
+        raise _Usage(
+            f"--html {out}: cannot write it ({e.strerror or e}); give a path in a writable folder"
+        ) from None
     print(f"wrote {out}", file=sys.stderr)
 
 

@@ -176,11 +176,17 @@ def to_html_page(sections: list[dict[str, Any]], *, title: str = "usp_graph") ->
 
 
 def to_html(
-    summary: dict[str, Any], *, title: str = "usp_graph", graph: Any = None, symbols: dict[str, Any] | None = None
+    summary: dict[str, Any],
+    *,
+    title: str = "usp_graph",
+    graph: Any = None,
+    symbols: dict[str, Any] | None = None,
 ) -> str:
     """One self-contained page for one graph: the picture (when `graph`, the summarized
     `fx.GraphModule`, is given) and the tables; see `to_html_page`."""
-    return to_html_page([{"title": title, "summary": summary, "graph": graph, "symbols": symbols}], title=title)
+    return to_html_page(
+        [{"title": title, "summary": summary, "graph": graph, "symbols": symbols}], title=title
+    )
 
 
 def diff_text(d: dict[str, Any]) -> str:

@@ -79,7 +79,9 @@ def _out_shapes(node: fx.Node, names: dict[str, str]) -> list[str]:
     return out
 
 
-def step(gm: fx.GraphModule, summary: dict[str, Any], *, symbols: dict[str, Any] | None = None) -> dict[str, Any]:
+def step(
+    gm: fx.GraphModule, summary: dict[str, Any], *, symbols: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The picture's data: lanes of events, pairs, alarms (JSON-able; see the module docstring).
 
     summary: `analysis.summarize(gm, ...)` (its bytes carry ``--values`` when it was given them).
@@ -144,7 +146,11 @@ def step(gm: fx.GraphModule, summary: dict[str, Any], *, symbols: dict[str, Any]
             u = unpaired[node.name]
             ev["alarm"] = f"unpaired: {u['missing']}"
         if kind == "sdpa":
-            reason = kept_reason.get(src) or not_rewritten.get(node.name, {}).get("reason") or "SDPA left in the graph"
+            reason = (
+                kept_reason.get(src)
+                or not_rewritten.get(node.name, {}).get("reason")
+                or "SDPA left in the graph"
+            )
             ev["alarm"] = f"not rewritten: {reason}"
         events.append(ev)
     _assign_sites(events, by_name)
@@ -152,7 +158,11 @@ def step(gm: fx.GraphModule, summary: dict[str, Any], *, symbols: dict[str, Any]
         site = ev.pop("site") or _NO_SITE
         lanes.setdefault(site, {"site": site, "events": []})["events"].append(ev)
     for a in summary["attention"]:  # sites kept as SDPA that left no node (the tracer's records)
-        if not a["rewritten"] and a["node"] not in by_name and not (a.get("source") and a["source"] in drawn_sources):
+        if (
+            not a["rewritten"]
+            and a["node"] not in by_name
+            and not (a.get("source") and a["source"] in drawn_sources)
+        ):
             name = a["node"] or "sdpa"
             ev = {"node": name, "op": "sdpa", "target": a.get("op", "sdpa"), "kind": "sdpa", "phase": "forward",
                   "order": -1, "source": a.get("source") or "", "in_shapes": [], "out_shapes": [],
@@ -339,7 +349,9 @@ def _overview(view: dict[str, Any], key: str) -> str:
         cls = "lane-row alarm-row" if lane["alarms"] else "lane-row"
         out.append(f'<g class="{cls}" data-lane="{key}-lane{lane["index"]}">')
         out.append(f'<text x="4" y="{y + 12}" class="row-label">{_e(short)}<title>{_e(label)}</title></text>')
-        out.append(f'<line x1="{_LABEL_W}" x2="{_LABEL_W + plot_w}" y1="{y + 8}" y2="{y + 8}" class="row-line"/>')
+        out.append(
+            f'<line x1="{_LABEL_W}" x2="{_LABEL_W + plot_w}" y1="{y + 8}" y2="{y + 8}" class="row-line"/>'
+        )
         for ev in lane["events"]:
             if ev["rank"] is None:  # a site kept as SDPA without a node: a mark at the row's start
                 xx = _LABEL_W
@@ -363,6 +375,7 @@ def _lane_svg(lane: dict[str, Any], key: str) -> str:
     for i, ev in enumerate(evs):
         pos[ev["node"]] = 10 + i * (_BOX_W + _GAP) + (split if i >= n_fwd else 0)
     width = int(20 + len(evs) * (_BOX_W + _GAP) + split)
+
     def lift(x1: float, x2: float) -> float:
         return 16 + abs(x2 - x1) * 0.08
 
@@ -400,7 +413,9 @@ def _lane_svg(lane: dict[str, Any], key: str) -> str:
             line2 = "UNPAIRED" if ev["alarm"].startswith("unpaired") else "NOT REWRITTEN"
         out.append(f'<g class="{cls}" tabindex="0" {_data_attrs(ev, key)}>')
         out.append(f"<title>{_e(_tooltip(ev))}</title>")
-        out.append(f'<rect x="{x0:.1f}" y="{box_y}" width="{_BOX_W}" height="{_BOX_H}" rx="5" fill="{_color(ev)}"/>')
+        out.append(
+            f'<rect x="{x0:.1f}" y="{box_y}" width="{_BOX_W}" height="{_BOX_H}" rx="5" fill="{_color(ev)}"/>'
+        )
         out.append(f'<text x="{x0 + 6:.1f}" y="{box_y + 17}" class="ev-op">{_e(ev["op"][:17])}</text>')
         out.append(f'<text x="{x0 + 6:.1f}" y="{box_y + 34}" class="ev-sub">{_e(line2[:17])}</text>')
         if line3:
@@ -432,7 +447,9 @@ def render(view: dict[str, Any], *, key: str = "g0", open_lanes: int = _OPEN_LAN
     if view["alarms"]:
         out.append('<div class="alarms"><b>Alarms</b><ul>')
         for a in view["alarms"]:
-            out.append(f'<li data-alarm-node="{_e(a["node"])}"><code>{_e(a["node"])}</code>: {_e(a["reason"])}</li>')
+            out.append(
+                f'<li data-alarm-node="{_e(a["node"])}"><code>{_e(a["node"])}</code>: {_e(a["reason"])}</li>'
+            )
         out.append("</ul></div>")
     out.append(_legend())
     out.append('<div class="scroll">' + _overview(view, key) + "</div>")
