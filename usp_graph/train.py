@@ -120,26 +120,16 @@ def _init_distributed():
     if dist.is_initialized():
         cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
         return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"), False
-    if "RANK" not in os.environ:  # a plain `python -m usp_graph.train`: a group of one
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    single = "RANK" not in os.environ  # a plain `python -m usp_graph.train`: a group of one, no rendezvous
+    group = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if single else {}
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **group)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **group)
     return device, True
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _degrees(args, world: int) -> tuple[int, int]:
