@@ -1,9 +1,11 @@
-"""tools/plot_benchmarks.py: result lines in, the three figures out (SVG with their series as text)."""
+"""tools/plot_benchmarks.py: result lines in, the three figures out (SVG with their series as text).
+
+The command runs in this process (`main(argv)`), so matplotlib is imported once."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -41,15 +43,29 @@ def _texts(svg: Path) -> list[str]:
     return ["".join(t.itertext()) for t in ET.parse(svg).getroot().iter(f"{_SVG}text")]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=120)
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("plot_benchmarks", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_plot_command_draws_the_three_figures_from_result_lines(tmp_path):
+_tool = _load_tool()
+
+
+def _run(capsys, *args: str) -> tuple[int, str]:
+    """`python tools/plot_benchmarks.py ARGS` in this process (matplotlib imported once): exit
+    code and stderr."""
+    capsys.readouterr()
+    code = _tool.main(list(args))
+    return code, capsys.readouterr().err
+
+
+def test_plot_command_draws_the_three_figures_from_result_lines(tmp_path, capsys):
     results = tmp_path / "results.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in _records()) + "\n")
-    r = _run(str(results), "--out", str(tmp_path / "figs"))
-    assert r.returncode == 0, r.stderr
+    code, err = _run(capsys, str(results), "--out", str(tmp_path / "figs"))
+    assert code == 0, err
     names = sorted(p.name for p in (tmp_path / "figs").iterdir())
     assert names == ["attention_tflops.svg", "cp_efficiency.svg", "train_vs_padded.svg"]
     attn = _texts(tmp_path / "figs" / "attention_tflops.svg")
@@ -57,20 +73,29 @@ def test_plot_command_draws_the_three_figures_from_result_lines(tmp_path):
     assert "ulysses, causal" in _texts(tmp_path / "figs" / "cp_efficiency.svg")
     assert "2.50x faster" in _texts(tmp_path / "figs" / "train_vs_padded.svg")  # 250 ms / 100 ms
     # the same lines give the same files (no date, fixed ids): committed figures stay diffable
-    assert _run(str(results), "--out", str(tmp_path / "again")).returncode == 0
+    assert _run(capsys, str(results), "--out", str(tmp_path / "again"))[0] == 0
     for name in names:
         assert (tmp_path / "figs" / name).read_bytes() == (tmp_path / "again" / name).read_bytes()
 
 
-def test_a_bad_line_is_an_error_naming_it(tmp_path):
+def test_a_bad_line_is_an_error_naming_it(tmp_path, capsys):
     results = tmp_path / "bad.jsonl"
     results.write_text(json.dumps(_records()[0]) + "\n{not json\n")
-    r = _run(str(results), "--out", str(tmp_path / "figs"))
-    assert r.returncode == 2 and f"{results}:2: not a JSON line" in r.stderr, r.stderr
+    code, err = _run(capsys, str(results), "--out", str(tmp_path / "figs"))
+    assert code == 2 and f"{results}:2: not a JSON line" in err, err
 
 
-def test_records_of_no_figure_say_what_the_figures_need(tmp_path):
+def test_records_of_no_figure_say_what_the_figures_need(tmp_path, capsys):
     results = tmp_path / "other.jsonl"
     results.write_text(json.dumps({"bench": "trace", "seconds": 1.0}) + "\n")
-    r = _run(str(results), "--out", str(tmp_path / "figs"))
-    assert r.returncode == 1 and "no figure to draw: records of bench ['trace']" in r.stderr, r.stderr
+    code, err = _run(capsys, str(results), "--out", str(tmp_path / "figs"))
+    assert code == 1 and "no figure to draw: records of bench ['trace']" in err, err
+
+
+def test_without_matplotlib_the_command_says_how_to_install_it(tmp_path, monkeypatch):
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(_records()[0]) + "\n")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without it imports
+    with pytest.raises(SystemExit, match=r"needs matplotlib: pip install 'usp_graph\[plot\]'"):
+        _tool.main([str(results), "--out", str(tmp_path / "figs")])
+    assert not (tmp_path / "figs").exists()
