@@ -29,36 +29,24 @@ import tempfile
 
 import torch
 from harness import Results, add_json_arg, stopwatch
+from setups import FLUX_DYNAMIC, flux_model, llama_inputs, llama_model
 
 import usp_graph
 from usp_graph import AttentionMetadata, attention_mode, trace_train_step
-from usp_graph.models import (
-    Flux,
-    FluxConfig,
-    Llama,
-    LlamaConfig,
-    flux_loss,
-    llama_loss,
-    make_flux_batch,
-    make_llama_batch,
-)
+from usp_graph.models import FluxConfig, LlamaConfig, flux_loss, llama_loss, make_flux_batch
 
 
 def _llama(args: argparse.Namespace):
     config = LlamaConfig(
         vocab_size=1024, dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, ffn_dim=4 * args.dim
     )
-    torch.manual_seed(0)
-    model = Llama(config)
+    model = llama_model(config, seed=0)
     gen = torch.Generator().manual_seed(1)
 
     def inputs(step: int):
         lengths = (torch.rand(8, generator=gen) * args.tokens / 4 + 1).long().tolist()
         lengths[-1] = max(1, args.tokens - sum(lengths[:-1])) if sum(lengths[:-1]) < args.tokens else 1
-        batch = make_llama_batch(config, lengths, generator=gen)
-        return batch, AttentionMetadata.from_position_ids(
-            batch["position_ids"], max_docs=16, max_seqlen=args.tokens
-        )
+        return llama_inputs(config, lengths, gen, max_docs=16, max_seqlen=args.tokens)
 
     return "llama", model, llama_loss, inputs, None
 
@@ -74,16 +62,8 @@ def _flux(args: argparse.Namespace):
         n_single=args.layers // 2 or 1,
         axes_dims=(a0, a1, head_dim - a0 - a1),
     )
-    torch.manual_seed(0)
-    model = Flux(config)
+    model = flux_model(config, seed=0)
     gen = torch.Generator().manual_seed(1)
-    dynamic = {
-        "txt": {1: "Lt"},
-        "txt_ids": {1: "Lt"},
-        "img": {1: "Li"},
-        "img_ids": {1: "Li"},
-        "target": {1: "Li"},
-    }
     txt = max(2, args.tokens // 8)
 
     def inputs(step: int):
@@ -91,7 +71,7 @@ def _flux(args: argparse.Namespace):
         batch = make_flux_batch(config, 2, txt, img, generator=gen, grid_width=16)
         return batch, AttentionMetadata.per_sample(2, txt + img)
 
-    return "flux", model, flux_loss, inputs, dynamic
+    return "flux", model, flux_loss, inputs, FLUX_DYNAMIC
 
 
 def _eager_step(model, loss_fn, batch, meta):

@@ -53,15 +53,15 @@ def _record() -> set[str]:
 
 
 def _llama(folder: str, *, cp=None, lengths=(9, 7, 11, 5)):
-    from usp_graph import AttentionMetadata, trace_train_step
+    from setups import llama_inputs, llama_model
+
+    from usp_graph import trace_train_step
     from usp_graph.graphfile import SUFFIX, save
-    from usp_graph.models import Llama, LlamaConfig, llama_loss, make_llama_batch
+    from usp_graph.models import LlamaConfig, llama_loss
 
     config = LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64)
-    torch.manual_seed(0)
-    model = Llama(config)
-    batch = make_llama_batch(config, list(lengths), generator=torch.Generator().manual_seed(1))
-    meta = AttentionMetadata.from_position_ids(batch["position_ids"], max_docs=8)
+    model = llama_model(config, seed=0)
+    batch, meta = llama_inputs(config, lengths, torch.Generator().manual_seed(1), max_docs=8)
     if cp is None:
         graph = trace_train_step(model, llama_loss, batch, meta)
     else:
@@ -79,22 +79,18 @@ def _llama(folder: str, *, cp=None, lengths=(9, 7, 11, 5)):
 
 
 def _flux(folder: str):
+    from setups import FLUX_DYNAMIC, flux_model
+
     from usp_graph import AttentionMetadata, trace_train_step
     from usp_graph.graphfile import SUFFIX, save
-    from usp_graph.models import Flux, FluxConfig, flux_loss, make_flux_batch
+    from usp_graph.models import FluxConfig, flux_loss, make_flux_batch
 
     config = FluxConfig(hidden=32, n_heads=2, n_double=1, n_single=1)
-    dynamic = {
-        "txt": {1: "Lt"},
-        "txt_ids": {1: "Lt"},
-        "img": {1: "Li"},
-        "img_ids": {1: "Li"},
-        "target": {1: "Li"},
-    }
-    torch.manual_seed(5)
-    model = Flux(config)
+    model = flux_model(config, seed=5)
     batch = make_flux_batch(config, 2, 4, 9, generator=torch.Generator().manual_seed(6), grid_width=3)
-    graph = trace_train_step(model, flux_loss, batch, AttentionMetadata.per_sample(2, 13), dynamic=dynamic)
+    graph = trace_train_step(
+        model, flux_loss, batch, AttentionMetadata.per_sample(2, 13), dynamic=FLUX_DYNAMIC
+    )
     save(graph, os.path.join(folder, "flux" + SUFFIX))
     return model, batch
 
