@@ -23,7 +23,7 @@ EXAMPLES = """examples:
                                               load fresh, replay with new documents, compare
   usp-graph inspect rank0.uspg                tables: inputs, attention sites, collectives, ops
   usp-graph inspect rank0.uspg --json         the same as JSON
-  usp-graph inspect rank0.uspg --html out.html    one self-contained page
+  usp-graph inspect rank0.uspg --html out.html    one self-contained page: the step as a picture
   usp-graph inspect rank0.uspg --dot out.dot      data-flow graph for graphviz
   usp-graph inspect rank0.uspg --values T=65536   evaluate symbolic byte counts
   usp-graph inspect dumps/                    every graph file a torch.compile dump_dir holds

@@ -528,6 +528,7 @@ function show(g){var step=g.closest('.step'),info=step.querySelector('.info');
   ['paired in the other file','data-pair-elsewhere'],['ALARM','data-alarm']];
  var lines=[];f.forEach(function(k){var v=g.getAttribute(k[1]);if(v)lines.push(k[0]+': '+v);});
  if(g.hasAttribute('data-critical'))lines.push('on the critical path');
+ document.querySelectorAll('.info').forEach(function(x){if(x!==info)x.hidden=true;});
  info.textContent=lines.join('\\n');info.hidden=false;info.setAttribute('data-shown',g.getAttribute('data-node'));}
 try{
  document.querySelectorAll('.ev').forEach(function(g){
@@ -535,6 +536,8 @@ try{
   g.addEventListener('mouseleave',function(){mark(g,false);});
   g.addEventListener('click',function(){show(g);});
   g.addEventListener('keydown',function(e){if(e.key==='Enter')show(g);});});
+ document.querySelectorAll('.info').forEach(function(i){i.title='click to close';
+  i.addEventListener('click',function(){i.hidden=true;});});
  document.querySelectorAll('.lane-row').forEach(function(r){r.addEventListener('click',function(){
   var d=document.getElementById(r.getAttribute('data-lane'));if(d){d.open=true;d.scrollIntoView();}});});
  document.querySelectorAll('.tick').forEach(function(t){t.addEventListener('click',function(e){
