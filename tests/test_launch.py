@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -46,6 +49,12 @@ def _fails_on_rank_1(rank: int, world: int) -> int:
 
 def _pid(rank: int, world: int) -> int:
     return os.getpid()
+
+
+def _keeps_a_named_semaphore(rank: int, world: int) -> int:
+    global _SEMAPHORE
+    _SEMAPHORE = multiprocessing.RLock()  # lives as long as the rank, like the lock tqdm makes
+    return rank
 
 
 def test_default_timeout_reads_the_environment(monkeypatch):
@@ -97,3 +106,21 @@ def test_run_local_ranks_runs_fresh_processes_and_returns_results_by_rank():
     for pid in pids:  # gone when it returns
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.slow
+def test_ranks_leave_no_named_semaphore_behind():
+    # A rank ends with os._exit; the semaphores it made must still be unlinked, else the resource
+    # tracker warns at the parent's exit that they leaked.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "from tests.test_launch import _keeps_a_named_semaphore as f\n"
+        "from usp_graph import launch\n"
+        "print(launch.run_ranks(f, 2))\n"
+        "with launch.RankPool(2) as pool:\n"
+        "    print(pool.run(f))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[0,", "1]", "[0,", "1]"]
+    assert "leaked semaphore" not in done.stderr, done.stderr

@@ -39,6 +39,7 @@ import datetime
 import faulthandler
 import io
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -154,6 +155,10 @@ def _worker(
         except BaseException:
             break
     stack_file.close()
+    # os._exit skips interpreter teardown (on purpose, above) and with it multiprocessing's exit
+    # finalizers, which unlink the named semaphores this process made (e.g. the lock tqdm creates
+    # when fx's Interpreter runs): run those, or the parent's resource tracker reports them leaked.
+    multiprocessing.util._run_finalizers(0)
     os._exit(0)
 
 
