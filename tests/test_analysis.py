@@ -16,16 +16,27 @@ from usp_graph.models import Llama, LlamaConfig, llama_loss, make_llama_batch
 CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
-def _traced(lengths=(5, 7, 3)):
+def _traced(config: LlamaConfig = CONFIG, lengths=(5, 7, 3)):
     torch.manual_seed(0)
-    model = Llama(CONFIG)
-    batch = make_llama_batch(CONFIG, list(lengths), generator=torch.Generator().manual_seed(1))
+    model = Llama(config)
+    batch = make_llama_batch(config, list(lengths), generator=torch.Generator().manual_seed(1))
     meta = AttentionMetadata.from_position_ids(batch["position_ids"], max_docs=8)
     return trace_train_step(model, llama_loss, batch, meta)
 
 
-def test_single_process_summary_lists_every_site_paired_and_fed_by_metadata():
-    graph = _traced()
+@pytest.fixture(scope="module")
+def traced():
+    """The 2-layer train step, traced once for the module (tests that edit it take a copy)."""
+    return _traced()
+
+
+@pytest.fixture(scope="module")
+def traced_one_layer():
+    return _traced(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64))
+
+
+def test_single_process_summary_lists_every_site_paired_and_fed_by_metadata(traced):
+    graph = traced
     s = summarize(graph.graph_module, sites=graph.sites, symbols=graph.signature.symbols)
     assert len(s["attention"]) == CONFIG.n_layers
     for a in s["attention"]:
@@ -38,9 +49,10 @@ def test_single_process_summary_lists_every_site_paired_and_fed_by_metadata():
     assert s["collectives"] == []
 
 
-def test_a_removed_backward_op_shows_as_unpaired():
-    graph = _traced()
-    gm = graph.graph_module
+def test_a_removed_backward_op_shows_as_unpaired(traced):
+    copy = torch.fx.Graph()
+    copy.output(copy.graph_copy(traced.graph_module.graph, {}))
+    gm = torch.fx.GraphModule(traced.graph_module, copy)
     victim = next(
         n for n in gm.graph.nodes if n.meta.get("usp_phase") == "backward" and "varlen_bwd" in n.name
     )
@@ -49,30 +61,25 @@ def test_a_removed_backward_op_shows_as_unpaired():
     s = summarize(gm)
     assert [u["node"] for u in s["unpaired"]] == [victim.meta["usp_fwd_node"]]
     assert "usp.varlen_bwd" in s["unpaired"][0]["missing"]
+    assert summarize(traced.graph_module)["unpaired"] == []  # the shared graph is untouched
 
 
-def test_dot_is_parsed_by_networkx_and_keeps_every_node():
+def test_dot_is_parsed_by_networkx_and_keeps_every_node(traced_one_layer):
     import pydot
 
-    graph = _traced()
-    dot = to_dot(graph.graph_module)
+    # One layer has every kind of node a deeper model has; pydot parses ~2 s per layer.
+    dot = to_dot(traced_one_layer.graph_module)
     (parsed,) = pydot.graph_from_dot_data(dot)
     g = nx.nx_pydot.from_pydot(parsed)
-    assert g.number_of_nodes() == len(graph.graph_module.graph.nodes)
+    assert g.number_of_nodes() == len(traced_one_layer.graph_module.graph.nodes)
 
 
-def test_diff_of_a_graph_with_itself_is_empty_and_sees_a_changed_model():
-    a = summarize(_traced().graph_module)
+def test_diff_of_a_graph_with_itself_is_empty_and_sees_a_changed_model(traced, traced_one_layer):
+    a = summarize(traced.graph_module)
     assert diff(a, a)["same"]
-    other = LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64)
-    torch.manual_seed(0)
-    batch = make_llama_batch(other, [5, 7, 3], generator=torch.Generator().manual_seed(1))
-    g3 = trace_train_step(
-        Llama(other), llama_loss, batch, AttentionMetadata.from_position_ids(batch["position_ids"])
-    )
-    d = diff(a, summarize(g3.graph_module))
+    d = diff(a, summarize(traced_one_layer.graph_module))
     assert not d["same"]
-    assert d["op_counts"]["usp.varlen_fwd.default"] == {"a": 2, "b": 3}
+    assert d["op_counts"]["usp.varlen_fwd.default"] == {"a": 2, "b": 1}
 
 
 def _schema_arg(arg, graph: torch.fx.Graph, prefix: str):
