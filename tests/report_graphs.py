@@ -27,9 +27,14 @@ _DIR = Path(tempfile.mkdtemp(prefix="usp_report_graphs_"))
 atexit.register(shutil.rmtree, _DIR, ignore_errors=True)
 
 
-@functools.cache
 def ulysses_graph_file() -> Path:
     """Rank 0's graph file of the demo's train step (2 attention sites, 16 all-to-alls)."""
+    return cp_graph_file("ulysses")
+
+
+@functools.cache
+def cp_graph_file(strategy: str) -> Path:
+    """Rank 0's graph file of the demo's train step under CP `strategy` over 2 ranks."""
     from usp_graph.demo import _batch, _config, _cp, _lengths, _make_step
     from usp_graph.models import Llama
 
@@ -41,13 +46,13 @@ def ulysses_graph_file() -> Path:
         pytest.skip("a process group is already initialized in this process; rank 0 is traced in a fresh one")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        cp = _cp("ulysses")
+        cp = _cp(strategy)
         config = _config(2)
         torch.manual_seed(0)
         model = Llama(config)
         local, meta = _batch(config, _lengths(0, 6, 128), 0, cp, 14)
         graph = trace_train_step(model, _make_step(cp), local, meta, cp=cp)
-        path = _DIR / "rank0.uspg"
+        path = _DIR / f"{strategy}_rank0.uspg"
         save(graph, path)  # the file records the groups' ranks, read from the process group
     finally:
         dist.destroy_process_group()

@@ -8,6 +8,8 @@ page's own counters. tests/test_report_browser.py opens the same page in a real 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 import sympy
 import torch
 
-from tests.report_graphs import boxes, parse, ulysses_graph_file
+from tests.report_graphs import boxes, cp_graph_file, parse, ulysses_graph_file
 from usp_graph import AttentionMetadata, cli, report, trace_train_step
 from usp_graph.analysis import summarize
 from usp_graph.graphfile import load_graph_module
@@ -27,6 +29,13 @@ def _inspect_html(path: Path, out: Path, *values: str) -> str:
     args = ["inspect", str(path), "--html", str(out)] + (["--values", *values] if values else [])
     assert cli.main(args) == 0
     return out.read_text()
+
+
+def _inspect_json(path: Path, *values: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["inspect", str(path), "--json", "--values", *values]) == 0
+    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +84,19 @@ def test_collectives_show_bytes_symbolic_and_numeric_with_values(ulysses_file, t
         )
         assert int(b["data-bytes"]) == size.subs(t_expr, 64) / 2
         assert sympy.sympify(b["data-bytes-symbolic"]) == (size / 2).subs(t_expr, sympy.Symbol("T"))
+
+
+@pytest.mark.slow  # one more trace
+def test_ring_attention_is_an_attention_box_that_carries_its_bytes(tmp_path):
+    path = cp_graph_file("ring")
+    p = parse(_inspect_html(path, tmp_path / "r.html", "T=64"))
+    s = json.loads(_inspect_json(path, "T=64"))
+    sent = {c["node"]: c["bytes_per_rank"] for c in s["collectives"]}
+    ring = boxes(p, kind="attention")
+    assert sorted(b["data-op"] for b in ring) == ["ring_attn_bwd"] * 2 + ["ring_attn_fwd"] * 2
+    assert {b["data-node"]: int(b["data-bytes"]) for b in ring} == sent and all(v > 0 for v in sent.values())
+    (step,) = [a for tag, a in p.elements if a.get("class") == "step"]
+    assert (step["data-sites"], step["data-collectives"], step["data-pairs"]) == ("2", "4", "2")
 
 
 def test_a_removed_backward_collective_shows_the_alarm_on_its_forward_node(ulysses_file, tmp_path):

@@ -45,10 +45,10 @@ _OPEN_LANES, _OPEN_EVENTS = 4, 160
 
 def _kind(node: fx.Node) -> str | None:
     u = _usp_name(node)
+    if u in _ATTENTION_OPS:  # ring attention communicates too: it carries bytes (`_sends`)
+        return "attention"
     if u in _COMM_OPS_SET:
         return "collective"
-    if u in _ATTENTION_OPS:
-        return "attention"
     if node.op == "call_function" and any(x in _target_name(node) for x in _SDPA_NAMES):
         return "sdpa"
     return None
@@ -137,8 +137,8 @@ def step(
             "alarm": None,
             "site": site,
         }
-        if kind == "collective":
-            c = coll.get(node.name, {})
+        if node.name in coll:
+            c = coll[node.name]
             symbolic = _fmt(_collective_bytes(node)[0], names)
             ev.update(bytes=c.get("bytes_per_rank"), bytes_symbolic=symbolic, group=c.get("group"),
                       group_size=c.get("group_size"))  # fmt: skip
@@ -253,6 +253,11 @@ def _e(s: Any) -> str:
     return html.escape("" if s is None else str(s), quote=True)
 
 
+def _sends(ev: dict[str, Any]) -> bool:
+    """Whether the event communicates (a collective, or ring attention): it has a bytes count."""
+    return "bytes_symbolic" in ev
+
+
 def _bytes_text(ev: dict[str, Any]) -> str:
     """Numeric bytes when known (``--values``), else the symbolic count."""
     b = ev.get("bytes")
@@ -277,7 +282,7 @@ def _data_attrs(ev: dict[str, Any], key: str) -> str:
     }
     if ev["pair_elsewhere"]:
         attrs["data-pair-elsewhere"] = " ".join(ev["pair_elsewhere"])
-    if ev["kind"] == "collective":
+    if _sends(ev):
         attrs["data-bytes"] = "" if ev.get("bytes") is None else str(ev["bytes"])
         attrs["data-bytes-symbolic"] = "" if ev.get("bytes_symbolic") is None else str(ev["bytes_symbolic"])
         attrs["data-group"] = "" if ev.get("group") is None else str(ev["group"])
@@ -290,7 +295,7 @@ def _data_attrs(ev: dict[str, Any], key: str) -> str:
 
 def _tooltip(ev: dict[str, Any]) -> str:
     lines = [f"{ev['node']} ({ev['target']}), {ev['phase'] or 'no phase'}"]
-    if ev["kind"] == "collective":
+    if _sends(ev):
         lines.append(f"bytes sent per rank: {_bytes_text(ev)} (symbolic: {ev.get('bytes_symbolic')})")
     if ev["alarm"]:
         lines.append("ALARM: " + ev["alarm"])
@@ -405,7 +410,7 @@ def _lane_svg(lane: dict[str, Any], key: str) -> str:
         x0 = pos[ev["node"]]
         cls = "ev" + (" alarm" if ev["alarm"] else "") + (" critical" if ev["critical"] else "")
         line2, line3 = ev["phase"] or "", ""
-        if ev["kind"] == "collective":  # bytes sent per rank: the symbolic count, and its value when known
+        if _sends(ev):  # bytes sent per rank: the symbolic count, and its value when known
             sym, num = ev.get("bytes_symbolic"), ev.get("bytes")
             line2 = human_bytes(sym if sym is not None else num)
             line3 = f"= {human_bytes(num)}" if isinstance(num, int) and not isinstance(sym, int) else ""
@@ -421,7 +426,7 @@ def _lane_svg(lane: dict[str, Any], key: str) -> str:
         if line3:
             out.append(f'<text x="{x0 + 6:.1f}" y="{box_y + 50}" class="ev-sub">{_e(line3[:17])}</text>')
         if ev["critical"]:
-            out.append(f'<text x="{x0 + _BOX_W - 14:.1f}" y="{box_y + 17}" class="ev-crit">★</text>')
+            out.append(f'<text x="{x0 + _BOX_W - 14:.1f}" y="{box_y + _BOX_H - 6}" class="ev-crit">★</text>')
         if ev["pair_elsewhere"]:
             out.append(f'<text x="{x0 + 4:.1f}" y="{box_y + _BOX_H + 14}" class="ev-note">'
                        f'↔ {_e(ev["pair_elsewhere"][0][:16])} (other file)</text>')  # fmt: skip
@@ -434,7 +439,7 @@ def render(view: dict[str, Any], *, key: str = "g0", open_lanes: int = _OPEN_LAN
     """The picture of `step`'s data as an HTML fragment; `key` keeps ids unique across sections.
     The detail lanes start open when there are at most `open_lanes` of them (and few events)."""
     lanes = view["lanes"]
-    n_coll = sum(1 for ln in lanes for e in ln["events"] if e["kind"] == "collective")
+    n_coll = sum(1 for ln in lanes for e in ln["events"] if _sends(e))
     n_sites = sum(1 for ln in lanes if any(e["kind"] in ("attention", "sdpa") for e in ln["events"]))
     is_open = len(lanes) <= open_lanes and view["events"] <= _OPEN_EVENTS
     out = [f'<div class="step" id="{_e(key)}" data-sites="{n_sites}" data-collectives="{n_coll}" '
@@ -457,7 +462,7 @@ def render(view: dict[str, Any], *, key: str = "g0", open_lanes: int = _OPEN_LAN
                '<button type="button" data-action="collapse">collapse all lanes</button></p>')  # fmt: skip
     for lane in lanes:
         alarm = f' <span class="bad">{lane["alarms"]} alarm(s)</span>' if lane["alarms"] else ""
-        n_c = sum(1 for e in lane["events"] if e["kind"] == "collective")
+        n_c = sum(1 for e in lane["events"] if _sends(e))
         out.append(
             f'<details class="lane-details" id="{_e(key)}-lane{lane["index"]}"{" open" if is_open else ""}>'
             f"<summary>{_e(_lane_title(lane))} — {len(lane['events'])} ops, {n_c} collectives{alarm}</summary>"
