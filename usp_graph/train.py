@@ -364,6 +364,12 @@ def _load(path: str, model, opt) -> int:
 # ---- the loop -------------------------------------------------------------------------------------
 
 
+def _capacity(docs: int) -> int:
+    """Document slots for a step with `docs` documents: a power of two (at least 16), so a compiled
+    step sees few capacities (each is a shape) and kernels do not loop over one slot per token."""
+    return max(16, 1 << (docs - 1).bit_length())
+
+
 class _Progress:
     """A progress bar on rank 0: tqdm when installed (a transformers dependency), else one line per step."""
 
@@ -434,7 +440,6 @@ def run(args: argparse.Namespace) -> int:
         start = _load(resume, model, opt) if resume else 0
         replica = mesh.get_coordinate()[0]
         data = _Data(args, model.config.vocab_size, dp)
-        max_docs = args.seq_len  # one slot per token: always enough, fixed, so nothing recompiles
         if rank == 0:
             print(
                 f"usp_graph.train: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} params, "
@@ -451,7 +456,7 @@ def run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             ids, pos, labels, lengths = data.row(step, replica)
             meta = AttentionMetadata.from_lengths(
-                lengths, max_docs=max_docs, max_seqlen=args.seq_len, device=device
+                lengths, max_docs=_capacity(len(lengths)), max_seqlen=args.seq_len, device=device
             )
             local = [cp.shard(x, 1).to(device) for x in (ids, pos, labels)]
             with documents(meta) if args.compile else attention_mode(meta, cp=cp):
