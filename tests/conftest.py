@@ -16,7 +16,6 @@ from tests import background
 from tests.dist import close_pools, warm
 
 SLOW: dict[str, tuple[str, ...]] = {
-    "test_analysis.py": ("test_cp_graphs_name_their_strategy_and_bytes_match_the_cost_model",),
     "test_bad_inputs.py": ("test_zero_heads_do_not_crash_the_process",),
     "test_compile.py": (
         "test_cp_compiled_every_strategy_matches_one_process_on_2_ranks",

@@ -473,7 +473,8 @@ def _cp_trace_and_replay(rank: int, world: int, configs: list[tuple[str, str | N
             batch, meta = llama_inputs(lengths, seed=seed, max_seqlen=17 if strategy == "halo" else 40)
             return {k: cp.shard(v, 1) for k, v in batch.items()}, meta
 
-        graph = trace_train_step(model, step, *shard([9, 7, 11, 5], 50), cp=cp)
+        example = shard([9, 7, 11, 5], 50)
+        graph = trace_train_step(model, step, *example, cp=cp)
         doc_lists = [[3, 20, 1, 4, 6, 2], [36], [10, 0, 10, 8, 12], [1, 1, 30], [16, 16],
                      [5, 5, 5, 5, 4], [2, 38], [24, 8], [7, 9, 0, 11, 1], [12, 12, 12, 4]]  # fmt: skip
         if strategy == "halo":
@@ -481,8 +482,33 @@ def _cp_trace_and_replay(rank: int, world: int, configs: list[tuple[str, str | N
                          [5, 5, 5, 5, 4, 16], [2, 17, 17, 2], [17, 17], [7, 9, 0, 11, 1, 12], [12, 12, 12, 4]]  # fmt: skip
         inputs = [shard(lengths, 60 + i) for i, lengths in enumerate(doc_lists)]
         equal = _cp_eager_equals_replay(model, step, graph, inputs, cp)
-        out.append({"strategy": strategy, "lb": lb, "equal": equal, "counts": _cp_counts(graph.graph_module)})
+        out.append({"strategy": strategy, "lb": lb, "equal": equal, "counts": _cp_counts(graph.graph_module),
+                    "inspect": _inspected(graph, cp, kw.get("max_document_len"), example[0]["input_ids"].shape[1], world)})  # fmt: skip
     return out
+
+
+def _inspected(graph, cp, max_document_len: int | None, t_local: int, world: int) -> dict:
+    """What `usp-graph inspect` says of a traced CP step, and the bytes the cost model predicts."""
+    from usp_graph.analysis import summarize
+    from usp_graph.cp.cost import bytes_sent
+
+    s = summarize(graph.graph_module, symbols=graph.signature.symbols, values={"T": t_local})
+    head_dim = LLAMA.dim // LLAMA.n_heads
+    if cp.strategy == "halo":
+        # inspect counts what a rank with neighbours on both sides sends (max_document_len - 1 K/V
+        # tokens each way); the cost model's per-rank figure is tested against the ops in test_cp.
+        model_bytes = 2 * 2 * (max_document_len - 1) * LLAMA.n_kv_heads * head_dim * 4
+    else:
+        model_bytes = bytes_sent(cp.strategy, tokens=t_local * world, heads=LLAMA.n_heads,
+                                 kv_heads=LLAMA.n_kv_heads, head_dim=head_dim, world=world, element_size=4,
+                                 ulysses_degree=cp.ulysses_degree if cp.strategy == "usp" else 1)  # fmt: skip
+    return {
+        "site_strategies": [a["strategy"] for a in s["attention"]],
+        "bytes": sum(c["bytes_per_rank"] for c in s["collectives"]),
+        "model_bytes": model_bytes * LLAMA.n_layers,
+        "unpaired": s["unpaired"],
+        "pairs": len(s["pairing"]),
+    }
 
 
 def _cp_eager_equals_replay(model, step, graph, inputs, cp) -> bool:
@@ -571,6 +597,11 @@ def test_cp_train_steps_replayed_equal_eager_cp_bitwise_on_2_ranks():
     for results in run_ranks(_cp_trace_and_replay, 2, configs, timeout=240):
         for r in results:
             assert r["equal"], r
+            # what inspect says of the same graphs: each site's strategy, bytes = the cost model's
+            i = r["inspect"]
+            assert i["site_strategies"] == [r["strategy"]] * LLAMA.n_layers, r
+            assert i["bytes"] == i["model_bytes"], r
+            assert i["unpaired"] == [] and i["pairs"] > 0, r
             for key, n in expected[r["strategy"]].items():
                 assert r["counts"].get(key) == n, (r["strategy"], key, r["counts"])
             if r["strategy"] != "ring":
