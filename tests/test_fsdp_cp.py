@@ -187,10 +187,18 @@ def _refusals(rank: int, world: int) -> dict:
     from usp_graph.fsdp import prepare
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+    out = {}
+    try:
+        ContextParallel("ulysses", mesh=mesh)
+    except ValueError as e:
+        out["whole_mesh"] = str(e)
+    try:
+        prepare(_model(), mesh, ContextParallel("ulysses"))  # CP over all 4 ranks, not mesh["cp"]
+    except ValueError as e:
+        out["wrong_cp"] = str(e)
     cp = ContextParallel("ulysses", mesh=mesh["cp"])
     model = _model()
     plan = prepare(model, mesh, cp)
-    out = {}
     try:
         cp.reduce_grads(model.parameters())
     except ValueError as e:
@@ -251,3 +259,12 @@ def test_trace_train_step_refuses_fsdp_with_a_clear_error(eager_runs):
     for r in eager_runs:
         msg = r["refusals"].get("trace", "no error")
         assert "does not compose with FSDP2" in msg and "torch.compile" in msg, msg
+
+
+def test_cp_on_a_whole_mesh_or_off_the_mesh_cp_dim_says_how_to_build_it(eager_runs):
+    for r in eager_runs:
+        assert "pass its CP dim, e.g. mesh=mesh['cp']" in r["refusals"].get("whole_mesh", "no error"), r[
+            "refusals"
+        ]
+        msg = r["refusals"].get("wrong_cp", "no error")
+        assert "ContextParallel(strategy, mesh=mesh['cp'])" in msg, msg
