@@ -67,13 +67,13 @@ def fsdp_mesh(mesh, *, cp_dim: str = CP, fold_cp: bool = True):
     if not shard:
         raise ValueError(f"fold_cp=False needs a {DP_SHARD!r} dim to shard over; mesh dims are {names}")
     if len(shard) == 1:
-        flat_name = shard[0]
+        flat_name, flat = shard[0], mesh[shard[0]]
     else:
         flat_name = "_".join(shard)
-        mesh[tuple(shard)]._flatten(flat_name)
+        flat = mesh[tuple(shard)]._flatten(flat_name)
     if DP_REPLICATE in names:
         return mesh[(DP_REPLICATE, flat_name)]
-    return mesh[flat_name]
+    return flat
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
