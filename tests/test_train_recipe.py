@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -134,3 +135,20 @@ def test_recipe_on_4_cpu_ranks_saves_resumes_bitwise_and_matches_one_process(tmp
     assert [m["step"] for m in steps_full] == [1, 2] and [m["step"] for m in steps_resumed] == [2]
     assert steps_resumed[0]["loss"] == steps_full[1]["loss"]  # bitwise: JSON floats round-trip exactly
     assert abs(steps_full[0]["loss"] - _one_process_step1_loss(str(text))) <= 1e-10
+
+
+def test_a_local_model_directory_trains_in_one_process(tmp_path, capsys):
+    import transformers
+
+    from usp_graph.cli import main
+
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    config.save_pretrained(tmp_path / "model")
+    metrics = tmp_path / "metrics.jsonl"
+    argv = ["train", "--model", str(tmp_path / "model"), "--steps", "2", "--seq-len", "16", "--no-progress"]
+    assert main([*argv, "--metrics", str(metrics)]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM" in out and "dp 1 x cp 1" in out, out
+    assert [m["step"] for m in _metrics(metrics)] == [1, 2]
+    assert all(math.isfinite(m["loss"]) and m["tokens_per_s"] > 0 for m in _metrics(metrics))
