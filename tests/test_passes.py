@@ -458,6 +458,9 @@ def test_pipeline_rejects_unknown_and_required_pass_names():
         default_pipeline().disable("nope")
     with pytest.raises(ValueError, match="pass 'joint' is required and cannot be disabled"):
         default_pipeline().disable("joint")
+    for bad in (3, [3], None):
+        with pytest.raises(TypeError, match=r"pass names.*the passes are \['rewrite_sdpa', 'joint', 'verify'\]"):
+            default_pipeline().with_dump(only=bad) if bad is not None else default_pipeline().disable(None)
 
 
 def test_pipeline_reports_match_counts_and_skips_disabled_passes():

@@ -152,7 +152,15 @@ class Pipeline:
     def _check_names(self, names: Iterable[str], what: str) -> list[str]:
         if isinstance(names, str):
             names = [names]
-        names = list(names)
+        try:
+            names = list(names)
+        except TypeError:
+            raise TypeError(
+                f"cannot {what} {names!r}: give pass names (a str or an iterable of str); the passes are {self.names}"
+            ) from None
+        bad = [n for n in names if not isinstance(n, str)]
+        if bad:
+            raise TypeError(f"cannot {what} {bad!r}: pass names are str; the passes are {self.names}")
         unknown = [n for n in names if n not in self.names]
         if unknown:
             raise ValueError(f"cannot {what} unknown pass(es) {unknown}; the passes are {self.names}")
