@@ -181,5 +181,3 @@ def prepare(
             # Sum-only collectives: a factor of 1 would otherwise be NCCL's PREMUL_SUM, which gloo lacks.
             m.set_force_sum_reduction_for_comms(True)
     return FSDPPlan(mesh, target, cp, fold_cp)
-
-
