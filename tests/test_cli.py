@@ -21,7 +21,7 @@ import networkx as nx
 import pytest
 
 from tests import background
-from usp_graph.graphfile.document import fingerprint
+from tests.graph_docs import remove_backward_adjoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -175,18 +175,8 @@ def test_verify_passes_a_good_file(demo_dir):
 
 
 def test_verify_fails_naming_a_removed_backward_collective(demo_dir, tmp_path):
-    doc = json.loads((demo_dir / "rank0.uspg").read_text())
-    nodes = doc["graph"]["nodes"]
-    victim = next(
-        n
-        for n in nodes
-        if n.get("target") == "usp.all_to_all.default" and n["meta"].get("usp_phase") == "backward"
-    )
-    victim["target"] = "aten.clone.default"  # the adjoint collective is gone; the data still flows
-    victim["args"] = victim["args"][:1]
-    doc["fingerprint"] = fingerprint(doc)
     bad = tmp_path / "no_adjoint.uspg"
-    bad.write_text(json.dumps(doc))
+    victim = remove_backward_adjoint(demo_dir / "rank0.uspg", bad)
     r = _cli("verify", str(bad))
     assert r.returncode == 1, r.stdout + r.stderr
     assert victim["meta"]["usp_fwd_node"] in r.stdout + r.stderr

@@ -17,11 +17,11 @@ import pytest
 import sympy
 import torch
 
+from tests.graph_docs import remove_backward_adjoint
 from tests.report_graphs import boxes, cp_graph_file, parse, ulysses_graph_file
 from usp_graph import AttentionMetadata, cli, report, trace_train_step
 from usp_graph.analysis import summarize
 from usp_graph.graphfile import load_graph_module
-from usp_graph.graphfile.document import fingerprint
 from usp_graph.passes.pairing import pair_backward
 
 
@@ -100,17 +100,8 @@ def test_ring_attention_is_an_attention_box_that_carries_its_bytes(tmp_path):
 
 
 def test_a_removed_backward_collective_shows_the_alarm_on_its_forward_node(ulysses_file, tmp_path):
-    doc = json.loads(ulysses_file.read_text())
-    victim = next(
-        n
-        for n in doc["graph"]["nodes"]
-        if n.get("target") == "usp.all_to_all.default" and n["meta"].get("usp_phase") == "backward"
-    )
-    victim["target"] = "aten.clone.default"  # the adjoint collective is gone; the data still flows
-    victim["args"] = victim["args"][:1]
-    doc["fingerprint"] = fingerprint(doc)
     bad = tmp_path / "no_adjoint.uspg"
-    bad.write_text(json.dumps(doc))
+    victim = remove_backward_adjoint(ulysses_file, bad)
     p = parse(_inspect_html(bad, tmp_path / "r.html"))
     forward = victim["meta"]["usp_fwd_node"]
     alarmed = [b for b in boxes(p) if "data-alarm" in b]
