@@ -28,9 +28,12 @@ document length 3377 ~ the issue's log-normal(log 2048, 1)), ``flex`` (the flex 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from typing import Any
 
 import bench_varlen_gpu as bv
+import torch
 from harness import add_json_arg
 
 BASE = ["--warmup", "2", "--reps", "10"]
@@ -79,6 +82,19 @@ PRESETS: dict[str, list[tuple[str, list[str]]]] = {
             ],
         ),  # fmt: skip
     ],
+    "probe": [
+        (
+            "probe: MHA 16 K=128, the issue probe's documents",
+            [
+                "--head-dim",
+                "128",
+                "--impls",
+                "usp,usp_cudnn,cudnn_raw,torch_varlen",
+                "--shapes",
+                "32768:bi,32768:causal,65536:causal,131072:causal",
+            ],
+        ),  # fmt: skip
+    ],
     "flex": [
         (
             "MHA 16 K=128 (flex)",
@@ -93,7 +109,118 @@ PRESETS: dict[str, list[tuple[str, list[str]]]] = {
         ),  # fmt: skip
     ],
 }
+# The issue's probe drew its documents its own way: log_normal_(log(m), 1.0) (a mean of m * e^0.5),
+# at least 16 tokens, the last one cut, one generator seeded 1, with m = 2048 at 32K and 128K and
+# 1024 at 64K: 17 documents at 32K (longest 3967) and 27 at 64K and 128K, where one document holds
+# 36,992 of the 64K tokens and 73,984 of the 128K ones.
+PROBE_MEANS = {65536: 1024}
+SAMPLERS: dict[str, Any] = {}
+
+
+def probe_lengths(total: int, *, mean: float, sigma: float, seed: int) -> list[int]:
+    """The probe's document lengths for `total` tokens (`mean`, `sigma` and `seed` are ignored)."""
+    gen = torch.Generator().manual_seed(1)
+    m = PROBE_MEANS.get(total, 2048)
+    out: list[int] = []
+    while sum(out) < total:
+        n = int(torch.empty(1).log_normal_(math.log(m), 1.0, generator=gen).clamp(16, total).item())
+        out.append(min(n, total - sum(out)))
+    return out
+
+
+SAMPLERS["probe"] = probe_lengths
 QUICK = [("quick", ["--quick", "--impls", "usp,usp_cudnn,usp_flash,dense_sdpa"])]
+
+
+def _events_ms(fn, reps: int = 10, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def plan_sweep(args: argparse.Namespace) -> int:
+    """Every plan cuDNN's heuristics offer for usp's forward and backward graphs, timed one by one
+    (median of 10 after 2 warm-ups, CUDA events): does a plan other than the one usp takes (the
+    heuristics' first that builds) run faster on these documents?"""
+    from usp_graph.ops import cudnn_kernel as ck
+
+    device = torch.device(args.device)
+    h, d = 16, 128
+    cases = [
+        (name, t, lengths)
+        for t in (65536, 131072)
+        for name, lengths in (
+            ("issue (--doc-mean 3377)", bv.sample_doc_lengths(t, mean=3377, sigma=1.0, seed=0)),
+            ("probe", probe_lengths(t, mean=0, sigma=0, seed=0)),
+        )
+    ]
+    print(
+        "| documents | tokens | N, longest | graph | plan | name | workspace MiB | ms | TFLOP/s | usp's plan |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, t, lengths in cases:
+        fwd_flops, _ = bv.attention_flops(lengths, h, d, True)
+        cu = bv.make_docs(lengths, device).cu_seqlens_N1
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k, v, do = (
+            torch.randn(t, h, d, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(4)
+        )
+        s_max = max(lengths)
+        kf = ck.plan_key(q, k, cu, s_max, s_max, True, d**-0.5, (-1, -1), square=True)
+        kb = ck.plan_key(q, k, cu, s_max, s_max, True, d**-0.5, (-1, -1), square=True, backward=True)
+        seq, _ = ck.seq_lengths(cu, cu)
+        off_q, off_k, off_s = ck.ragged_offsets(cu, cu, h, h, d)
+        out, stats = torch.empty_like(q), torch.empty(t, h, 1, dtype=torch.float32, device=device)
+        dq, dk, dv = (torch.empty_like(q) for _ in range(3))
+        meta = {ck._SEQ_Q: seq, ck._SEQ_K: seq, ck._OFF_Q: off_q, ck._OFF_K: off_k, ck._OFF_S: off_s}
+        packs = {
+            "fwd": {**meta, ck._Q: q, ck._K: k, ck._V: v, ck._O: out, ck._STATS: stats},
+            "bwd": {**meta, ck._Q: q, ck._K: k, ck._V: v, ck._O: out, ck._STATS: stats, ck._DO: do,
+                    ck._DQ: dq, ck._DK: dk, ck._DV: dv},
+        }  # fmt: skip
+        ck._execute(ck._plan("fwd", kf), kf, packs["fwd"])  # out and stats for the backward
+        handle = ck._handle(kf.device)
+        ck.module().set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+        for kind, key, flops in (("fwd", kf, fwd_flops), ("bwd", kb, 2.5 * fwd_flops)):
+            usp_plan = ck._plan(kind, key).graph
+            chosen = usp_plan.get_plan_name_at_index(getattr(usp_plan, "_plan_index", 0))
+            try:
+                graph = ck._build(kind, key, all_plans=True).graph
+                count = graph.get_execution_plan_count()
+            except Exception as exc:
+                print(
+                    f"| {name} | {t} | - | {kind} | - | build failed: {bv.short_error(exc)} | - | - | - | - |"
+                )
+                continue
+            for i in range(count):
+                label = f"| {name} | {t} | {len(lengths)}, {s_max} | {kind} | {i} |"
+                try:
+                    pname = graph.get_plan_name_at_index(i)
+                    need = graph.get_workspace_size_plan_at_index(i)
+                    ws = torch.empty(max(need, 1), dtype=torch.uint8, device=device)
+                    pack = packs[kind]
+                    ms = _events_ms(
+                        lambda i=i, ws=ws, pack=pack, g=graph, hd=handle: g.execute_plan_at_index(
+                            pack, ws, i, hd
+                        )
+                    )
+                except Exception as exc:
+                    print(f"{label} - | failed: {bv.short_error(exc)} | - | - | - | - |", flush=True)
+                    continue
+                print(f"{label} {pname} | {need / 2**20:.0f} | {ms:.3f} | {flops / ms / 1e9:.1f} "
+                      f"| {'yes' if pname == chosen else ''} |", flush=True)  # fmt: skip
+            del graph
+        del q, k, v, do, out, stats, dq, dk, dv, packs
+        torch.cuda.empty_cache()
+    return 0
 
 
 def main() -> int:
@@ -101,14 +228,29 @@ def main() -> int:
     ap.add_argument("--preset", default="matrix", help=f"comma list out of {', '.join(PRESETS)}")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--plans", action="store_true",
+                    help="time every cuDNN plan (engine) of the forward and backward graphs instead, at 64K and "
+                         "128K causal, on the issue preset's and the probe's documents")  # fmt: skip
     add_json_arg(ap)
     args = ap.parse_args()
-    runs = QUICK if args.quick else [run for name in args.preset.split(",") for run in PRESETS[name]]
+    if args.plans:
+        return plan_sweep(args)
+    runs = (
+        [("quick", r) for r in QUICK]
+        if args.quick
+        else [(n, r) for n in args.preset.split(",") for r in PRESETS[n]]
+    )
     rows: dict[tuple[str, str], dict[str, float]] = {}
-    for label, extra in runs:
+    default_sampler = bv.sample_doc_lengths
+    for preset, (label, extra) in runs:
         argv = [*BASE, *extra, "--device", args.device] + (["--json", str(args.json)] if args.json else [])
         print(f"\n### {label}: bench_varlen_gpu.py {' '.join(argv)}", flush=True)
-        for r in bv.run(bv.parse_args(argv)):
+        bv.sample_doc_lengths = SAMPLERS.get(preset, default_sampler)
+        try:
+            records = bv.run(bv.parse_args(argv))
+        finally:
+            bv.sample_doc_lengths = default_sampler
+        for r in records:
             if r["tflops_fwd_bwd"] is not None:
                 rows.setdefault((label, r["shape"]), {})[r["impl"]] = r["tflops_fwd_bwd"]
     impls = [i for i in bv.IMPLS if any(i in v for v in rows.values())]

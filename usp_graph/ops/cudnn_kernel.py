@@ -217,7 +217,10 @@ class _Plan:
     workspace: int
 
 
-def _build(kind: str, key: PlanKey) -> _Plan:
+def _build(kind: str, key: PlanKey, *, all_plans: bool = False) -> _Plan:
+    """Build `kind`'s ("fwd" | "bwd") graph for `key` with the heuristics' first plan that builds
+    (`all_plans`: every candidate plan built, for a tool that
+    times them one by one with ``execute_plan_at_index``)."""
     cudnn = module()
     io = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}[key.dtype]
     f32, i32, i64 = cudnn.data_type.FLOAT, cudnn.data_type.INT32, cudnn.data_type.INT64
@@ -280,7 +283,7 @@ def _build(kind: str, key: PlanKey) -> _Plan:
         # plans over the limit before building them.
         graph.deselect_workspace_greater_than(deterministic_workspace_limit(key.device))
     graph.check_support()
-    graph.build_plans()
+    graph.build_plans(cudnn.build_plan_policy.ALL) if all_plans else graph.build_plans()
     workspace = int(graph.get_workspace_size())
     if key.deterministic and workspace > deterministic_workspace_limit(key.device):
         raise BuildError(f"deterministic backward workspace {workspace / 2**20:.0f} MiB is over the limit")
