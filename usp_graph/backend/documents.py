@@ -127,13 +127,18 @@ def _checked_sdpa(*args: Any, **kwargs: Any) -> Any:
 
 
 def _guard_eager_sdpa() -> None:
-    """From the first `documents` block on, `F.scaled_dot_product_attention` refuses to run eagerly
-    inside a block, instead of silently attending across documents.
+    """`F.scaled_dot_product_attention` refuses to run eagerly inside a `documents` block, instead of
+    silently attending across documents.
 
     Dynamo runs a frame eagerly when it hits its recompile limit or `torch.compiler.disable`; the
-    backend then never sees its attention. Installed once and kept (a compiled function guards on
-    the function it calls, so swapping it per block would recompile); outside blocks, while
-    compiling and under `attention_mode` it is the plain SDPA. Code that bound SDPA under another
-    name before usp_graph was imported is not covered."""
+    backend then never sees its attention. Installed when the backend is imported (by
+    ``backend="usp"`` through the entry point, or with usp_graph), before dynamo traces a frame for
+    it, and kept: a compiled function guards on the function it calls, so installing it later (at
+    the first block) recompiled every frame compiled before. Outside blocks, while compiling and
+    under `attention_mode` it is the plain SDPA. Code that bound SDPA under another name before
+    usp_graph was imported is not covered."""
     if F.scaled_dot_product_attention is not _checked_sdpa:
         F.scaled_dot_product_attention = _checked_sdpa
+
+
+_guard_eager_sdpa()
