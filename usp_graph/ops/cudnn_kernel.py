@@ -30,7 +30,10 @@ Determinism (H200, cuDNN 9.19): the forward and dK/dV of the default backward re
 does not. With ``torch.use_deterministic_algorithms(True)`` the backward is built with
 ``use_deterministic_algorithm=True`` (bitwise, a few percent slower), whose workspace grows with
 N x S^2: a plan needing more than `deterministic_workspace_limit()` bytes is refused
-(`BuildError`), and the caller runs flash varlen (deterministic in that mode) instead.
+(`BuildError`), and the caller runs flash varlen (deterministic in that mode) instead. Not with
+``warn_only=True``: torch 2.11's flash backward then keeps its non-deterministic algorithm and only
+warns (tools/check_replay_gpu.py). A graph file replayed in deterministic mode equals the eager
+step bitwise; with the default backward, only the loss is promised bitwise (BENCHMARKS.md).
 """
 
 from __future__ import annotations
