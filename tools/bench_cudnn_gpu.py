@@ -22,7 +22,11 @@ convention) per configuration and shape for
 Presets: ``matrix`` (H=16; MHA and GQA 16/4; head dims 128 and 64; 4K-256K tokens, bidirectional
 and causal; no flex: its compiles take minutes), ``issue`` (the issue's rows: MHA K=128, mean
 document length 3377 ~ the issue's log-normal(log 2048, 1)), ``flex`` (the flex rows at 32K and
-128K, MHA K=128). `--json PATH` appends bench_varlen_gpu's JSON lines (its settings in each line).
+128K, MHA K=128), ``probe`` (MHA K=128 at 32K-128K on the issue probe's own documents,
+`probe_lengths`). `--json PATH` appends bench_varlen_gpu's JSON lines (its settings in each line).
+
+    PYTHONUNBUFFERED=1 python tools/bench_cudnn_gpu.py --preset probe,issue --json $OUT/bench.jsonl
+    PYTHONUNBUFFERED=1 python tools/bench_cudnn_gpu.py --plans    # every cuDNN plan timed, 64K/128K causal
 """
 
 from __future__ import annotations
