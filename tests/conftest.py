@@ -10,6 +10,8 @@ longer matches a test of its module is an error, so the list cannot go stale sil
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests import background
@@ -70,6 +72,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the selected tests' early subprocesses (`tests.background`) and the 2-rank pool."""
     if session.config.option.collectonly:
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Each xdist worker collects every test but runs only those the scheduler hands it: a job
+        # starts with its test instead (`background.result`), and ranks spawn at the first call.
         return
     for item in session.items:
         for mark in item.iter_markers("start_early"):
