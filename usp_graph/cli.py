@@ -161,6 +161,8 @@ def _summary(
         backward=b.graph_module if b is not None else None,
         forward_only=forward,
     )
+    if isinstance(g.meta.get("cp_decision"), dict):
+        s["cp_decision"] = g.meta["cp_decision"]  # what ContextParallel("auto") chose, and why
     if "compile_dump" in g.meta:
         s["compile_dump"] = {
             "graph": g.meta["compile_dump"],

@@ -68,7 +68,8 @@ def _sections(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[A
         counts = counts[:20] + [(f"... {len(counts) - 20} more ops", sum(v for _, v in counts[20:]))]
     meta = summary["metadata"]
     meta_rows = [[m["name"], _shape(m["shape"]), m["dtype"]] for m in meta["inputs"]]
-    return [
+    decision = _decision_section(summary.get("cp_decision"))
+    return decision + [
         ("Inputs by role", ["role", "name", "shape", "dtype"], input_rows),
         (f"Metadata inputs{_capacity(meta)}", ["name", "shape", "dtype"], meta_rows),
         ("Attention sites", ["node", "source", "q", "k", "causal", "gqa", "strategy"], attn),
@@ -85,6 +86,35 @@ def _sections(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[A
             [[k, v] for k, v in summary["created_by_pass"].items()],
         ),
     ]
+
+
+def _decision_section(d: Any) -> list[tuple[str, list[str], list[list[Any]]]]:
+    """What ContextParallel("auto") chose for the traced step, every candidate's estimate per
+    attention call and why the others could not run (`usp_graph.cp.auto.Decision.as_dict`)."""
+    if not isinstance(d, dict) or not isinstance(d.get("candidates"), list):
+        return []
+
+    def ms(x: Any) -> str:
+        return f"{x * 1e3:.3g}" if isinstance(x, (int, float)) else "-"
+
+    chosen = d.get("chosen") or {}
+    rows = []
+    for c in d["candidates"]:
+        if not isinstance(c, dict):
+            continue
+        opts = c.get("options") if isinstance(c.get("options"), dict) else {}
+        label = str(c.get("strategy")) + (
+            f"({', '.join(f'{k}={v!r}' for k, v in opts.items())})" if opts else ""
+        )
+        total = (c["compute_s"] + c["comm_s"]) if c.get("refused") is None and isinstance(c.get("compute_s"), (int, float)) and isinstance(c.get("comm_s"), (int, float)) else None  # fmt: skip
+        status = "CHOSEN" if c == chosen else (f"cannot run: {c['refused']}" if c.get("refused") else "")
+        rows.append([label, ms(total), ms(c.get("compute_s")), ms(c.get("comm_s")),
+                     human_bytes(c.get("bytes_per_rank") or 0), status])  # fmt: skip
+    title = (
+        f"CP strategy chosen by ContextParallel('auto') over {d.get('world')} ranks "
+        f"({d.get('steps')} sampled step(s) of {d.get('tokens')} tokens; ms per attention call)"
+    )
+    return [(title, ["candidate", "total", "compute", "comm", "sent/rank", "status"], rows)]
 
 
 def _capacity(meta: dict[str, Any]) -> str:

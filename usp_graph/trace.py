@@ -162,7 +162,8 @@ class TrainStepGraph(TrainStep):
     graph_module: the joint graph, ``(params..., buffers..., batch..., cu_seqlens_N1, max_seqlen)
     -> (loss, *grads of trainable params)``. forward_graph: the rewritten forward graph.
     sites / skipped: attention sites rewritten / kept as SDPA (with reasons). run: each pass's
-    result and any dumps.
+    result and any dumps. cp_decision: what ``ContextParallel("auto")`` chose and why
+    (`usp_graph.cp.auto.Decision.as_dict`), saved with the graph and shown by inspect; None otherwise.
     """
 
     graph_module: fx.GraphModule
@@ -172,6 +173,7 @@ class TrainStepGraph(TrainStep):
     skipped: tuple[AttentionSite, ...]
     run: PipelineRun
     buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    cp_decision: dict | None = None
 
     def __repr__(self) -> str:
         s = self.signature
@@ -320,6 +322,7 @@ def trace_train_step(
         skipped=tuple(skipped),
         run=run,
         buffers=dict(buffer_items),
+        cp_decision=decision.as_dict() if (decision := getattr(cp, "decision", None)) is not None else None,
     )
 
 

@@ -61,6 +61,13 @@ class ContextParallel:
     check_metadata: debug mode; every attention call first checks that all ranks hold the same
     metadata (a host sync per call).
 
+    ``"auto"`` picks the strategy and its options for the run (`usp_graph.cp.auto`): give
+    `documents` (the packer's document lengths of one step, or of a few sampled steps), `heads`,
+    `kv_heads` (default `heads`), `head_dim`, `dtype` (default bfloat16) and `is_causal`; the link
+    and kernel rates are measured on the group at once (a collective: every rank constructs it), or
+    taken from `rates`. `decision` holds the estimates and reasons (None for a named strategy); its
+    `line()` is logged on rank 0 (logger ``usp_graph.cp``).
+
     Sequence lengths must be divisible by P (2P with zigzag): `shard` raises otherwise.
     """
 
@@ -75,9 +82,54 @@ class ContextParallel:
         max_document_len: int | None = None,
         across: str | None = None,
         check_metadata: bool = False,
+        documents=None,
+        heads: int | None = None,
+        kv_heads: int | None = None,
+        head_dim: int | None = None,
+        dtype: torch.dtype | None = None,
+        is_causal: bool = True,
+        rates=None,
     ) -> None:
+        self.decision = None
+        auto_inputs = {"documents": documents, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                       "dtype": dtype, "rates": rates}  # fmt: skip
+        if strategy == "auto":
+            named = {"ulysses_degree": ulysses_degree, "load_balance": load_balance,
+                     "max_document_len": max_document_len, "across": across}  # fmt: skip
+            fixed = [k for k, v in named.items() if v is not None]
+            if fixed:
+                raise ValueError(f"strategy 'auto' chooses {', '.join(fixed)} itself; leave them out")
+            missing = [k for k in ("documents", "heads", "head_dim") if auto_inputs[k] is None]
+            if missing:
+                raise ValueError(
+                    f"strategy 'auto' needs {', '.join(missing)}: the document lengths of a step (or a "
+                    "few sampled steps), the query heads and the head dim of the attention it will run"
+                )
+            from .auto import resolve
+
+            if not dist.is_available() or not dist.is_initialized():
+                raise ValueError(
+                    "ContextParallel needs torch.distributed initialized: call init_process_group first"
+                )
+            if mesh is not None and group is not None:
+                raise ValueError("pass either group or mesh, not both")
+            if mesh is not None and mesh.ndim != 1:
+                raise ValueError(f"strategy 'auto' takes a 1-D mesh (the CP dim), got {mesh.ndim}-D")
+            on = mesh.get_group() if mesh is not None else (group if group is not None else dist.group.WORLD)
+            self.decision = resolve(on, documents, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                    dtype=dtype or torch.bfloat16, is_causal=is_causal, rates=rates,
+                                    device=None)  # fmt: skip
+            strategy = self.decision.strategy
+            opts = self.decision.options
+            ulysses_degree = opts.get("ulysses_degree")
+            load_balance = opts.get("load_balance")
+            max_document_len = opts.get("max_document_len")
+        else:
+            given = [k for k, v in auto_inputs.items() if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only for strategy 'auto', not {strategy!r}")
         if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)} or 'auto'; got {strategy!r}")
         if load_balance not in LOAD_BALANCE:
             raise ValueError(f"load_balance must be None or 'zigzag', got {load_balance!r}")
         if strategy == "usp":

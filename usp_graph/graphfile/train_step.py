@@ -142,6 +142,9 @@ def save(
             else None,
         }
 
+    decision = getattr(graph, "cp_decision", None)
+    if decision is not None and "cp_decision" not in (meta or {}):
+        meta = {**(meta or {}), "cp_decision": decision}  # what ContextParallel("auto") chose, for inspect
     doc = build_document(
         graph.graph_module,
         kind="train_step",
