@@ -591,7 +591,7 @@ def test_cp_train_steps_replayed_equal_eager_cp_bitwise_on_2_ranks():
         "allgather_kv": {"all_gather:forward": 2 * k, "reduce_scatter:backward": 2 * k},
         "ulysses": {"all_to_all:forward": 4 * k, "all_to_all:backward": 4 * k},
         "ring": {"ring_attn_fwd:forward": k, "ring_attn_bwd:backward": k},
-        "halo": {"halo_exchange:forward": 2 * k, "halo_reduce:backward": 2 * k},
+        "halo": {"halo_exchange:forward": k, "halo_reduce:backward": k},  # K and V in one exchange
         "usp": {"all_to_all:forward": 4 * k, "all_to_all:backward": 4 * k,
                 "ring_attn_fwd:forward": k, "ring_attn_bwd:backward": k},
     }  # fmt: skip

@@ -184,7 +184,7 @@ def _messages(strategy: str, world: int, u: int) -> int:
     if strategy == "allgather_kv":
         return 4  # K, V all-gathers; dK, dV reduce-scatters
     if strategy == "halo":
-        return 4  # K, V halos each way; their gradients back
+        return 2  # one K/V halo exchange; its gradients back
     if strategy == "ring":
         return 2 * (world - 1) + 2 * world  # K/V hops forward; K/V and dK/dV hops backward
     r = world // u

@@ -289,8 +289,11 @@ def _halo_attention(q, k, v, *, chunk_ids, group, max_document_len, cu_seqlens, 
     # usp::halo_exchange refuses documents longer than the halo allows; with both sides bounded by
     # the window any document length is fine (max_seqlen 0: nothing to check).
     check = max_seqlen if must_fit else 0
-    k_w = torch.ops.usp.halo_exchange(k, 2, before, after, check, group)
-    v_w = torch.ops.usp.halo_exchange(v, 2, before, after, check, group)
+    # One exchange for K and V (head dims side by side): half the messages, the same bytes; its
+    # adjoint is one halo_reduce of dK and dV together.
+    kd = k.shape[-1]
+    kv_w = torch.ops.usp.halo_exchange(torch.cat([k, v], dim=-1), 2, before, after, check, group)
+    k_w, v_w = kv_w[..., :kd], kv_w[..., kd:]
     q_T, k_T, v_T = pack(q), pack(k_w), pack(v_w)
     span = before + ll + after
     outs = []
