@@ -205,7 +205,9 @@ def gm_doc(
     return doc
 
 
-def step_doc(bases: dict[str, bytes], extra: list[dict[str, Any]], *, at: str = "after_inputs") -> dict[str, Any]:
+def step_doc(
+    bases: dict[str, bytes], extra: list[dict[str, Any]], *, at: str = "after_inputs"
+) -> dict[str, Any]:
     """The train step with `extra` nodes inserted after the placeholders (or before the output)."""
     doc = load_doc(bases[STEP])
     nodes = doc["graph"]["nodes"]
@@ -380,7 +382,14 @@ def _memory_safety(b: dict[str, bytes]) -> list[Crafted]:
             {"m": torch.ones(1, 1), "w": torch.ones(3)}),
     }  # fmt: skip
     for name, (nodes, consts) in stats.items():
-        out.append(Crafted(name, "memory_safety", to_bytes(gm_doc(b, x + nodes, constants=consts, static=True)), "refused"))
+        out.append(
+            Crafted(
+                name,
+                "memory_safety",
+                to_bytes(gm_doc(b, x + nodes, constants=consts, static=True)),
+                "refused",
+            )
+        )
     # sparse tensors built from unchecked indices, then densified
     for name, index, target in (
         ("sparse_coo_dims_2pow40_to_dense", 2**40, "aten._to_dense.default"),
@@ -394,7 +403,11 @@ def _memory_safety(b: dict[str, bytes]) -> list[Crafted]:
             call("d", target, ref("s")), output("d"),
         ]  # fmt: skip
         consts = {"i": torch.tensor([[index]]), "v": torch.tensor([1.0])}
-        out.append(Crafted(name, "memory_safety", to_bytes(gm_doc(b, nodes, constants=consts, static=True)), "refused"))
+        out.append(
+            Crafted(
+                name, "memory_safety", to_bytes(gm_doc(b, nodes, constants=consts, static=True)), "refused"
+            )
+        )
     nodes = x + [get_attr("i"), get_attr("v"),
                  call("s", "aten._sparse_coo_tensor_unsafe.default", ref("i"), ref("v"), [4]),
                  call("d", "aten._to_dense.default", ref("s")), output("d")]  # fmt: skip
@@ -416,7 +429,9 @@ def _memory_safety(b: dict[str, bytes]) -> list[Crafted]:
         call("evil_alias", "aten._reshape_alias.default", ref(mm), [_BIG], [1]),
         call("evil_fill", "aten.fill_.Scalar", ref("evil_alias"), 3.0),
     ]
-    out.append(Crafted("step_reshape_alias_fill_activation", "memory_safety", to_bytes(doc), "refused", base=STEP))
+    out.append(
+        Crafted("step_reshape_alias_fill_activation", "memory_safety", to_bytes(doc), "refused", base=STEP)
+    )
     doc = load_doc(b[STEP])
     nodes = doc["graph"]["nodes"]
     loss = doc["graph"]["nodes"][-1]["args"][0]["tuple"][0]["node"]
@@ -426,7 +441,9 @@ def _memory_safety(b: dict[str, bytes]) -> list[Crafted]:
         call("evil_loss", "aten.add.Tensor", ref(loss), ref("evil_sum")),
     ]
     nodes[-1]["args"][0]["tuple"][0] = ref("evil_loss")
-    out.append(Crafted("step_as_strided_heap_read_into_loss", "memory_safety", to_bytes(doc), "refused", base=STEP))
+    out.append(
+        Crafted("step_as_strided_heap_read_into_loss", "memory_safety", to_bytes(doc), "refused", base=STEP)
+    )
     return out
 
 
@@ -453,7 +470,9 @@ def _side_effects(b: dict[str, bytes]) -> list[Crafted]:
             continue
         marker = marker_path(name) if name.startswith("save") else None
         expect = "no_side_effects" if "rng" in name else "refused"
-        out.append(Crafted(name, "side_effects", to_bytes(gm_doc(b, x + nodes, static=True)), expect, marker=marker))
+        out.append(
+            Crafted(name, "side_effects", to_bytes(gm_doc(b, x + nodes, static=True)), expect, marker=marker)
+        )
     # writes to the caller's tensors: parameters, batch, metadata, graph-module inputs
     p, ids, cu = "p_tok_embeddings_weight", "in_input_ids", "cu_seqlens_N1"
     writes = {
@@ -488,7 +507,9 @@ def _side_effects(b: dict[str, bytes]) -> list[Crafted]:
                                     maximize=False)],
     }  # fmt: skip
     for name, nodes in writes.items():
-        out.append(Crafted(f"step_{name}", "side_effects", to_bytes(step_doc(b, nodes)), "refused", base=STEP))
+        out.append(
+            Crafted(f"step_{name}", "side_effects", to_bytes(step_doc(b, nodes)), "refused", base=STEP)
+        )
     # the same after the forward pass, where the write happens late (other ops have run)
     doc = step_doc(b, [call("evil", "aten.mul_.Scalar", ref(p), 0)], at="before_output")
     out.append(Crafted("step_mul_scalar_param_at_end", "side_effects", to_bytes(doc), "refused", base=STEP))
@@ -540,11 +561,17 @@ def _names(b: dict[str, bytes]) -> list[Crafted]:
 
     for name in ("self", "forward", "training", "_code", "torch", "getattr", "c"):
         data, reference = self_before_get_attr(name)
-        out.append(Crafted(f"node_{name}_before_get_attr", "names", data, "refused_or_correct", reference=reference))
+        out.append(
+            Crafted(f"node_{name}_before_get_attr", "names", data, "refused_or_correct", reference=reference)
+        )
     for name in ("self", "forward", "graph", "__class__", "torch", "inf", "nan", "_usp_check", "None"):
         doc = rename(copy.deepcopy(base), "x_1", name)
         ok = rename(copy.deepcopy(base), "x_1", "plain_input")
-        out.append(Crafted(f"placeholder_{name}", "names", to_bytes(doc), "refused_or_correct", reference=to_bytes(ok)))
+        out.append(
+            Crafted(
+                f"placeholder_{name}", "names", to_bytes(doc), "refused_or_correct", reference=to_bytes(ok)
+            )
+        )
     for name in RESERVED_NAMES:
         if not name.isidentifier() or name in ("None", "lambda", "class", "return"):
             continue
@@ -554,19 +581,29 @@ def _names(b: dict[str, bytes]) -> list[Crafted]:
                 n["name"] = "read_constant"
         doc = rename(doc, "_tensor_constant0", "read_constant")
         ok = rename_constant(copy.deepcopy(base), "_tensor_constant0", "plain_constant")
-        out.append(Crafted(f"constant_{name}", "names", to_bytes(doc), "refused_or_correct", reference=to_bytes(ok)))
+        out.append(
+            Crafted(f"constant_{name}", "names", to_bytes(doc), "refused_or_correct", reference=to_bytes(ok))
+        )
     for name in ("forward", "device", "inf", "nan", "pytree", "fx_pytree", "__class__", "_modules", "meta", "code",
                  "__builtins__", "NoneType", "print", "_tensor_constant0_1"):  # fmt: skip
         doc = rename(copy.deepcopy(base), "mul", name)
         ok = rename(copy.deepcopy(base), "mul", "plain_node")
-        out.append(Crafted(f"node_{name}", "names", to_bytes(doc), "refused_or_correct", reference=to_bytes(ok)))
+        out.append(
+            Crafted(f"node_{name}", "names", to_bytes(doc), "refused_or_correct", reference=to_bytes(ok))
+        )
     # a node named like the constant a get_attr reads, placed before it
     doc = copy.deepcopy(base)
     doc["graph"]["nodes"].insert(1, call("_tensor_constant0", "aten.mul.Tensor", ref("x_1"), 3))
     doc["graph"]["nodes"][2]["name"] = "read_c"
     for n in doc["graph"]["nodes"][3:]:
-        n["args"] = json.loads(json.dumps(n.get("args", [])).replace('{"node": "_tensor_constant0"}', '{"node": "read_c"}'))
-    out.append(Crafted("node_named_like_a_constant", "names", to_bytes(doc), "refused_or_correct", reference=b[GM_SYM]))
+        n["args"] = json.loads(
+            json.dumps(n.get("args", [])).replace('{"node": "_tensor_constant0"}', '{"node": "read_c"}')
+        )
+    out.append(
+        Crafted(
+            "node_named_like_a_constant", "names", to_bytes(doc), "refused_or_correct", reference=b[GM_SYM]
+        )
+    )
     # the train step: a parameter placeholder named self
     doc = rename(load_doc(b[STEP]), "p_norm_weight", "self")
     ok = rename(load_doc(b[STEP]), "p_norm_weight", "plain_param")
@@ -655,10 +692,14 @@ def _resources(b: dict[str, bytes]) -> list[Crafted]:
     doc["graph"]["nodes"][0]["meta"]["val"]["tensor"]["shape"] = [_pow_tower(["Add", "$s75", 2], 3), 3]
     add("fake_value_pow_tower", doc)
     doc = copy.deepcopy(gm)
-    doc["guards"] = [[["Eq", ["ModularIndexing", _pow_tower("$s75", 3), _pow_tower("$s75", 3), 7], 1], "x.py:1 in f"]]
+    doc["guards"] = [
+        [["Eq", ["ModularIndexing", _pow_tower("$s75", 3), _pow_tower("$s75", 3), 7], 1], "x.py:1 in f"]
+    ]
     add("guard_modular_indexing_towers", doc)
     doc = copy.deepcopy(gm)
-    doc["guards"] = [[["Eq", ["PowByNatural", ["PowByNatural", ["PowByNatural", "$s75", 64], 64], 64], 7], "x.py:1 in f"]]
+    doc["guards"] = [
+        [["Eq", ["PowByNatural", ["PowByNatural", ["PowByNatural", "$s75", 64], 64], 64], 7], "x.py:1 in f"]
+    ]
     add("guard_pow_by_natural_tower", doc)
     nested = "$s75"
     for _ in range(16):  # a tree of 2**16 leaves: JSON has no sharing, the file holds them all
@@ -699,17 +740,27 @@ def _replay_time(b: dict[str, bytes]) -> list[Crafted]:
     x = [placeholder("x")]
     out = []
 
-    def add(name: str, nodes: list[dict[str, Any]], expect: str, *, rows: int = 5, consts: Any = None) -> None:
+    def add(
+        name: str, nodes: list[dict[str, Any]], expect: str, *, rows: int = 5, consts: Any = None
+    ) -> None:
         doc = gm_doc(b, x + nodes, constants=consts)
         out.append(Crafted(name, "replay_time", to_bytes(doc), expect, rows=rows))
 
-    add("broadcast_against_constant", [get_attr("c"), call("o", "aten.add.Tensor", ref("x"), ref("c")), output("o")],
-        "replay_error", consts={"c": torch.ones(4, 3)})
+    add(
+        "broadcast_against_constant",
+        [get_attr("c"), call("o", "aten.add.Tensor", ref("x"), ref("c")), output("o")],
+        "replay_error",
+        consts={"c": torch.ones(4, 3)},
+    )
     add("view_to_saved_numel", [call("o", "aten.view.default", ref("x"), [12]), output("o")], "replay_error")
     add("cat_with_constant_rows", [get_attr("c"), call("t", "aten.t.default", ref("x")),
                                    call("o", "aten.cat.default", [ref("t"), ref("c")], 1), output("o")],
         "replay_error", consts={"c": torch.ones(4, 4)})  # fmt: skip
-    add("expand_to_saved_size", [call("o", "aten.expand.default", ref("x"), [4, 3]), output("o")], "replay_error")
+    add(
+        "expand_to_saved_size",
+        [call("o", "aten.expand.default", ref("x"), [4, 3]), output("o")],
+        "replay_error",
+    )
     add("mm_needs_square", [call("o", "aten.mm.default", ref("x"), ref("x")), output("o")], "refused", rows=4)
     add("index_select_data_dependent", [get_attr("i"), call("o", "aten.index_select.default", ref("x"), 0, ref("i")),
                                         output("o")], "refused", rows=2, consts={"i": torch.tensor([3])})  # fmt: skip
@@ -717,7 +768,11 @@ def _replay_time(b: dict[str, bytes]) -> list[Crafted]:
                                      output("o")], "refused", consts={"w": torch.ones(3, 2), "i": torch.tensor([7])})  # fmt: skip
     add("huge_full_from_size", [call("n", "aten.sym_size.int", ref("x"), 0), call("m", "operator.mul", ref("n"), 1 << 40),
                                 call("o", "aten.full.default", [ref("m")], 1.0), output("o")], "refused")  # fmt: skip
-    add("huge_full_constant", [call("o", "aten.full.default", [1 << 20, 1 << 20], 0.0), output("o")], "refused")
+    add(
+        "huge_full_constant",
+        [call("o", "aten.full.default", [1 << 20, 1 << 20], 0.0), output("o")],
+        "refused",
+    )
     add("huge_arange", [call("o", "aten.arange.start", 0, 1 << 45), output("o")], "refused")
     add("huge_expand_then_clone", [call("e", "aten.expand.default", ref("x"), [1 << 30, 5, 3]),
                                    call("o", "aten.clone.default", ref("e")), output("o")], "refused")  # fmt: skip
@@ -731,7 +786,9 @@ def _replay_time(b: dict[str, bytes]) -> list[Crafted]:
     for n in doc["graph"]["nodes"]:
         if n.get("target") == "aten.view.default" and isinstance(n["args"][1], list):
             n["args"][1] = [9 if isinstance(d, int) and d == 8 else d for d in n["args"][1]]
-    out.append(Crafted("step_view_with_wrong_static_size", "replay_time", to_bytes(doc), "refused", base=STEP))
+    out.append(
+        Crafted("step_view_with_wrong_static_size", "replay_time", to_bytes(doc), "refused", base=STEP)
+    )
     # usp's attention ops fed boundaries or a max_seqlen from the file instead of the metadata
     for name, target, arg, value, expect in (
         ("varlen_fwd_cu_q_past_tokens", "usp.varlen_fwd.default", 3, [0, 1000, 2000, 3000, 4000], "refused"),
@@ -760,7 +817,9 @@ def _replay_time(b: dict[str, bytes]) -> list[Crafted]:
 def crafted_corpus(bases: dict[str, bytes] | None = None) -> list[Crafted]:
     """Every crafted file (names are unique)."""
     b = bases or build_bases()
-    corpus = _memory_safety(b) + _side_effects(b) + _names(b) + _schema_gaps(b) + _resources(b) + _replay_time(b)
+    corpus = (
+        _memory_safety(b) + _side_effects(b) + _names(b) + _schema_gaps(b) + _resources(b) + _replay_time(b)
+    )
     names = [c.name for c in corpus]
     assert len(set(names)) == len(names), sorted(n for n in names if names.count(n) > 1)
     return corpus
@@ -1066,7 +1125,11 @@ def _change_ints(doc: dict, rng: random.Random) -> str:
     parent = _get(node, path[:-1])
     old = parent[path[-1]]
     how = rng.randrange(3)
-    new = rng.choice(_SIZES) if how == 0 else (old + rng.choice([-1, 1]) if how == 1 else old * rng.choice([-1, 2, 1 << 20]))
+    new = (
+        rng.choice(_SIZES)
+        if how == 0
+        else (old + rng.choice([-1, 1]) if how == 1 else old * rng.choice([-1, 2, 1 << 20]))
+    )
     parent[path[-1]] = new
     return f"node {node['name']!r} {list(path)}: {old} -> {new}"
 
@@ -1129,7 +1192,9 @@ def _insert_in_place(doc: dict, rng: random.Random) -> str:
         other = rng.choice(placeholders)
         new.append(call(f"evil_{k}", op, ref(other), ref(other), out=ref(target)))
     elif how == 2:
-        op = rng.choice(["aten._foreach_mul_.Scalar", "aten._foreach_add_.Scalar", "aten._foreach_zero_.default"])
+        op = rng.choice(
+            ["aten._foreach_mul_.Scalar", "aten._foreach_add_.Scalar", "aten._foreach_zero_.default"]
+        )
         group = [ref(target)] + [ref(p) for p in rng.sample(placeholders, min(2, len(placeholders)))]
         new.append(call(f"evil_{k}", op, group, *([] if "zero" in op else [0.5])))
     else:

@@ -97,7 +97,12 @@ def _schema_arg(arg, graph: torch.fx.Graph, prefix: str):
 
 def test_every_collective_of_the_registry_table_is_listed_as_a_collective_by_inspect():
     names = sorted(
-        {op for row in registry.TABLE if row.kind == "collective" for op in (row.op, *row.backward_ops, row.adjoint)}
+        {
+            op
+            for row in registry.TABLE
+            if row.kind == "collective"
+            for op in (row.op, *row.backward_ops, row.adjoint)
+        }
     )
     assert names, "the registry table has no collective row"
     graph = torch.fx.Graph()

@@ -54,7 +54,9 @@ def test_options_disable_and_dump_passes_build_the_pipeline(tmp_path):
     assert pipeline.disabled == {"verify"}
     assert UspOptions.parse({"verify": False}).pipeline().disabled == {"verify_rewrite", "verify"}
     dumped = UspOptions.parse({"dump_passes": ["joint"], "dump_dir": str(tmp_path)}).pipeline()
-    assert dumped.dump == {"joint"} and UspOptions.parse({"dump_passes": True, "dump_dir": str(tmp_path)}).pipeline().dump == set(pipeline.names)
+    assert dumped.dump == {"joint"} and UspOptions.parse(
+        {"dump_passes": True, "dump_dir": str(tmp_path)}
+    ).pipeline().dump == set(pipeline.names)
 
 
 @pytest.mark.parametrize(
@@ -123,7 +125,9 @@ def test_disabling_verify_by_name_skips_only_the_joint_check(monkeypatch):
     varlen_fwd = torch.ops.usp.varlen_fwd.default
     wrong = dataclasses.replace(usp_graph.registry.rule_for(varlen_fwd), backward_ops=())
     monkeypatch.setitem(usp_graph.registry._RULES, varlen_fwd, wrong)
-    with pytest.raises(Exception, match=r"node varlen_bwd \(usp\.varlen_bwd\.default\) .* has no backward rule") as info:
+    with pytest.raises(
+        Exception, match=r"node varlen_bwd \(usp\.varlen_bwd\.default\) .* has no backward rule"
+    ) as info:
         _compile_step({})
     assert isinstance(info.value.inner_exception, usp_graph.VerifyError)
     torch._dynamo.reset()
@@ -144,11 +148,17 @@ def test_with_rewrite_disabled_sdpa_stays_and_documents_are_refused():
     reports: list = []
     options = {"disable": ["rewrite_sdpa", "verify_rewrite", "verify"], "on_compile": reports.append}
     compiled = torch.compile(model, backend="usp", options=options)
-    with pytest.warns(UserWarning, match=r"keeps 1 SDPA call\(s\) as SDPA.*not rewritten: pass rewrite_sdpa is disabled"):
+    with pytest.warns(
+        UserWarning, match=r"keeps 1 SDPA call\(s\) as SDPA.*not rewritten: pass rewrite_sdpa is disabled"
+    ):
         logits = compiled(batch["input_ids"], batch["position_ids"])
     assert torch.equal(logits, model(batch["input_ids"], batch["position_ids"]))
-    assert reports[0].rewritten == () and len(reports[0].kept) == 1 and "rewrite_sdpa" not in reports[0].passes
+    assert (
+        reports[0].rewritten == () and len(reports[0].kept) == 1 and "rewrite_sdpa" not in reports[0].passes
+    )
     meta = AttentionMetadata.from_position_ids(batch["position_ids"], max_docs=8)
-    with pytest.raises(ValueError, match=r"kept SDPA call\(s\) it could not rewrite .*pass rewrite_sdpa is disabled"):
+    with pytest.raises(
+        ValueError, match=r"kept SDPA call\(s\) it could not rewrite .*pass rewrite_sdpa is disabled"
+    ):
         with documents(meta):
             compiled(batch["input_ids"], batch["position_ids"])

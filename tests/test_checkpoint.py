@@ -28,7 +28,9 @@ class _Checkpointed(torch.nn.Module):
     def forward(self, input_ids_BL, position_ids_BL):
         m = self.model
         x_BLD = m.tok_embeddings(input_ids_BL)
-        cos, sin = usp_graph.models.llama.rope_cos_sin(position_ids_BL, m.config.head_dim, m.config.rope_theta, x_BLD.dtype)
+        cos, sin = usp_graph.models.llama.rope_cos_sin(
+            position_ids_BL, m.config.head_dim, m.config.rope_theta, x_BLD.dtype
+        )
         for layer in m.layers:
             x_BLD = checkpoint(layer, x_BLD, cos, sin, use_reentrant=self.use_reentrant)
         return m.lm_head(m.norm(x_BLD))
@@ -103,7 +105,9 @@ def test_compiled_checkpointed_packed_documents_match_each_document_alone():
     start = 0
     for n in LENGTHS:
         if n:
-            alone = model(batch["input_ids"][:, start : start + n], batch["position_ids"][:, start : start + n])
+            alone = model(
+                batch["input_ids"][:, start : start + n], batch["position_ids"][:, start : start + n]
+            )
             assert rel_err(logits[:, start : start + n], alone) <= 1e-10
         start += n
 
@@ -125,7 +129,9 @@ class _MaskedCheckpointed(torch.nn.Module):
     def forward(self, input_ids_BL, position_ids_BL):
         m = self.model
         x_BLD = m.tok_embeddings(input_ids_BL)
-        cos, sin = usp_graph.models.llama.rope_cos_sin(position_ids_BL, m.config.head_dim, m.config.rope_theta, x_BLD.dtype)
+        cos, sin = usp_graph.models.llama.rope_cos_sin(
+            position_ids_BL, m.config.head_dim, m.config.rope_theta, x_BLD.dtype
+        )
         mask = _packed_mask(position_ids_BL)
         for layer in m.layers:
             x_BLD = checkpoint(layer, x_BLD, cos, sin, mask, use_reentrant=False)
@@ -159,7 +165,10 @@ def test_a_recognised_mask_is_no_longer_built_to_be_passed_to_checkpointed_regio
         assert torch.equal(grads["model." + name], g), name
     (gm,) = rewritten
     masks = [
-        n for n in gm.graph.nodes
-        if isinstance(v := n.meta.get("example_value"), torch.Tensor) and v.dtype == torch.bool and v.dim() == 4
+        n
+        for n in gm.graph.nodes
+        if isinstance(v := n.meta.get("example_value"), torch.Tensor)
+        and v.dtype == torch.bool
+        and v.dim() == 4
     ]
     assert masks == [], [n.format_node() for n in masks]

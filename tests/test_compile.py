@@ -197,7 +197,10 @@ def test_unknown_option_lists_the_valid_keys():
     ):
         UspOptions.parse({"fullgraph": True})
     f = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend="usp", options={"nope": 1})
-    with pytest.raises(Exception, match=r"\['cp', 'disable', 'documents', 'dump_dir', 'dump_passes', 'inner', 'max_docs', 'on_compile', 'verify'\]") as info:
+    with pytest.raises(
+        Exception,
+        match=r"\['cp', 'disable', 'documents', 'dump_dir', 'dump_passes', 'inner', 'max_docs', 'on_compile', 'verify'\]",
+    ) as info:
         f(torch.randn(1, 1, 4, 2))
     assert isinstance(info.value.inner_exception, ValueError)  # Dynamo wraps what a backend raises
 
@@ -212,7 +215,10 @@ def test_unknown_option_lists_the_valid_keys():
         ({"on_compile": 1}, "option 'on_compile' must be callable"),
         ({"documents": 3}, "option 'documents' must be the name of the model argument holding position ids"),
         ({"documents": "position ids"}, "option 'documents' must be the name of the model argument"),
-        ({"documents": "position_ids", "max_docs": 2.0}, "option 'max_docs' must be an int or None, got float"),
+        (
+            {"documents": "position_ids", "max_docs": 2.0},
+            "option 'max_docs' must be an int or None, got float",
+        ),
     ],
     ids=["verify", "inner", "dump_dir", "cp", "on_compile", "documents", "documents_not_a_name", "max_docs"],
 )
@@ -733,6 +739,8 @@ def test_sdpa_run_eagerly_inside_documents_raises_instead_of_attending_across_th
             F.scaled_dot_product_attention(q, q, q)
         with attention_mode(meta):  # eager code under attention_mode is routed, not refused
             assert torch.equal(F.scaled_dot_product_attention(q, q, q), sdpa_to_usp(q, q, q, metadata=meta))
-        traced = make_fx(lambda x: F.scaled_dot_product_attention(x, x, x), tracing_mode="fake")(q)  # not a run
+        traced = make_fx(lambda x: F.scaled_dot_product_attention(x, x, x), tracing_mode="fake")(
+            q
+        )  # not a run
         assert any("scaled_dot_product" in str(n.target) for n in traced.graph.nodes)
     assert torch.equal(compiled(q), attend(q * 2) + 1)  # outside any block: plain SDPA

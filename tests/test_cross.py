@@ -75,7 +75,10 @@ def test_packed_cross_attention_eager_and_compiled_match_each_sample_alone():
     block = _block()
     x, c = _inputs()
     ref = _alone(block, x, c)
-    meta_x, meta_c = AttentionMetadata.from_lengths(VIDEO, max_docs=4), AttentionMetadata.from_lengths(TEXT, max_docs=4)
+    meta_x, meta_c = (
+        AttentionMetadata.from_lengths(VIDEO, max_docs=4),
+        AttentionMetadata.from_lengths(TEXT, max_docs=4),
+    )
     with attention_mode(meta_x, kv=meta_c):
         eager = block(x, c)
     assert rel_err(eager, ref) <= 1e-12
@@ -99,7 +102,10 @@ def test_cross_attention_under_query_documents_alone_raises_in_eager_and_compile
 
 
 def test_kv_documents_need_the_query_capacity():
-    meta_x, meta_c = AttentionMetadata.from_lengths(VIDEO, max_docs=4), AttentionMetadata.from_lengths(TEXT, max_docs=3)
+    meta_x, meta_c = (
+        AttentionMetadata.from_lengths(VIDEO, max_docs=4),
+        AttentionMetadata.from_lengths(TEXT, max_docs=3),
+    )
     with pytest.raises(ValueError, match="same max_docs"):
         with documents(meta_x, kv=meta_c):
             pass
@@ -116,7 +122,10 @@ def _cp_cross(rank, world, strategy, compiled):
 
     block = _block()
     x, c = _inputs(1)
-    meta_x, meta_c = AttentionMetadata.from_lengths(VIDEO, max_docs=4), AttentionMetadata.from_lengths(TEXT, max_docs=4)
+    meta_x, meta_c = (
+        AttentionMetadata.from_lengths(VIDEO, max_docs=4),
+        AttentionMetadata.from_lengths(TEXT, max_docs=4),
+    )
     with attention_mode(meta_x, kv=meta_c):
         ref = block(x, c)
     ref.square().sum().backward()

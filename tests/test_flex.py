@@ -149,7 +149,9 @@ def test_kernel_choice_rules():
     assert not kernel_choice._flex_applies(bf, bf, bf, cu, twin)
     assert not kernel_choice._flex_applies(bf[:200], bf[:200], bf[:200], cu, cu)  # not a whole block count
     assert not kernel_choice._flex_applies(bf.float(), bf.float(), bf.float(), cu, cu)
-    assert not kernel_choice._flex_applies(bf[..., :96], bf[..., :96], bf[..., :96], cu, cu)  # K not a power of 2
+    assert not kernel_choice._flex_applies(
+        bf[..., :96], bf[..., :96], bf[..., :96], cu, cu
+    )  # K not a power of 2
     assert boundaries.same_boundaries(bf, bf, cu, cu) and not boundaries.same_boundaries(bf, bf, cu, twin)
 
     with kernel_choice.cuda_kernel("flex"):

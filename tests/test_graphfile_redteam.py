@@ -79,10 +79,12 @@ def _snapshot(ts: list[torch.Tensor]) -> list[tuple[Any, ...]]:
 def _changed(ts: list[torch.Tensor], snap: list[tuple[Any, ...]]) -> list[int]:
     bad = []
     for i, (t, (v, rg, shape, stride, offset)) in enumerate(zip(ts, snap, strict=True)):
-        same = (
-            (t.requires_grad, tuple(t.shape), t.stride(), t.storage_offset()) == (rg, shape, stride, offset)
-            and torch.equal(t.detach(), v)
-        )
+        same = (t.requires_grad, tuple(t.shape), t.stride(), t.storage_offset()) == (
+            rg,
+            shape,
+            stride,
+            offset,
+        ) and torch.equal(t.detach(), v)
         if not same:
             bad.append(i)
     return bad
@@ -122,7 +124,6 @@ def _disturb_heap(seed: int) -> None:
     ]
     junk = [bytearray(os.urandom(n)) for n in (64, 256, 1024, 4096)]
     del bufs, junk
-
 
 
 _FLAT_STEP: list[Any] = []
@@ -226,7 +227,9 @@ def check_file(
                         )
                 if reference is not None:
                     try:
-                        expected = _replay(_load(reference, base, flat), base, flat, _inputs(base, flat, rows))
+                        expected = _replay(
+                            _load(reference, base, flat), base, flat, _inputs(base, flat, rows)
+                        )
                     except Exception as e:  # noqa: BLE001
                         problems.append(f"the reference file failed: {_short(e)}")
                     else:
@@ -234,7 +237,9 @@ def check_file(
                             problems.append("replays to other outputs than the same file with plain names")
         changed = _changed(caller, snap)
         if changed:
-            problems.append(f"caller tensors {changed} (of {len(caller)}) changed (values, shape, strides or requires_grad)")
+            problems.append(
+                f"caller tensors {changed} (of {len(caller)}) changed (values, shape, strides or requires_grad)"
+            )
     if not torch.equal(torch.get_rng_state(), rng_state):
         problems.append("the global RNG state changed")
         torch.set_rng_state(rng_state)
@@ -293,7 +298,9 @@ def _worker(job_path: str, result_path: str) -> None:
 # ---- driving workers (runs in pytest) -------------------------------------------------------------
 
 
-def _drive(items: list[dict[str, Any]], bases_dir: str, folder: str, results: dict[str, dict[str, Any]]) -> None:
+def _drive(
+    items: list[dict[str, Any]], bases_dir: str, folder: str, results: dict[str, dict[str, Any]]
+) -> None:
     """Run `items` in a worker; a crash or hang is that item's result, and a new worker goes on."""
     remaining = list(items)
     attempt = 0
@@ -341,14 +348,18 @@ def _drive(items: list[dict[str, Any]], bases_dir: str, folder: str, results: di
         with open(log_path, "rb") as fh:
             log_tail = fh.read()[-3000:].decode(errors="replace")
         if in_flight is None:
-            raise RuntimeError(f"a red-team worker failed outside any case (exit {proc.returncode}):\n{log_tail}")
+            raise RuntimeError(
+                f"a red-team worker failed outside any case (exit {proc.returncode}):\n{log_tail}"
+            )
         why = f"hung (no result for {HANG_S:.0f} s)" if hung else f"crashed (exit code {proc.returncode})"
         results[in_flight] = {"id": in_flight, "outcome": "crash", "problems": [f"the worker {why}\n{log_tail}"],
                               "seconds": None}  # fmt: skip
         remaining = [i for i in remaining if i["id"] not in results]
 
 
-def run_items(items: list[dict[str, Any]], bases_dir: str, folder: str, *, workers: int) -> dict[str, dict[str, Any]]:
+def run_items(
+    items: list[dict[str, Any]], bases_dir: str, folder: str, *, workers: int
+) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     isolated = [[i] for i in items if i.get("isolated")]
     shared = [i for i in items if not i.get("isolated")]
@@ -400,7 +411,9 @@ def crafted(bases_dir, tmp_path_factory) -> tuple[dict[str, Crafted], dict[str, 
 
 
 def _allowed(outcome: str) -> bool:
-    return outcome == "ran" or (outcome.split(":")[0] in ("load", "replay", "inputs") and not outcome.endswith(":raw"))
+    return outcome == "ran" or (
+        outcome.split(":")[0] in ("load", "replay", "inputs") and not outcome.endswith(":raw")
+    )
 
 
 def _verdict(c: Crafted, r: dict[str, Any]) -> str | None:

@@ -99,11 +99,15 @@ def test_a_mask_that_ignores_position_values_is_a_band_per_row():
     ("fn", "reason"),
     [
         (
-            lambda q, p: F.scaled_dot_product_attention(q, q, q, attn_mask=(p[:, None, :, None] > p[:, None, None, :])),
+            lambda q, p: F.scaled_dot_product_attention(
+                q, q, q, attn_mask=(p[:, None, :, None] > p[:, None, None, :])
+            ),
             "not causal",
         ),
         (
-            lambda q, p: F.scaled_dot_product_attention(q, q, q, attn_mask=_packed_mask(p) & (q[:, :, :, :1] > 0)),
+            lambda q, p: F.scaled_dot_product_attention(
+                q, q, q, attn_mask=_packed_mask(p) & (q[:, :, :, :1] > 0)
+            ),
             "depends on the values of input",
         ),
         (
@@ -244,7 +248,8 @@ def _cp_documents_from_positions(rank, world):
         cp.token_mean(out.square().sum() / out.shape[-1], out.shape[1]).backward()
         cp.reduce_grads(model.parameters())
         errs[strategy] = max(
-            [rel_err(out, cp.shard(ref, 1))] + [rel_err(p.grad, ref_grads[n]) for n, p in model.named_parameters()]
+            [rel_err(out, cp.shard(ref, 1))]
+            + [rel_err(p.grad, ref_grads[n]) for n, p in model.named_parameters()]
         )
     return errs
 

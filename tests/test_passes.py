@@ -202,7 +202,9 @@ def test_sdpa_in_a_joint_graph_is_reported_not_rewritable():
             "dropout inside attention is not supported",
         ),
         (
-            lambda q, k, v, m: F.scaled_dot_product_attention(q * 2, torch.cat([q, k], 2), torch.cat([v, v], 2)),
+            lambda q, k, v, m: F.scaled_dot_product_attention(
+                q * 2, torch.cat([q, k], 2), torch.cat([v, v], 2)
+            ),
             "a KV cache is not supported",
         ),
     ],
@@ -459,7 +461,9 @@ def test_pipeline_rejects_unknown_and_required_pass_names():
     with pytest.raises(ValueError, match="pass 'joint' is required and cannot be disabled"):
         default_pipeline().disable("joint")
     for bad in (3, [3], None):
-        with pytest.raises(TypeError, match=r"pass names.*the passes are \['rewrite_sdpa', 'joint', 'verify'\]"):
+        with pytest.raises(
+            TypeError, match=r"pass names.*the passes are \['rewrite_sdpa', 'joint', 'verify'\]"
+        ):
             default_pipeline().with_dump(only=bad) if bad is not None else default_pipeline().disable(None)
 
 

@@ -70,7 +70,9 @@ def test_document_mask_keeps_exactly_the_keys_the_contract_names(lq, lk, causal,
     # Element by element from the contract (usp_graph.testing's docstring), padding rows/columns too.
     lk = lq if lk is None else lk
     cu_q, cu_k = cu_seqlens(lq).tolist(), cu_seqlens(lk).tolist()
-    keep = document_mask(cu_q, cu_k, is_causal=causal, window=window, total_q=cu_q[-1] + 2, total_k=cu_k[-1] + 1)
+    keep = document_mask(
+        cu_q, cu_k, is_causal=causal, window=window, total_q=cu_q[-1] + 2, total_k=cu_k[-1] + 1
+    )
     left, right = window
     want = torch.zeros_like(keep)
     for i in range(len(lq)):

@@ -34,7 +34,9 @@ def test_implement_refuses_an_implementation_from_another_module():
     def backward(ctx, grad):  # defined here, not in usp_graph.ops.varlen
         return grad
 
-    with pytest.raises(ValueError, match=r"implemented in usp_graph\.ops\.varlen, but \S*test_registry implements"):
+    with pytest.raises(
+        ValueError, match=r"implemented in usp_graph\.ops\.varlen, but \S*test_registry implements"
+    ):
         registry.implement(torch.ops.usp.varlen_fwd.default, setup_context=backward, backward=backward)
 
 

@@ -573,7 +573,10 @@ def test_cp_flux_train_steps_replayed_equal_eager_cp_bitwise_on_2_ranks():
 
     for results in run_ranks(
         # usp at P=2 is Ulysses and a ring of one: test_cp_train_steps_replayed... replays it on Llama
-        _cp_flux_trace_and_replay, 2, ["allgather_kv", "ulysses", "ring"], timeout=240
+        _cp_flux_trace_and_replay,
+        2,
+        ["allgather_kv", "ulysses", "ring"],
+        timeout=240,
     ):
         for r in results:
             assert r["equal"], r

@@ -61,7 +61,9 @@ def _comm_ops(table: Sequence[Any], strategies: Any) -> tuple[frozenset[str], fr
         return frozenset(name.split("::")[-1] for name in out)
 
     collectives = with_backward({row.op for row in table if row.kind == "collective"})
-    in_strategies = {f"{registry.NAMESPACE}::{op}" for s in strategies.values() for ops in s.forward_ops for op in ops}
+    in_strategies = {
+        f"{registry.NAMESPACE}::{op}" for s in strategies.values() for ops in s.forward_ops for op in ops
+    }
     return collectives, collectives | with_backward(in_strategies)
 
 
@@ -393,7 +395,9 @@ def _pairing(
         {"forward": p.forward.name, "backward": [b.name for b in p.backward], "op": _target_name(p.forward)}
         for p in result.pairs
     ]
-    unpaired = [{"node": u.node.name, "op": _target_name(u.node), "missing": u.missing} for u in result.unpaired]
+    unpaired = [
+        {"node": u.node.name, "op": _target_name(u.node), "missing": u.missing} for u in result.unpaired
+    ]
     return pairs, unpaired
 
 

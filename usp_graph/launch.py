@@ -393,7 +393,9 @@ def run_ranks(
         if not isinstance(pool, RankPool):
             raise TypeError(f"pool must be a usp_graph.launch.RankPool or None, got {type(pool).__name__}")
         if pool.world_size != world_size:
-            raise ValueError(f"pool has {pool.world_size} ranks but world_size is {world_size}; pass a pool of that size")
+            raise ValueError(
+                f"pool has {pool.world_size} ranks but world_size is {world_size}; pass a pool of that size"
+            )
         return pool.run(fn, *args, timeout=timeout, pg_timeout=pg_timeout, **kwargs)
     with RankPool(world_size) as fresh:
         return fresh.run(fn, *args, timeout=timeout, pg_timeout=pg_timeout, **kwargs)

@@ -94,7 +94,9 @@ class _SDPAToUSP(TorchFunctionMode):
                 b = query.shape[0]
                 metadata = AttentionMetadata.per_sample(b, query.shape[-2] * self.cp.world)
                 kv = AttentionMetadata.per_sample(b, key.shape[-2])
-                out = sdpa_to_usp(query, key, value, *args, **kwargs, metadata=metadata, cp=self.cp, kv_metadata=kv)
+                out = sdpa_to_usp(
+                    query, key, value, *args, **kwargs, metadata=metadata, cp=self.cp, kv_metadata=kv
+                )
                 self.streams.note(out, self.streams.inputs((query, key, value)))
                 return out
             if self.kv is None:

@@ -119,7 +119,11 @@ def _read_mask(
         )
     left, right = window
     is_causal = right == 0
-    extra = None if left == masks.UNBOUNDED and right in (masks.UNBOUNDED, 0) else (left, -1 if is_causal else right)
+    extra = (
+        None
+        if left == masks.UNBOUNDED and right in (masks.UNBOUNDED, 0)
+        else (left, -1 if is_causal else right)
+    )
     return is_causal, extra, derived
 
 
@@ -199,7 +203,9 @@ def sdpa_to_usp(
             # ids): only a band inside documents is accepted, for its window; the documents are
             # the global metadata's.
             if is_causal:
-                raise ValueError("attn_mask and is_causal=True were both given; SDPA accepts only one of them")
+                raise ValueError(
+                    "attn_mask and is_causal=True were both given; SDPA accepts only one of them"
+                )
             is_causal, mask_window, _ = _read_mask(
                 attn_mask, None, q_BHLK.shape[0], q_BHLK.shape[1], q_BHLK.shape[2], k_BGLK.shape[2]
             )
@@ -215,7 +221,9 @@ def sdpa_to_usp(
         if metadata is None:
             raise ValueError("kv_metadata needs metadata for the queries too")
         if attn_mask is not None:
-            raise ValueError("attn_mask with kv_metadata: the two metadata define the documents; drop the mask")
+            raise ValueError(
+                "attn_mask with kv_metadata: the two metadata define the documents; drop the mask"
+            )
         if kv_metadata.cu_seqlens.shape != metadata.cu_seqlens.shape:
             raise ValueError(
                 f"query metadata has {metadata.cu_seqlens.numel() - 1} document slots but kv_metadata has "
@@ -230,7 +238,9 @@ def sdpa_to_usp(
             ("key", key, call_tokens(b, seq_k, world if kv_metadata is None else 1), kv_meta),
         ):
             # Symbolic sizes are not checked here: the graph's input checks own them.
-            check_token_count(n, meta_n.total_tokens, partial(_token_mismatch, name, x, n, meta_n, world, kv_metadata))
+            check_token_count(
+                n, meta_n.total_tokens, partial(_token_mismatch, name, x, n, meta_n, world, kv_metadata)
+            )
     if attn_mask is not None:
         if is_causal:
             raise ValueError("attn_mask and is_causal=True were both given; SDPA accepts only one of them")
@@ -273,7 +283,9 @@ def sdpa_to_usp(
             from .cp.cross import cross_attention
 
             if is_causal or window is not None:
-                raise ValueError("causal or windowed cross-attention is not supported under context parallelism")
+                raise ValueError(
+                    "causal or windowed cross-attention is not supported under context parallelism"
+                )
             out_BHLK = cross_attention(
                 cp,
                 q_BHLK,

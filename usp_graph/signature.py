@@ -341,7 +341,9 @@ def check_bindings(
             continue
         values = ", ".join(f"{n}={v}" for n, (v, _) in bound.items())
         if saved:
-            raise ValueError(f"these inputs ({values}) break an assumption recorded with the graph: {expr} ({where})")
+            raise ValueError(
+                f"these inputs ({values}) break an assumption recorded with the graph: {expr} ({where})"
+            )
         raise ValueError(
             f"these inputs ({values}) break an assumption made while tracing: {show(expr)} "
             f"(recorded {where}); retrace with an example that satisfies the new inputs' shapes"

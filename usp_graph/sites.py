@@ -283,8 +283,23 @@ def _int(x: Any) -> int | None:
 # Ops that move a tensor without mixing its tokens with anything: a key that is one of the graph's
 # inputs through these alone belongs to no stream the graph can see.
 _LAYOUT = {
-    "view", "reshape", "transpose", "permute", "contiguous", "expand", "unsqueeze", "squeeze", "clone",
-    "slice", "getitem", "to", "_to_copy", "flatten", "unflatten", "alias", "t",
+    "view",
+    "reshape",
+    "transpose",
+    "permute",
+    "contiguous",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "clone",
+    "slice",
+    "getitem",
+    "to",
+    "_to_copy",
+    "flatten",
+    "unflatten",
+    "alias",
+    "t",
 }
 
 

@@ -83,7 +83,9 @@ def document_mask(
     cu_q = _boundaries(cu_seqlens_q)
     cu_k = cu_q if cu_seqlens_k is None else _boundaries(cu_seqlens_k)
     if len(cu_q) != len(cu_k):
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k need the same length; got {len(cu_q)} and {len(cu_k)}")
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k need the same length; got {len(cu_q)} and {len(cu_k)}"
+        )
     left, right = _window(window)
     keep_TS = torch.zeros(cu_q[-1] if total_q is None else total_q, cu_k[-1] if total_k is None else total_k,
                           dtype=torch.bool)  # fmt: skip

@@ -361,7 +361,13 @@ def _spec(
 ) -> InputSpec:
     """A tensor input of the signature; `shape` defaults to the tensor's (all dims static)."""
     return InputSpec(
-        name, role, "tensor", t.dtype, tuple(t.shape) if shape is None else shape, t.device, trainable=trainable
+        name,
+        role,
+        "tensor",
+        t.dtype,
+        tuple(t.shape) if shape is None else shape,
+        t.device,
+        trainable=trainable,
     )
 
 

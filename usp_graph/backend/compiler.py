@@ -182,7 +182,10 @@ class _Compile:
         sites = find_sites(gm)
         rewrite = self.pipeline.enabled("rewrite_sdpa")
         if not rewrite:  # reported like any site the rewrite cannot replace, with why
-            sites = [dataclasses.replace(s, rewritable=False, reason="pass rewrite_sdpa is disabled") for s in sites]
+            sites = [
+                dataclasses.replace(s, rewritable=False, reason="pass rewrite_sdpa is disabled")
+                for s in sites
+            ]
         todo = [s for s in sites if s.rewritable]
         kept = [s for s in sites if not s.rewritable]
         world = opts.cp.world if opts.cp is not None else 1
@@ -242,10 +245,9 @@ class _Compile:
         self.pipeline.run(gm, ctx, only=["verify_rewrite"], into=self.passes)
 
         inputs = self.example_inputs + extra
-        self.input_info = (
-            _input_info(self.dynamo_gm, self.example_inputs)
-            + [{"name": name, "role": "metadata"} for name in names]
-        )
+        self.input_info = _input_info(self.dynamo_gm, self.example_inputs) + [
+            {"name": name, "role": "metadata"} for name in names
+        ]
         # Primal i of the joint graph is input i (no parameters are lifted: Dynamo makes them inputs).
         self.requires_grad = input_requires_grad(inputs)
         ctx.requires_grad = self.requires_grad
@@ -263,7 +265,9 @@ class _Compile:
             kept=kept,
             positions=_placeholder_index(self.dynamo_gm, positions),
             positions_by=(
-                f"option documents={opts.documents!r}" if opts.documents is not None else "the mask built from them"
+                f"option documents={opts.documents!r}"
+                if opts.documents is not None
+                else "the mask built from them"
             ),
             capacity=opts.max_docs + 1 if opts.max_docs is not None else None,
             kv_length=kv_length,
@@ -294,7 +298,9 @@ class _Compile:
 def _positions_input(gm: fx.GraphModule, sites: Sequence[Any], opts: UspOptions, name: str) -> fx.Node | None:
     """The placeholder whose position ids define documents outside `documents(...)`: the input
     that recognised masks are built from, or the argument named by option ``documents``."""
-    from_masks = {s.mask_form.positions for s in sites if s.mask_form is not None and s.mask_form.kind == "positions"}
+    from_masks = {
+        s.mask_form.positions for s in sites if s.mask_form is not None and s.mask_form.kind == "positions"
+    }
     named = None
     if opts.documents is not None and sites:
         named = _argument(gm, opts.documents)

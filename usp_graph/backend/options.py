@@ -105,18 +105,24 @@ class UspOptions:
             raise TypeError(
                 f"option 'on_compile' must be callable or None, got {type(self.on_compile).__name__}"
             )
-        if self.documents is not None and (not isinstance(self.documents, str) or not self.documents.isidentifier()):
+        if self.documents is not None and (
+            not isinstance(self.documents, str) or not self.documents.isidentifier()
+        ):
             raise TypeError(
                 f"option 'documents' must be the name of the model argument holding position ids (e.g. "
                 f"'position_ids') or None, got {self.documents!r}"
             )
         if self.max_docs is not None:
             if isinstance(self.max_docs, bool) or not isinstance(self.max_docs, int):
-                raise TypeError(f"option 'max_docs' must be an int or None, got {type(self.max_docs).__name__}")
+                raise TypeError(
+                    f"option 'max_docs' must be an int or None, got {type(self.max_docs).__name__}"
+                )
             if self.max_docs < 1:
                 raise ValueError(f"option 'max_docs' must be >= 1, got {self.max_docs}")
             if self.documents is None:
-                raise ValueError("option 'max_docs' sizes documents derived with option 'documents'; set that too")
+                raise ValueError(
+                    "option 'max_docs' sizes documents derived with option 'documents'; set that too"
+                )
         if self.cp is not None:
             check_cp_matches_process_group(self.cp)
 
@@ -172,7 +178,11 @@ def _names(key: str, value: Any) -> tuple[str, ...]:
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
         from .pipeline import backend_pipeline
 
-        what = "True, a pass name or a list of pass names" if key == "dump_passes" else "a pass name or a list of pass names"
+        what = (
+            "True, a pass name or a list of pass names"
+            if key == "dump_passes"
+            else "a pass name or a list of pass names"
+        )
         raise TypeError(
             f"option {key!r} must be {what}, got {value!r}; the passes are {backend_pipeline().names}"
         )

@@ -85,7 +85,9 @@ def _verify(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 def _joint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """matches: the backward nodes attributed to a forward node."""
     tag_joint(gm, getattr(ctx, "requires_grad", None))
-    attributed = sum(1 for n in gm.graph.nodes if n.meta.get(PHASE_META) == "backward" and ORIGIN_META in n.meta)
+    attributed = sum(
+        1 for n in gm.graph.nodes if n.meta.get(PHASE_META) == "backward" and ORIGIN_META in n.meta
+    )
     return PassResult("joint", gm, attributed)
 
 

@@ -198,7 +198,9 @@ def result_kind(target: Any, args: tuple[Any, ...], kind_of: Callable[[fx.Node],
             return "T"
         if kind == "?":
             return "?"
-        raise GraphFileSchemaError(f"{where}: getitem of a node that makes {_describe(kind)}, not several values")
+        raise GraphFileSchemaError(
+            f"{where}: getitem of a node that makes {_describe(kind)}, not several values"
+        )
     kinds = [kind_of(a) if isinstance(a, fx.Node) else ("F" if isinstance(a, float) else "I") for a in args]
     if name in _BOOL_FNS:
         return "B"
@@ -325,4 +327,6 @@ def check_call(
         if not _fits(a.real_type, bound[a.name], kind_of, number_ok=a is not params[0]):
             v = bound[a.name]
             got = f"a node that makes {_describe(kind_of(v))}" if isinstance(v, fx.Node) else type(v).__name__
-            raise GraphFileSchemaError(f"{where}: {target} argument {a.name!r} must be {a.real_type}, got {got}")
+            raise GraphFileSchemaError(
+                f"{where}: {target} argument {a.name!r} must be {a.real_type}, got {got}"
+            )

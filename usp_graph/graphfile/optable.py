@@ -348,9 +348,7 @@ def _reshape_alias(args: Sequence[Any], kwargs: dict[str, Any], where: str, targ
 
 def _need(ok: bool, where: str, what: str) -> None:
     if not ok:
-        raise GraphReplayError(
-            f"{where}: {what}; the kernel trusts these shapes, so nothing ran"
-        )
+        raise GraphReplayError(f"{where}: {what}; the kernel trusts these shapes, so nothing ran")
 
 
 def _rows(x: torch.Tensor, trailing: int) -> int:
@@ -367,7 +365,11 @@ def _norm_bwd(stats: tuple[str, ...], weights: tuple[str, ...]) -> Callable[...,
     def check(args: Sequence[Any], kwargs: dict[str, Any], where: str, target: Any) -> None:
         b = _bound(target, args, kwargs)
         x, g, shape = b["input"], b["grad_out"], [int(d) for d in b["normalized_shape"]]
-        _need(tuple(g.shape) == tuple(x.shape), where, f"grad_out {tuple(g.shape)} is not input's {tuple(x.shape)}")
+        _need(
+            tuple(g.shape) == tuple(x.shape),
+            where,
+            f"grad_out {tuple(g.shape)} is not input's {tuple(x.shape)}",
+        )
         _need(x.dim() >= len(shape) and list(x.shape[x.dim() - len(shape):]) == shape, where,
               f"input {tuple(x.shape)} does not end in normalized_shape {shape}")  # fmt: skip
         rows = _rows(x, len(shape))

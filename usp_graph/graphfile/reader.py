@@ -192,7 +192,12 @@ class GraphFile:
                 raise TypeError(f"{where} must be None, got {type(a).__name__}")
         # Ranges and guards: the one check train steps use too.
         check_bindings(
-            bound, symbols=self.dims, ranges=self.ranges, guards=self.guards, saved=True, error=GraphFileSchemaError
+            bound,
+            symbols=self.dims,
+            ranges=self.ranges,
+            guards=self.guards,
+            saved=True,
+            error=GraphFileSchemaError,
         )
         named = {sympy.Symbol(n, integer=True): sympy.Integer(v) for n, (v, _) in bound.items()}
         named.update({sympy.Symbol(n): sympy.Integer(v) for n, (v, _) in bound.items()})

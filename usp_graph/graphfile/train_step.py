@@ -121,13 +121,10 @@ def save(
             "use usp_graph.save_graph_module for other FX graphs"
         )
     s = graph.signature
-    inputs = (
-        list(s.params + s.buffers + s.batch)
-        + [
-            InputSpec("cu_seqlens", "metadata", "tensor", torch.int32, (s.max_docs + 1,), s.metadata_device),
-            InputSpec("max_seqlen", "metadata", "symint", value="max_seqlen"),
-        ]
-    )
+    inputs = list(s.params + s.buffers + s.batch) + [
+        InputSpec("cu_seqlens", "metadata", "tensor", torch.int32, (s.max_docs + 1,), s.metadata_device),
+        InputSpec("max_seqlen", "metadata", "symint", value="max_seqlen"),
+    ]
 
     def section(expr: Any) -> dict[str, Any]:
         return {

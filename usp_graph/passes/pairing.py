@@ -58,7 +58,11 @@ class Unpaired:
     @property
     def what(self) -> str:
         """``"adjoint collective"`` or ``"backward op"``."""
-        return "adjoint collective" if self.rule is not None and self.rule.kind == "collective" else "backward op"
+        return (
+            "adjoint collective"
+            if self.rule is not None and self.rule.kind == "collective"
+            else "backward op"
+        )
 
     @property
     def missing(self) -> str:

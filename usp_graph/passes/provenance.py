@@ -182,7 +182,9 @@ def tag_aot_joint(joint: fx.GraphModule, requires_grad: Sequence[bool] | None) -
         node.meta[REQUIRES_GRAD_META] = needs.get(node, False)
         stamp(node, "forward", node, requires_grad=needs.get(node, False))
         seq = node.meta.get("seq_nr")
-        if seq is not None and (seq not in owner or (node.target in rules and owner[seq].target not in rules)):
+        if seq is not None and (
+            seq not in owner or (node.target in rules and owner[seq].target not in rules)
+        ):
             owner[seq] = node
     for node in joint.graph.nodes:
         if phases[node] == "backward":

@@ -142,7 +142,16 @@ def _key(site: AttentionSite, inputs: _SiteInputs, cp: Any) -> tuple:
         for v in vals
     )
     present = tuple(n is not None for n in (inputs.cu, inputs.positions, inputs.cu_kv))
-    return (shape, site.is_causal, site.scale, site.enable_gqa, site.window, present, inputs.check_positions, id(cp))
+    return (
+        shape,
+        site.is_causal,
+        site.scale,
+        site.enable_gqa,
+        site.window,
+        present,
+        inputs.check_positions,
+        id(cp),
+    )
 
 
 def _trace_site(site: AttentionSite, inputs: _SiteInputs, cp: Any) -> fx.GraphModule:
@@ -202,7 +211,9 @@ def _inline(graph: fx.Graph, sub: fx.GraphModule, inputs: list[fx.Node], site: A
     return out
 
 
-def _thread(node: fx.Node, regions: tuple[fx.Node, ...], done: dict[tuple[fx.Node, fx.Node], fx.Node]) -> fx.Node:
+def _thread(
+    node: fx.Node, regions: tuple[fx.Node, ...], done: dict[tuple[fx.Node, fx.Node], fx.Node]
+) -> fx.Node:
     """`node` (of the outer graph) as seen inside the checkpointed regions `regions` (outermost
     first): appended to each region call's operands and to its body's placeholders, once."""
     for call in regions:
