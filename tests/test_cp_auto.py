@@ -86,6 +86,10 @@ def test_bad_samples_and_rates_are_refused_with_what_to_fix():
         choose([[5, -1, 6]], world=2, rates=FAST_LINK, **SHAPE)
     with pytest.raises(ValueError, match="no strategy can run these steps: ulysses: 11 tokens do not split"):
         choose([[11]], world=2, rates=FAST_LINK, **SHAPE)
+    with pytest.raises(ValueError, match="head_dim must be a positive int, got 0"):
+        choose([[8]], world=2, heads=2, kv_heads=1, head_dim=0, element_size=2, rates=FAST_LINK)
+    with pytest.raises(ValueError, match=r"heads \(6\) must be a multiple of kv_heads \(4\)"):
+        choose([[8]], world=2, heads=6, kv_heads=4, head_dim=8, element_size=2, rates=FAST_LINK)
     with pytest.raises(ValueError, match="bandwidth > 0"):
         Rates(latency_s=0.0, bandwidth=0.0, pair_s=1.0)
     with pytest.raises(ValueError, match="finite"):

@@ -70,13 +70,7 @@ def _shapes(nodes: list[Any], names: dict[str, str]) -> list[str]:
 
 def _out_shapes(node: fx.Node, names: dict[str, str]) -> list[str]:
     v = node.meta.get("val")
-    vals = list(v) if isinstance(v, (tuple, list)) else [v]
-    out = []
-    for t in vals:
-        s = _shape(t)
-        if s is not None:
-            out.append("(" + ", ".join(str(_fmt(d, names)) for d in s) + ")")
-    return out
+    return _shapes(list(v) if isinstance(v, (tuple, list)) else [v], names)
 
 
 def step(

@@ -171,6 +171,15 @@ def _check_steps(documents: Sequence[Sequence[int]] | Sequence[int]) -> list[lis
     return steps
 
 
+def _check_dims(**dims: int) -> None:
+    """Positive ints, and heads a multiple of kv_heads (GQA)."""
+    for name, v in dims.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if "heads" in dims and "kv_heads" in dims and dims["heads"] % dims["kv_heads"]:
+        raise ValueError(f"heads ({dims['heads']}) must be a multiple of kv_heads ({dims['kv_heads']})")
+
+
 def _zigzag_work(lengths: Sequence[int], world: int, is_causal: bool) -> list[int]:
     """Pairs per rank when rank p holds chunks p and 2P-1-p of 2P (documents may cross)."""
     chunk = shard_work(lengths, 2 * world, is_causal=is_causal)
@@ -204,12 +213,7 @@ def choose(
 ) -> Decision:
     """The strategy (and options) with the smallest estimated attention time for these steps."""
     steps = _check_steps(documents)
-    for name, v in (("world", world), ("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                    ("element_size", element_size)):  # fmt: skip
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if heads % kv_heads:
-        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    _check_dims(world=world, heads=heads, kv_heads=kv_heads, head_dim=head_dim, element_size=element_size)
     tokens = sum(steps[0])
     longest = max(max(s, default=0) for s in steps)
     tl = tokens // world
@@ -378,7 +382,9 @@ def resolve(
     """`choose` on rank 0 of `group` (rates measured first unless given) and the same decision on
     every rank; logs `Decision.line()` on rank 0."""
     kv = heads if kv_heads is None else kv_heads
-    _check_steps(documents)  # a bad sample fails on every rank, before any collective
+    # A bad sample or shape fails on every rank, before any collective.
+    _check_steps(documents)
+    _check_dims(heads=heads, kv_heads=kv, head_dim=head_dim)
     if rates is None:
         if device is None:
             device = (
