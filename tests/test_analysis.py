@@ -3,6 +3,8 @@ CP graphs, strategy and bytes against the cost model, is checked in test_trace o
 
 from __future__ import annotations
 
+import html
+
 import networkx as nx
 import pytest
 import torch
@@ -123,3 +125,22 @@ def test_a_new_collective_row_is_recognised_without_editing_the_analysis():
     # attention communicates only where a strategy's forward says so (ring), local varlen never
     assert {"ring_attn_fwd", "ring_attn_bwd"} <= communicating - collectives
     assert "varlen_fwd" not in communicating and "varlen_bwd" not in communicating
+
+
+def test_a_cp_decision_record_from_a_file_is_shown_or_skipped_never_a_traceback(traced):
+    from usp_graph import report
+
+    s = summarize(traced.graph_module, sites=traced.sites, symbols=traced.signature.symbols)
+    good = {"strategy": "halo", "options": {"max_document_len": 64}, "compute_s": 0.001, "comm_s": 0.002,
+            "bytes_per_rank": 2048, "refused": None}  # fmt: skip
+    hostile = [good, {"strategy": ["x"], "options": 3, "compute_s": "1", "comm_s": None,
+                      "bytes_per_rank": -5, "refused": {"a": 1}}, 7, {"bytes_per_rank": [1]}]  # fmt: skip
+    s["cp_decision"] = {"chosen": good, "candidates": hostile, "world": "2", "steps": None, "tokens": 8}
+    text = report.text(s)
+    (row,) = [line for line in text.splitlines() if line.startswith("halo(")]
+    assert "3" in row and "CHOSEN" in row and "2.0 KiB" in row, row
+    assert "cannot run: {'a': 1}" in text and "?" in text
+    page = report.to_html_page([{"title": "t", "summary": s}])
+    assert html.escape("CP strategy chosen by ContextParallel('auto')") in page
+    s["cp_decision"] = {"candidates": "nope"}  # not a record: no section
+    assert "ContextParallel('auto')" not in report.text(s)

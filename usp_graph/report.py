@@ -94,8 +94,13 @@ def _decision_section(d: Any) -> list[tuple[str, list[str], list[list[Any]]]]:
     if not isinstance(d, dict) or not isinstance(d.get("candidates"), list):
         return []
 
+    # The record comes from a graph file's meta, which anyone may have written: show what is
+    # well-formed, "-" / "?" for the rest, never a traceback.
     def ms(x: Any) -> str:
-        return f"{x * 1e3:.3g}" if isinstance(x, (int, float)) else "-"
+        return f"{x * 1e3:.3g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
+
+    def sent(n: Any) -> str:
+        return human_bytes(n) if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else "?"
 
     chosen = d.get("chosen") or {}
     rows = []
@@ -109,7 +114,7 @@ def _decision_section(d: Any) -> list[tuple[str, list[str], list[list[Any]]]]:
         total = (c["compute_s"] + c["comm_s"]) if c.get("refused") is None and isinstance(c.get("compute_s"), (int, float)) and isinstance(c.get("comm_s"), (int, float)) else None  # fmt: skip
         status = "CHOSEN" if c == chosen else (f"cannot run: {c['refused']}" if c.get("refused") else "")
         rows.append([label, ms(total), ms(c.get("compute_s")), ms(c.get("comm_s")),
-                     human_bytes(c.get("bytes_per_rank") or 0), status])  # fmt: skip
+                     sent(c.get("bytes_per_rank")), status])  # fmt: skip
     title = (
         f"CP strategy chosen by ContextParallel('auto') over {d.get('world')} ranks "
         f"({d.get('steps')} sampled step(s) of {d.get('tokens')} tokens; ms per attention call)"
