@@ -9,10 +9,16 @@ every (query chunk, key chunk) pair the op derives that pair's document view by 
 boundaries may change every step and documents may cross chunks.
 
 Forward: K/V travel around the ring (rank r receives from r-1); at each step every local query
-chunk attends the visiting key chunks through ``usp::varlen_fwd``, and partial outputs are merged
-by their log-sum-exp in fp32 (fp64 for fp64 inputs).
-Backward: recompute against the global out/lse with ``usp::varlen_bwd``; dK/dV accumulate in a
-buffer that travels with K/V and is carried home after the last step.
+chunk attends the visiting key chunks, and partial outputs are merged by their log-sum-exp in fp32
+(fp64 for fp64 inputs). The (query chunk, key chunk) pairs of a step that share the kernel's
+arguments (causal flag, window) run as ONE ``usp::varlen_fwd`` call (`_calls`): their query rows and
+key rows back to back, each pair's documents separate sequences of the packed call. So a windowless
+causal step is at most two calls (the causal diagonal pairs, the full pairs below it) and a
+bidirectional step one, whatever the chunks per rank (zigzag, 2-D USP); issue 19. The step's
+partial results are merged into the running result in one pass (`_merge_step`).
+Backward: recompute against the global out/lse with ``usp::varlen_bwd``, the same calls; the
+gradients go back to dq and to the dK/dV buffer by slice adds in a fixed order (bitwise repeatable;
+no index_add). The dK/dV buffer travels with K/V and is carried home after the last step.
 
 Causal pairs: a key chunk entirely before the query chunk is attended in full, the same chunk is
 ordinary causal (equal lengths per document), a key chunk after the query chunk is skipped.
@@ -107,7 +113,8 @@ def _pair_plan(
 
 
 class _Pair:
-    """One (local query chunk, visiting key chunk) kernel call; the same in forward and backward.
+    """One (local query chunk, visiting key chunk) pair: its share of a step's kernel call (`_Call`),
+    the same in forward and backward.
 
     rows / keys: slices of the local q and the visiting k; dummy: query rows appended after q's
     rows ('after'); valid: bool (rows,) of the rows that belong to the pair's document ('before');
@@ -153,13 +160,96 @@ def _pairs(q_ids, k_ids, chunk, cu, is_causal, max_seqlen, window=NO_WINDOW):
                             max_seqlen)  # fmt: skip
 
 
-def _pad_rows(x: Tensor, n: int, value: float = 0.0) -> Tensor:
-    """x (rows first) with `n` rows of `value` appended."""
-    return torch.cat([x, x.new_full((n, *x.shape[1:]), value)]) if n else x
+class _Call:
+    """One varlen kernel call of a ring step: the step's pairs with the same kernel arguments
+    (`causal`, `window`), back to back. q_at / k_at: where each pair's query rows (dummy rows
+    included) and keys start in the call's inputs; cu_q / cu_k: every pair's document views in
+    turn, shifted to those offsets (a pair's first boundary, 0, is the previous pair's last)."""
+
+    __slots__ = ("pairs", "q_at", "k_at", "cu_q", "cu_k", "max_q", "causal", "window")
+
+    def __init__(self, pairs: list[_Pair], causal: bool, window: tuple[int, int]):
+        self.pairs, self.causal, self.window = pairs, causal, window
+        self.q_at, self.k_at, cu_q, cu_k = [], [], [], []
+        n_q = n_k = 0
+        for i, p in enumerate(pairs):
+            self.q_at.append(n_q)
+            self.k_at.append(n_k)
+            # Every view runs 0..its row (key) count: cu_q by the kernel's contract, cu_k because
+            # the global boundaries end at the stream's end (a view clamps them to its chunk).
+            first = 0 if i == 0 else 1
+            cu_q.append(p.cu_q[first:] + n_q)
+            cu_k.append(p.cu_k[first:] + n_k)
+            n_q += _length(p.rows) + p.dummy
+            n_k += _length(p.keys)
+        self.cu_q = cu_q[0] if len(pairs) == 1 else torch.cat(cu_q)
+        self.cu_k = cu_k[0] if len(pairs) == 1 else torch.cat(cu_k)
+        self.max_q = max(p.max_q for p in pairs)
 
 
-def _pad_cols(x: Tensor, n: int, value: float) -> Tensor:
-    return torch.cat([x, x.new_full((x.shape[0], n), value)], 1) if n else x
+def _calls(pairs: list[_Pair]) -> list[_Call]:
+    """The step's pairs grouped by kernel arguments, one `_Call` per group, in the order each
+    group first appears (pairs keep their order within a group): a fixed order, so results are
+    bitwise repeatable."""
+    groups: dict[tuple[bool, tuple[int, ...]], list[_Pair]] = {}
+    for p in pairs:
+        groups.setdefault((p.causal, tuple(p.window) or NO_WINDOW), []).append(p)
+    return [_Call(ps, causal, window) for (causal, window), ps in groups.items()]
+
+
+def _length(s: slice) -> int:
+    return s.stop - s.start
+
+
+def _gather(
+    x: Tensor, spans: list[tuple[slice, int, Tensor | None]], *, dim: int = 0, fill: float = 0.0
+) -> Tensor:
+    """x's entries `sl` along `dim` (rows; columns of an (H, T) lse) for each (sl, pad, valid)
+    of `spans`, entries where `valid` is False set to `fill`, then `pad` entries of `fill`; all
+    back to back. A run of adjacent plain slices stays one view of x: a call over a rank's whole
+    q, or over K/V chunks that lie in order, copies nothing."""
+    pieces: list[Tensor] = []
+    run: slice | None = None  # a pending view of x
+
+    def flush() -> None:
+        nonlocal run
+        if run is not None:
+            pieces.append(x.narrow(dim, run.start, _length(run)))
+            run = None
+
+    for sl, pad, valid in spans:
+        if valid is not None:
+            flush()
+            keep = valid.view(-1, *([1] * (x.dim() - 1))) if dim == 0 else valid
+            pieces.append(torch.where(keep, x.narrow(dim, sl.start, _length(sl)), fill))
+        elif run is not None and run.stop == sl.start:
+            run = slice(run.start, sl.stop)
+        else:
+            flush()
+            run = sl
+        if pad:
+            flush()
+            shape = list(x.shape)
+            shape[dim] = pad
+            pieces.append(x.new_full(shape, fill))
+    flush()
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def _add_rows(dst: Tensor, src: Tensor, spans: list[tuple[slice, int]]) -> None:
+    """In place, in order: dst[sl] += src[at : at + len(sl)] for each (sl, at) of `spans`; a run
+    that is adjacent in both is one add. Slice adds in a fixed order: deterministic on every
+    device, unlike index_add_ on CUDA."""
+    run: tuple[slice, int] | None = None
+    for sl, at in spans:
+        if run is not None and run[0].stop == sl.start and run[1] + _length(run[0]) == at:
+            run = (slice(run[0].start, sl.stop), run[1])
+            continue
+        if run is not None:
+            dst[run[0]].add_(src[run[1] : run[1] + _length(run[0])])
+        run = (sl, at)
+    if run is not None:
+        dst[run[0]].add_(src[run[1] : run[1] + _length(run[0])])
 
 
 def _start_rotate(tensors: list[Tensor], group, rank: int, size: int) -> tuple[list, list[Tensor]]:
@@ -229,39 +319,68 @@ def ring_attn_fwd(
         src = (rank - step) % size
         pending = _start_rotate(kv, group, rank, size) if step + 1 < size else None
         k_cur, v_cur = kv
-        for p in _pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal, max_seqlen, window):
-            qs, ks = p.rows, p.keys
-            o_p, lse_p = torch.ops.usp.varlen_fwd(
-                _pad_rows(q[qs], p.dummy), k_cur[ks], v_cur[ks], p.cu_q, p.cu_k, p.max_q, max_seqlen, p.causal,
-                scale, *p.window,
+        parts = []  # (query chunk, rows, o_p, lse_p) of every pair, for the step's merge
+        for call in _calls(
+            list(_pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal, max_seqlen, window))
+        ):
+            q_spans = [(p.rows, p.dummy, None) for p in call.pairs]
+            k_spans = [(p.keys, 0, None) for p in call.pairs]
+            o_c, lse_c = torch.ops.usp.varlen_fwd(
+                _gather(q, q_spans), _gather(k_cur, k_spans), _gather(v_cur, k_spans), call.cu_q, call.cu_k,
+                call.max_q, max_seqlen, call.causal, scale, *call.window,
             )  # fmt: skip
-            if p.dummy:
-                o_p, lse_p = o_p[: -p.dummy], lse_p[:, : -p.dummy]
-            if p.valid is not None:  # rows of other documents: no partial result
-                o_p = torch.where(p.valid.view(-1, 1, 1), o_p, 0)
-                lse_p = torch.where(p.valid, lse_p, _NEG_INF)
-            if seen[p.qi]:
-                _merge(out[qs], lse[:, qs], o_p, lse_p.to(acc))
-            else:  # the first partial result is the running result: no merge pass
-                out[qs].copy_(o_p)
-                lse[:, qs].copy_(lse_p)
-                seen[p.qi] = True
+            for p, at in zip(call.pairs, call.q_at, strict=True):
+                o_p, lse_p = o_c[at : at + _length(p.rows)], lse_c[:, at : at + _length(p.rows)]
+                if p.valid is not None:  # rows of other documents: no partial result
+                    o_p.masked_fill_(~p.valid.view(-1, 1, 1), 0.0)
+                    lse_p.masked_fill_(~p.valid, _NEG_INF)
+                parts.append((p.qi, p.rows, o_p, lse_p))
+        _merge_step(out, lse, parts, seen)
         if pending is not None:
             kv = _finish(pending)
     return out.to(q.dtype), lse.to(_lse_dtype(q.dtype))
 
 
-def _merge(out: Tensor, lse: Tensor, o_p: Tensor, lse_p: Tensor) -> None:
-    """In place: (out, lse) <- the softmax-weighted union of (out, lse) and (o_p, lse_p).
+def _merge_step(out: Tensor, lse: Tensor, parts: list[tuple], seen: list[bool]) -> None:
+    """In place: the running (out, lse) <- its softmax-weighted union with one step's partial
+    results `parts`, (query chunk, rows, o_p, lse_p) each; a chunk may get several in one step.
 
-    The weights are computed on the small (H, T) log-sum-exps; the (T, H, K) output takes two
-    in-place passes (scale, then fused multiply-add), with no full-size temporaries."""
-    new = torch.logaddexp(lse, lse_p)
+    A chunk's first partial result is copied: there is nothing to merge it with. The others are
+    merged in one pass: one logsumexp over the stacked log-sum-exps (the small (H, T) side) gives
+    every row's new lse and each partial's weight, the running output of the rows they touch is
+    rescaled once, and each partial output is added with its weight (no full-size temporaries).
+    Rows no partial touches keep their value (weight exp(0) = 1; no weight at all outside the
+    touched span)."""
+    later: list[tuple[int, slice, Tensor, Tensor]] = []  # (slot, rows, o_p, lse_p) to merge
+    slots: dict[int, int] = {}  # query chunk -> partials of this step merged so far
+    for qi, rows, o_p, lse_p in parts:
+        if seen[qi]:
+            later.append((slots.get(qi, 0), rows, o_p, lse_p))
+            slots[qi] = slots.get(qi, 0) + 1
+        else:
+            out[rows].copy_(o_p)
+            lse[:, rows].copy_(lse_p)
+            seen[qi] = True
+    if not later:
+        return
+    lo, hi = min(r.start for _, r, _, _ in later), max(r.stop for _, r, _, _ in later)
+    # Slot 0: the running result; slot s + 1: the s-th partial of a chunk in this step (-inf
+    # where a slot has none).
+    lse_S = torch.full(
+        (max(slots.values()) + 1, lse.shape[0], hi - lo), _NEG_INF, dtype=lse.dtype, device=lse.device
+    )
+    lse_S[0] = lse[:, lo:hi]
+    for s, rows, _, lse_p in later:
+        lse_S[s + 1, :, rows.start - lo : rows.stop - lo] = lse_p
+    new = torch.logsumexp(lse_S, 0)
     safe = new.masked_fill(new == _NEG_INF, 0.0)  # rows with no key so far stay 0 / -inf
-    w_old = torch.exp(lse - safe).transpose(0, 1).unsqueeze(-1)
-    w_new = torch.exp(lse_p - safe).transpose(0, 1).unsqueeze(-1)
-    out.mul_(w_old).addcmul_(o_p, w_new)
-    lse.copy_(new)
+    w_S = torch.exp(lse_S - safe).transpose(1, 2).unsqueeze(-1)  # (slots, rows, H, 1)
+    acc = out[lo:hi]
+    acc.mul_(w_S[0])
+    for s, rows, o_p, _ in later:
+        r = slice(rows.start - lo, rows.stop - lo)
+        acc[r].addcmul_(o_p, w_S[s + 1, r])
+    lse[:, lo:hi] = new
 
 
 @ring_attn_fwd.register_fake
@@ -303,34 +422,35 @@ def ring_attn_bwd(
         pending = _start_rotate([k_cur, v_cur], group, rank, size) if step + 1 < size else None
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # grads of the visiting K/V
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        for p in _pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal, max_seqlen, window):
-            qs, ks = p.rows, p.keys
-            g_o, l_p = grad_out[qs], lse[:, qs]
-            if p.valid is not None:  # rows of other documents: p = exp(s - inf) = 0, no gradient
-                g_o = torch.where(p.valid.view(-1, 1, 1), g_o, 0)
-                l_p = torch.where(p.valid, l_p, _POS_INF)
+        for call in _calls(
+            list(_pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal, max_seqlen, window))
+        ):
+            # Rows of other documents ('before' pairs): lse +inf makes p = exp(s - inf) = 0, no gradient.
+            q_spans = [(p.rows, p.dummy, None) for p in call.pairs]
+            g_spans = [(p.rows, p.dummy, p.valid) for p in call.pairs]
+            k_spans = [(p.keys, 0, None) for p in call.pairs]
             g_q, g_k, g_v = torch.ops.usp.varlen_bwd(
-                _pad_rows(g_o, p.dummy),
-                _pad_rows(q[qs], p.dummy),
-                k_cur[ks],
-                v_cur[ks],
-                _pad_rows(out[qs], p.dummy),
-                _pad_cols(l_p, p.dummy, _POS_INF),
-                p.cu_q,
-                p.cu_k,
-                p.max_q,
+                _gather(grad_out, g_spans),
+                _gather(q, q_spans),
+                _gather(k_cur, k_spans),
+                _gather(v_cur, k_spans),
+                _gather(out, q_spans),
+                _gather(lse, g_spans, dim=1, fill=_POS_INF),
+                call.cu_q,
+                call.cu_k,
+                call.max_q,
                 max_seqlen,
-                p.causal,
+                call.causal,
                 scale,
-                *p.window,
+                *call.window,
             )
-            if p.dummy:
-                g_q = g_q[: -p.dummy]
-            if p.valid is not None:
-                g_q = torch.where(p.valid.view(-1, 1, 1), g_q, 0)
-            dq[qs] += g_q
-            dk[ks] += g_k
-            dv[ks] += g_v
+            for p, at in zip(call.pairs, call.q_at, strict=True):
+                if p.valid is not None:
+                    g_q[at : at + _length(p.rows)].masked_fill_(~p.valid.view(-1, 1, 1), 0.0)
+            _add_rows(dq, g_q, [(p.rows, at) for p, at in zip(call.pairs, call.q_at, strict=True)])
+            k_at = [(p.keys, at) for p, at in zip(call.pairs, call.k_at, strict=True)]
+            _add_rows(dk, g_k, k_at)
+            _add_rows(dv, g_v, k_at)
         # dK/dV travel with their K/V, one hop behind: the buffers this rank receives now belong
         # to the K/V it just used (rank-1 used them one step earlier), and their transfer
         # overlapped this step's compute. After the last step the sum belongs to rank+1's own

@@ -1,0 +1,246 @@
+"""The ring op runs one varlen kernel call per ring step and kernel-argument group, merges each
+step in one pass, and stays exact and bitwise repeatable (issue 19).
+
+# H heads, G kv heads, K head dim, T global tokens, C chunks per rank, R ring ranks (2)
+
+Direct calls of ``usp::ring_attn_fwd`` (and, through autograd, ``usp::ring_attn_bwd``) on 2 gloo
+ranks, on two chunk layouts: zigzag (C = 2) and the chunks a ring member holds under 2-D USP
+(Ulysses degree 2 over 4 CP ranks, zigzag: C = 4, no two of a rank's chunks adjacent in order).
+Documents are random, with an empty one, length-1 ones and one ending exactly on a chunk boundary;
+GQA; windowless causal and bidirectional, and windows bounded on the left, on the right, and both
+(so the 'before' and 'after' pairs of `_pair_plan` run). Every case is checked against the fp64
+per-document reference (`usp_graph.testing.attention_reference`), counted, and run twice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from usp_graph.ops.window import NO_WINDOW
+from usp_graph.testing import attention_reference, cu_seqlens, lognormal_lengths, rel_err
+
+H, G, K, CHUNK, R = 4, 2, 8, 12, 2
+# Chunk ids of ring ranks 0 and 1, back to back.
+LAYOUTS = {
+    "zigzag": (2, [0, 3, 1, 2]),
+    # 2-D USP, Ulysses degree 2 over CP ranks 0-3 with zigzag chunks [r, 7 - r]: ring member i
+    # holds the chunks of CP ranks 2i and 2i + 1.
+    "2d": (4, [0, 7, 1, 6, 2, 5, 3, 4]),
+}
+# (is_causal, window): the windows are a chunk or two wide, so they cut pairs of chunks.
+MODES = {
+    "causal": (True, NO_WINDOW),
+    "bidirectional": (False, NO_WINDOW),
+    "left_only": (True, (17, -1)),
+    "right_only": (False, (-1, 14)),
+    "both": (False, (9, 20)),
+}
+CASES = [(layout, mode) for layout in LAYOUTS for mode in MODES]
+TOL = 1e-12  # fp64; the pair-by-pair op was seen at ~1e-15
+
+
+def _lengths(layout: str, mode: str) -> list[int]:
+    """An empty document, a length-1 one, one ending on the first chunk boundary, one crossing
+    several chunks, then log-normal lengths with more of the empty and length-1 kind."""
+    total = CHUNK * len(LAYOUTS[layout][1])
+    head = [0, 1, CHUNK - 1, 2 * CHUNK + 5]
+    rest = lognormal_lengths(total - sum(head), 7, sum(map(ord, layout + mode)), ones=2, empty=1)
+    return head + rest
+
+
+def _inputs(layout: str, mode: str):
+    gen = torch.Generator().manual_seed(sum(map(ord, mode + layout)))
+    t = CHUNK * len(LAYOUTS[layout][1])
+    q_THK, go_THK = (torch.randn(t, H, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    k_TGK, v_TGK = (torch.randn(t, G, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    return q_THK, k_TGK, v_TGK, go_THK
+
+
+def _groups(rank: int, layout: str, mode: str) -> tuple[list[set], list[int], list[str]]:
+    """Per ring step of `rank`: the distinct kernel-argument groups (causal flag, kernel window)
+    among its pairs with work, and the number of those pairs (the kernel calls of the op before
+    issue 19); the kinds of pair met. Read off `_pair_plan` alone."""
+    from usp_graph.ops.ring import _pair_plan
+
+    c, ids = LAYOUTS[layout]
+    causal, window = MODES[mode]
+    steps = []
+    for step in range(R):
+        src = (rank - step) % R
+        plans = [
+            _pair_plan(qc, kc, CHUNK, causal, window)
+            for qc in ids[rank * c : (rank + 1) * c]
+            for kc in ids[src * c : (src + 1) * c]
+        ]
+        steps.append([p for p in plans if p is not None])
+    return (
+        [{(kind == "causal", tuple(win) or NO_WINDOW) for kind, _, win in plans} for plans in steps],
+        [len(plans) for plans in steps],
+        sorted({kind for plans in steps for kind, _, _ in plans}),
+    )
+
+
+def _local(x: torch.Tensor, rank: int, layout: str) -> torch.Tensor:
+    c, ids = LAYOUTS[layout]
+    return torch.cat([x[i * CHUNK : (i + 1) * CHUNK] for i in ids[rank * c : (rank + 1) * c]])
+
+
+def _run(rank: int, layout: str, mode: str, group_name: str) -> dict:
+    """One forward and backward of the ring op on this rank's chunks, with its kernel calls counted
+    (through the CPU kernel globals of `usp_graph.ops.varlen`, one call per op call)."""
+    from usp_graph.ops import varlen
+
+    c, ids = LAYOUTS[layout]
+    causal, window = MODES[mode]
+    lens = _lengths(layout, mode)
+    q, k, v, go = (_local(x, rank, layout) for x in _inputs(layout, mode))
+    ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
+    counts = {"fwd": 0, "bwd": 0}
+    saved = varlen._cpu_fwd, varlen._cpu_bwd
+
+    def counted(name, fn):
+        def run(*args):
+            counts[name] += 1
+            return fn(*args)
+
+        return run
+
+    varlen._cpu_fwd, varlen._cpu_bwd = counted("fwd", saved[0]), counted("bwd", saved[1])
+    try:
+        out, lse = torch.ops.usp.ring_attn_fwd(
+            ql, kl, vl, cu_seqlens(lens), max(lens), causal, K**-0.5, ids, c, group_name,
+            window_left=window[0], window_right=window[1],
+        )  # fmt: skip
+        out.backward(go)
+    finally:
+        varlen._cpu_fwd, varlen._cpu_bwd = saved
+    return {"out": out.detach(), "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "calls": counts}
+
+
+def _ring_step_cases(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import usp_graph.ops  # noqa: F401  (registers the ops)
+
+    group_name = dist.group.WORLD.group_name
+    results = {}
+    for layout, mode in CASES:
+        first = _run(rank, layout, mode, group_name)
+        again = _run(rank, layout, mode, group_name)
+        causal, window = MODES[mode]
+        lens = _lengths(layout, mode)
+        q, k, v, go = _inputs(layout, mode)
+        q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+        ref_out, ref_lse = attention_reference(q, k, v, cu_seqlens(lens), is_causal=causal, window=window)
+        ref = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(ref_out, (q, k, v), go), strict=True))
+        ref["out"] = ref_out.detach()
+        ref_lse = _local(ref_lse.detach().T, rank, layout).T
+        finite = torch.isfinite(ref_lse)
+        groups, pairs, kinds = _groups(rank, layout, mode)
+        results[(layout, mode)] = {
+            **{n: rel_err(first[n], _local(ref[n], rank, layout)) for n in ("out", "dq", "dk", "dv")},
+            "lse": rel_err(first["lse"][finite], ref_lse[finite]),
+            "same_inf": bool(torch.equal(torch.isinf(first["lse"]), ~finite)),
+            "bitwise": all(torch.equal(first[n], again[n]) for n in ("out", "lse", "dq", "dk", "dv")),
+            "calls": first["calls"],
+            "groups": [len(g) for g in groups],
+            "pairs": pairs,
+            "kinds": kinds,
+        }
+    return results
+
+
+_RESULTS: list[dict] = []
+
+
+def _results() -> list[dict]:
+    """Both ranks' results of every case: one call for the whole module."""
+    if not _RESULTS:
+        _RESULTS.extend(run_ranks(_ring_step_cases, R))
+    return _RESULTS
+
+
+@pytest.mark.slow
+def test_ring_runs_one_kernel_call_per_step_and_kernel_argument_group():
+    # A step needs at least one call per distinct group (the causal flag and the window are
+    # arguments of the kernel), so equal totals mean every step ran exactly one call per group.
+    for per_rank in _results():
+        for case in CASES:
+            r = per_rank[case]
+            assert r["calls"] == {"fwd": sum(r["groups"]), "bwd": sum(r["groups"])}, (case, r)
+
+
+@pytest.mark.slow
+def test_windowless_zigzag_and_2d_steps_are_one_call_or_two_when_causal():
+    for rank, per_rank in enumerate(_results()):
+        assert per_rank[("zigzag", "causal")]["groups"] == [2, 1], rank  # was 3 and 2 pairs
+        assert per_rank[("zigzag", "causal")]["pairs"] == [3, 2], rank
+        assert per_rank[("zigzag", "bidirectional")]["groups"] == [1, 1], rank  # was 4 and 4
+        assert per_rank[("2d", "bidirectional")]["groups"] == [1, 1], rank  # was 16 and 16
+        assert per_rank[("2d", "bidirectional")]["pairs"] == [16, 16], rank
+        assert max(per_rank[("2d", "causal")]["groups"]) <= 2, rank
+
+
+@pytest.mark.slow
+def test_cases_run_every_kind_of_pair():
+    kinds = {k for per_rank in _results() for r in per_rank.values() for k in r["kinds"]}
+    assert kinds == {"full", "causal", "before", "after"}
+
+
+@pytest.mark.slow
+def test_ring_steps_match_the_fp64_reference_forward_and_backward():
+    for per_rank in _results():
+        for case in CASES:
+            r = per_rank[case]
+            for name in ("out", "lse", "dq", "dk", "dv"):
+                assert r[name] <= TOL, (case, name, r[name])
+            assert r["same_inf"], case
+
+
+@pytest.mark.slow
+def test_ring_steps_are_bitwise_repeatable():
+    for per_rank in _results():
+        for case in CASES:
+            assert per_rank[case]["bitwise"], case
+
+
+def test_step_merge_copies_first_partials_and_keeps_untouched_rows_bitwise():
+    from usp_graph.ops.ring import _merge_step
+
+    gen = torch.Generator().manual_seed(19)
+    t, n = 12, 4  # three query chunks of 4 rows
+    out, lse = (
+        torch.zeros(t, H, K, dtype=torch.float64),
+        torch.full((H, t), float("-inf"), dtype=torch.float64),
+    )
+    seen = [False] * 3
+    parts = {}  # rows -> every partial (o, lse) they got, for the reference
+
+    def part(qi, r0, r1):
+        o_p, lse_p = torch.randn(r1 - r0, H, K, generator=gen), torch.randn(H, r1 - r0, generator=gen)
+        o_p, lse_p = o_p.double(), lse_p.double()
+        parts.setdefault(qi, []).append((slice(r0, r1), o_p, lse_p))
+        return qi, slice(r0, r1), o_p, lse_p
+
+    first = [part(0, 0, n), part(1, n, 2 * n), part(1, n, n + 2)]  # chunk 1: a full and a 2-row partial
+    _merge_step(out, lse, first, seen)
+    assert torch.equal(out[:n], first[0][2]) and torch.equal(lse[:, :n], first[0][3])  # copied
+    assert torch.equal(out[2 * n :], torch.zeros(n, H, K, dtype=torch.float64))  # untouched chunk 2
+    assert torch.isneginf(lse[:, 2 * n :]).all() and seen == [True, True, False]
+    _merge_step(out, lse, [part(2, 2 * n, 3 * n)], seen)
+    chunk1 = out[n : 2 * n].clone(), lse[:, n : 2 * n].clone()
+    _merge_step(out, lse, [part(0, 0, n), part(2, 2 * n, 3 * n - 1), part(0, 0, 1)], seen)
+    # Chunk 1 lies inside the rows this step merged, with no partial of its own: weight exp(0) = 1.
+    assert torch.equal(out[n : 2 * n], chunk1[0]) and torch.equal(lse[:, n : 2 * n], chunk1[1])
+    for rows_parts in parts.values():  # each row's result is the softmax-weighted union of its partials
+        ref_lse = torch.full_like(lse, float("-inf"))
+        for rows, _, lse_p in rows_parts:
+            ref_lse[:, rows] = torch.logaddexp(ref_lse[:, rows], lse_p)
+        ref_out = torch.zeros_like(out)
+        for rows, o_p, lse_p in rows_parts:
+            ref_out[rows] += o_p * torch.exp(lse_p - ref_lse[:, rows]).T.unsqueeze(-1)
+        rows = slice(min(r.start for r, _, _ in rows_parts), max(r.stop for r, _, _ in rows_parts))
+        assert rel_err(out[rows], ref_out[rows]) <= 1e-14
+        assert rel_err(lse[:, rows], ref_lse[:, rows]) <= 1e-14
