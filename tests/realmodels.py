@@ -307,3 +307,235 @@ def wan_inputs(batch: int, frames: int, txt: int, *, seed: int, size: int = 4) -
         "encoder_hidden_states": torch.randn(batch, txt, 32, **f64),
         "timestep": torch.rand(batch, **f64) * 1000,
     }
+
+
+# ---- the model-family sweep (tools/sweep_models.py, tests/test_model_sweep.py) -------------------
+#
+# More transformers families, each tiny and fp64 from a config, every dropout probability zeroed
+# (the checks run in training mode). kind: "decoder" (logits, use_cache=False), "encoder" (last
+# hidden state) or "seq2seq" (an encoder-decoder: packed source and target documents, document i of
+# the target reads document i of the source through cross-attention).
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """One family of the sweep: its config class and model class names in transformers, the config
+    keywords on top of the family's defaults, its kind and its fp64 tolerance (see `LMSpec.tol`)."""
+
+    name: str
+    config: str
+    model: str
+    kwargs: tuple = ()
+    kind: str = "decoder"
+    tol: float = 1e-10
+    model_kwargs: tuple = ()
+
+
+_DEC = dict(
+    hidden_size=WIDTH,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=HEADS,
+    num_key_value_heads=KV_HEADS,
+)
+_ENC = dict(hidden_size=WIDTH, intermediate_size=64, num_hidden_layers=2, num_attention_heads=HEADS)
+
+
+def _kw(*dicts, **extra) -> tuple:
+    out: dict = {}
+    for d in dicts:
+        out.update(d)
+    out.update(extra)
+    return tuple(sorted(out.items()))
+
+
+_SLIDE2 = dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])
+# No pooler: an unused pooler gets None grads in eager but zeros from a compiled graph (see _lm_config).
+_NO_POOLER = (("add_pooling_layer", False),)
+_FP32_NORM = 1e-6  # Gemma and Helium RMSNorm, Cohere LayerNorm: fp32 even in fp64 models (see LMSpec.tol)
+
+SWEEP_SPECS = {
+    s.name: s
+    for s in (
+        SweepSpec("llama", "LlamaConfig", "LlamaForCausalLM", _kw(_DEC)),
+        SweepSpec("phi3", "Phi3Config", "Phi3ForCausalLM", _kw(_DEC, partial_rotary_factor=0.5)),
+        SweepSpec("qwen3", "Qwen3Config", "Qwen3ForCausalLM", _kw(_DEC, head_dim=8)),
+        SweepSpec(
+            "qwen3_moe",
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
+            _kw(_DEC, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+        ),
+        SweepSpec("olmo", "OlmoConfig", "OlmoForCausalLM", _kw(_DEC, clip_qkv=8.0)),
+        SweepSpec("olmo2", "Olmo2Config", "Olmo2ForCausalLM", _kw(_DEC)),
+        SweepSpec("olmo3", "Olmo3Config", "Olmo3ForCausalLM", _kw(_DEC, **_SLIDE2)),
+        SweepSpec("granite", "GraniteConfig", "GraniteForCausalLM", _kw(_DEC, attention_multiplier=0.3)),
+        SweepSpec(
+            "starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", _kw(_DEC, sliding_window=WINDOW)
+        ),
+        SweepSpec(
+            "stablelm",
+            "StableLmConfig",
+            "StableLmForCausalLM",
+            _kw(_DEC, partial_rotary_factor=0.5, qk_layernorm=True),
+        ),
+        SweepSpec(
+            "gpt_neox",
+            "GPTNeoXConfig",
+            "GPTNeoXForCausalLM",
+            _kw(_ENC, rotary_pct=0.25, use_parallel_residual=True),
+        ),
+        SweepSpec("cohere", "CohereConfig", "CohereForCausalLM", _kw(_DEC, use_qk_norm=True), tol=_FP32_NORM),
+        SweepSpec("cohere2", "Cohere2Config", "Cohere2ForCausalLM", _kw(_DEC, **_SLIDE2), tol=_FP32_NORM),
+        SweepSpec("glm", "GlmConfig", "GlmForCausalLM", _kw(_DEC, head_dim=8)),
+        SweepSpec("glm4", "Glm4Config", "Glm4ForCausalLM", _kw(_DEC, head_dim=8)),
+        SweepSpec("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM", _kw(_DEC, no_rope_layers=[1, 0])),
+        SweepSpec(
+            "mixtral",
+            "MixtralConfig",
+            "MixtralForCausalLM",
+            _kw(_DEC, num_local_experts=4, sliding_window=WINDOW),
+        ),
+        SweepSpec("ministral", "MinistralConfig", "MinistralForCausalLM", _kw(_DEC, head_dim=8, **_SLIDE2)),
+        SweepSpec("gemma", "GemmaConfig", "GemmaForCausalLM", _kw(_DEC, head_dim=8), tol=_FP32_NORM),
+        SweepSpec("helium", "HeliumConfig", "HeliumForCausalLM", _kw(_DEC, head_dim=8), tol=_FP32_NORM),
+        SweepSpec("exaone4", "Exaone4Config", "Exaone4ForCausalLM", _kw(_DEC, **_SLIDE2)),
+        SweepSpec("ernie4_5", "Ernie4_5Config", "Ernie4_5ForCausalLM", _kw(_DEC, head_dim=8)),
+        SweepSpec("apertus", "ApertusConfig", "ApertusForCausalLM", _kw(_DEC)),
+        SweepSpec("arcee", "ArceeConfig", "ArceeForCausalLM", _kw(_DEC)),
+        SweepSpec("nemotron", "NemotronConfig", "NemotronForCausalLM", _kw(_DEC, partial_rotary_factor=0.5)),
+        SweepSpec("persimmon", "PersimmonConfig", "PersimmonForCausalLM", _kw(_ENC, qk_layernorm=True)),
+        SweepSpec(
+            "falcon",
+            "FalconConfig",
+            "FalconForCausalLM",
+            _kw(_ENC, num_kv_heads=KV_HEADS, new_decoder_architecture=True, alibi=False),
+        ),
+        SweepSpec(
+            "opt",
+            "OPTConfig",
+            "OPTForCausalLM",
+            _kw(
+                hidden_size=WIDTH,
+                ffn_dim=64,
+                num_hidden_layers=2,
+                num_attention_heads=HEADS,
+                word_embed_proj_dim=WIDTH,
+            ),
+        ),
+        SweepSpec(
+            "gptj", "GPTJConfig", "GPTJForCausalLM", _kw(n_embd=WIDTH, n_layer=2, n_head=HEADS, rotary_dim=4)
+        ),
+        SweepSpec(
+            "phi", "PhiConfig", "PhiForCausalLM", _kw(_ENC, partial_rotary_factor=0.5, qk_layernorm=True)
+        ),
+        SweepSpec(
+            "codegen",
+            "CodeGenConfig",
+            "CodeGenForCausalLM",
+            _kw(n_embd=WIDTH, n_layer=2, n_head=HEADS, rotary_dim=4),
+        ),
+        SweepSpec(
+            "gpt_bigcode",
+            "GPTBigCodeConfig",
+            "GPTBigCodeForCausalLM",
+            _kw(n_embd=WIDTH, n_layer=2, n_head=HEADS, multi_query=True),
+        ),
+        SweepSpec(
+            "roberta", "RobertaConfig", "RobertaModel", _kw(_ENC), kind="encoder", model_kwargs=_NO_POOLER
+        ),
+        SweepSpec(
+            "xlm_roberta",
+            "XLMRobertaConfig",
+            "XLMRobertaModel",
+            _kw(_ENC),
+            kind="encoder",
+            model_kwargs=_NO_POOLER,
+        ),
+        SweepSpec(
+            "electra", "ElectraConfig", "ElectraModel", _kw(_ENC, embedding_size=WIDTH), kind="encoder"
+        ),
+        SweepSpec(
+            "albert",
+            "AlbertConfig",
+            "AlbertModel",
+            _kw(_ENC, embedding_size=16),
+            kind="encoder",
+            model_kwargs=_NO_POOLER,
+        ),
+        SweepSpec(
+            "distilbert",
+            "DistilBertConfig",
+            "DistilBertModel",
+            _kw(dim=WIDTH, hidden_dim=64, n_layers=2, n_heads=HEADS),
+            kind="encoder",
+        ),
+        SweepSpec(
+            "modernbert",
+            "ModernBertConfig",
+            "ModernBertModel",
+            _kw(_ENC, global_attn_every_n_layers=2, local_attention=WINDOW, pad_token_id=0),
+            kind="encoder",
+        ),
+        SweepSpec(
+            "bart",
+            "BartConfig",
+            "BartModel",
+            _kw(
+                d_model=WIDTH,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=HEADS,
+                decoder_attention_heads=HEADS,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+            ),
+            kind="seq2seq",
+        ),
+        SweepSpec(
+            "t5",
+            "T5Config",
+            "T5Model",
+            _kw(d_model=WIDTH, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=HEADS),
+            kind="seq2seq",
+        ),
+        SweepSpec(
+            "whisper",
+            "WhisperConfig",
+            "WhisperModel",
+            _kw(
+                d_model=WIDTH,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=HEADS,
+                decoder_attention_heads=HEADS,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                num_mel_bins=8,
+                max_source_positions=32,
+            ),
+            kind="seq2seq",
+        ),
+    )
+}
+
+
+def make_sweep_model(name: str, *, seed: int = 0) -> nn.Module:
+    """The sweep's tiny family `name` (`SWEEP_SPECS`): fp64, SDPA attention, dropout zeroed."""
+    import transformers
+
+    spec = SWEEP_SPECS[name]
+    config = getattr(transformers, spec.config)(
+        vocab_size=VOCAB, max_position_embeddings=64, **dict(spec.kwargs)
+    )
+    for key, value in list(vars(config).items()):
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key or key.endswith("_drop")):
+            setattr(config, key, 0.0)
+        if key.endswith("token_id") and isinstance(value, int) and value >= VOCAB:
+            setattr(config, key, 0)  # the family's real vocabulary ids do not fit the tiny one
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "batched_mm"  # grouped_mm has no fp64 kernel
+    torch.manual_seed(seed)
+    model = getattr(transformers, spec.model)(config, **dict(spec.model_kwargs)).double()
+    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    return model

@@ -1,0 +1,281 @@
+"""Sweep transformers model families under backend "usp" on packed documents (CPU, fp64, tiny).
+
+    python tools/sweep_models.py                     # every family of tests/realmodels.SWEEP_SPECS
+    python tools/sweep_models.py --families phi3,t5  # some
+
+Each family is built from a config (no download), fp64, SDPA attention, dropout zeroed, training
+mode, and runs on 2 rows x 16 tokens of packed documents (positions restart at 0 per document;
+no document crosses a row). Checks, each printed as ok / FAIL / ERR (an exception) / - (skipped):
+
+- packed: ``torch.compile(model, backend="usp")`` under ``documents(meta)`` with
+  ``use_cache=False`` vs every document run alone through the plain model: the output and every
+  parameter grad of a linear loss within the family's fp64 tolerance (`SweepSpec.tol`).
+- bitwise: the same compiled call vs eager ``attention_mode(meta)``: output and grads equal.
+- ckpt: ``gradient_checkpointing_enable()``, compiled again: matches each document alone and
+  rewrote as many attention calls as without checkpointing, keeping none as SDPA.
+
+Encoder-decoders (kind "seq2seq"): source and target documents pair up (document i of the
+target reads document i of the source): ``documents(target_meta, kv=source_meta)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import os
+import sys
+import time
+import traceback
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import usp_graph  # noqa: E402
+from tests.realmodels import (  # noqa: E402
+    SWEEP_SPECS,
+    VOCAB,
+    grads,
+    make_sweep_model,
+    max_err,
+    packed_positions,
+    weighted_loss,
+)
+from usp_graph import AttentionMetadata  # noqa: E402
+
+ROWS, LENGTH = 2, 16
+SOURCE = (5, 1, 6, 4, 9, 7)  # 2 x 16 tokens, a length-1 document, documents longer than the window
+TARGET = (3, 2, 1, 4, 6, 4)  # seq2seq targets: 2 x 10 tokens, document i reads source document i
+TARGET_ROW = 10
+MAX_DOCS = 8
+
+
+class Batch:
+    """One packed batch of a family: model inputs, documents, and per-document slices."""
+
+    def __init__(self, kind: str, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.kind = kind
+        self.ids = torch.randint(1, VOCAB, (ROWS, LENGTH), generator=gen)
+        self.pos = packed_positions(SOURCE).view(ROWS, LENGTH)
+        self.meta = AttentionMetadata.from_lengths(SOURCE, max_docs=MAX_DOCS)
+        if kind == "seq2seq":
+            self.tgt = torch.randint(1, VOCAB, (ROWS, TARGET_ROW), generator=gen)
+            self.tgt_pos = packed_positions(TARGET).view(ROWS, TARGET_ROW)
+            self.tgt_meta = AttentionMetadata.from_lengths(TARGET, max_docs=MAX_DOCS)
+
+    def documents(self):
+        if self.kind == "seq2seq":
+            return usp_graph.documents(self.tgt_meta, kv=self.meta)
+        return usp_graph.documents(self.meta)
+
+    def attention_mode(self):
+        if self.kind == "seq2seq":
+            return usp_graph.attention_mode(self.tgt_meta, kv=self.meta)
+        return usp_graph.attention_mode(self.meta)
+
+
+def _takes(model, name: str) -> bool:
+    return name in inspect.signature(model.forward).parameters
+
+
+def forward(model, kind: str, ids, pos, tgt=None, tgt_pos=None, *, takes=None) -> torch.Tensor:
+    """The tensor the loss reads: logits (decoder), last hidden state (encoder), or the decoder's
+    last hidden state next to the encoder's (seq2seq, concatenated on the token axis)."""
+    takes = takes or (lambda n: _takes(model, n))
+    kw = {"position_ids": pos} if takes("position_ids") else {}
+    if kind == "decoder":
+        return model(input_ids=ids, use_cache=False, **kw).logits
+    if kind == "encoder":
+        return model(input_ids=ids, **kw).last_hidden_state
+    if takes("decoder_position_ids"):
+        kw["decoder_position_ids"] = tgt_pos
+    out = model(input_ids=ids, decoder_input_ids=tgt, use_cache=False, **kw)
+    return torch.cat([out.last_hidden_state, out.encoder_last_hidden_state], 1)
+
+
+def alone(model, batch: Batch, takes) -> tuple[torch.Tensor, dict]:
+    """Output and grads with every document run alone through the plain model."""
+    ids, pos = batch.ids.reshape(1, -1), batch.pos.reshape(1, -1)
+    starts = [0]
+    for n in SOURCE:
+        starts.append(starts[-1] + n)
+    dec, enc = [], []
+    if batch.kind == "seq2seq":
+        tgt, tgt_pos = batch.tgt.reshape(1, -1), batch.tgt_pos.reshape(1, -1)
+        t0 = 0
+        for i in range(len(SOURCE)):
+            s = slice(starts[i], starts[i + 1])
+            t = slice(t0, t0 + TARGET[i])
+            t0 += TARGET[i]
+            out = forward(model, "seq2seq", ids[:, s], pos[:, s], tgt[:, t], tgt_pos[:, t], takes=takes)
+            dec.append(out[:, : TARGET[i]])
+            enc.append(out[:, TARGET[i] :])
+        out = torch.cat(
+            [torch.cat(dec, 1).view(ROWS, TARGET_ROW, -1), torch.cat(enc, 1).view(ROWS, LENGTH, -1)], 1
+        )
+    else:
+        for i in range(len(SOURCE)):
+            s = slice(starts[i], starts[i + 1])
+            dec.append(forward(model, batch.kind, ids[:, s], pos[:, s], takes=takes))
+        out = torch.cat(dec, 1).view(ROWS, LENGTH, -1)
+    weighted_loss(out).backward()
+    return out.detach(), grads(model)
+
+
+def packed(fn, model, batch: Batch, block, takes) -> tuple[torch.Tensor, dict]:
+    with block:
+        out = forward(
+            fn,
+            batch.kind,
+            batch.ids,
+            batch.pos,
+            getattr(batch, "tgt", None),
+            getattr(batch, "tgt_pos", None),
+            takes=takes,
+        )
+    weighted_loss(out).backward()
+    return out.detach(), grads(model)
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text[:300]
+
+
+def sweep_one(name: str) -> dict:
+    """Run the three checks on family `name`; a dict of results."""
+    spec = SWEEP_SPECS[name]
+    row: dict = {"family": name, "kind": spec.kind, "tol": spec.tol}
+    torch._dynamo.reset()
+    try:
+        model = make_sweep_model(name)
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        row["build"] = _short(exc)
+        return row
+    model.train()
+    takes = lambda n, m=model: _takes(m, n)  # noqa: E731 - the compiled wrapper hides the signature
+    row["position_ids"] = takes("position_ids")
+    batch = Batch(spec.kind, seed=2)
+    try:
+        ref_out, ref = alone(model, batch, takes)
+    except Exception as exc:  # noqa: BLE001
+        row["build"] = "the plain model (each document alone): " + _short(exc)
+        return row
+
+    reports: list = []
+    fn = torch.compile(model, backend="usp", options={"inner": "aot_eager", "on_compile": reports.append})
+    try:
+        out, got = packed(fn, model, batch, batch.documents(), takes)
+        err = max(max_err(out, ref_out), max_err(got, ref))
+        row["packed"] = ("ok" if err <= spec.tol else "FAIL", err)
+        row["sites"] = sum(len(r.rewritten) for r in reports)
+        row["kept"] = [k for r in reports for k in r.kept]
+    except Exception as exc:  # noqa: BLE001
+        row["packed"] = ("ERR", _short(exc))
+        row["trace"] = traceback.format_exc()
+        return row
+    try:
+        eager_out, eager = packed(model, model, batch, batch.attention_mode(), takes)
+        same = torch.equal(out, eager_out) and eager.keys() == got.keys()
+        same = same and all(torch.equal(got[n], eager[n]) for n in eager)
+        row["bitwise"] = ("ok" if same else "FAIL", 0.0 if same else max_err(got, eager))
+    except Exception as exc:  # noqa: BLE001
+        row["bitwise"] = ("ERR", _short(exc))
+    try:
+        torch._dynamo.reset()
+        model.gradient_checkpointing_enable()
+        model.train()
+        ck_reports: list = []
+        fn = torch.compile(
+            model, backend="usp", options={"inner": "aot_eager", "on_compile": ck_reports.append}
+        )
+        out, got = packed(fn, model, batch, batch.documents(), takes)
+        err = max(max_err(out, ref_out), max_err(got, ref))
+        sites = sum(len(r.rewritten) for r in ck_reports)
+        kept = [k for r in ck_reports for k in r.kept]
+        ok = err <= spec.tol and sites == row["sites"] and not kept
+        row["ckpt"] = ("ok" if ok else "FAIL", err)
+        if not ok:
+            row["ckpt_why"] = f"err {err:.1e}, rewrote {sites} of {row['sites']} sites, kept {kept}"
+    except Exception as exc:  # noqa: BLE001
+        row["ckpt"] = ("ERR", _short(exc))
+    return row
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    status, detail = value
+    if status == "ERR":
+        return "ERR"
+    return f"{status} {detail:.1e}"
+
+
+def table(rows: list[dict]) -> str:
+    head = "| family | kind | packed (max err) | bitwise | ckpt (max err) | sites | tol |"
+    lines = [head, "| --- | --- | --- | --- | --- | --- | --- |"]
+    notes = []
+    for r in rows:
+        if "build" in r:
+            lines.append(f"| {r['family']} | {r['kind']} | ERR | - | - | - | - |")
+            notes.append(f"{r['family']}: build: {r['build']}")
+            continue
+        bit = r.get("bitwise")
+        bit_cell = "-" if bit is None else ("ok" if bit[0] == "ok" else bit[0])
+        lines.append(
+            f"| {r['family']} | {r['kind']} | {_cell(r.get('packed'))} | {bit_cell} | {_cell(r.get('ckpt'))} "
+            f"| {r.get('sites', '-')} | {r['tol']:.0e} |"
+        )
+        for key in ("packed", "bitwise", "ckpt"):
+            v = r.get(key)
+            if v is not None and v[0] == "ERR":
+                notes.append(f"{r['family']}: {key}: {v[1]}")
+        if r.get("ckpt_why"):
+            notes.append(f"{r['family']}: ckpt: {r['ckpt_why']}")
+        if r.get("kept"):
+            notes.append(f"{r['family']}: kept as SDPA: {r['kept']}")
+        if not r.get("position_ids", True):
+            notes.append(f"{r['family']}: forward takes no position_ids")
+    return "\n".join(lines + [""] + notes)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--families", default=None, help="comma-separated names (default: all)")
+    parser.add_argument("--trace", action="store_true", help="print the traceback of each exception")
+    args = parser.parse_args(argv)
+    names = args.families.split(",") if args.families else list(SWEEP_SPECS)
+    unknown = [n for n in names if n not in SWEEP_SPECS]
+    if unknown:
+        parser.error(f"unknown families {unknown}; one of {sorted(SWEEP_SPECS)}")
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    rows = []
+    with torch._dynamo.config.patch(recompile_limit=64, cache_size_limit=64):
+        for name in names:
+            t0 = time.perf_counter()
+            with contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115
+                row = sweep_one(name)
+            row["seconds"] = time.perf_counter() - t0
+            rows.append(row)
+            print(
+                f"{name}: {row.get('packed')} {row.get('bitwise')} {row.get('ckpt')} ({row['seconds']:.1f} s)",
+                flush=True,
+            )
+            if args.trace and row.get("trace"):
+                print(row["trace"])
+    print()
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
