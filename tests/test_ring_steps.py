@@ -149,7 +149,20 @@ def _ring_step_cases(rank: int, world: int) -> dict:
             "pairs": pairs,
             "kinds": kinds,
         }
+    results["short"] = _short_boundaries(rank, group_name)
     return results
+
+
+def _short_boundaries(rank: int, group_name: str) -> str:
+    """The error of a call whose boundaries stop short of the stream's end (packing pairs into one
+    call needs every view to reach its chunk's end)."""
+    c, ids = LAYOUTS["zigzag"]
+    q, k, v, _ = (_local(x, rank, "zigzag") for x in _inputs("zigzag", "causal"))
+    try:
+        torch.ops.usp.ring_attn_fwd(q, k, v, cu_seqlens([10, 20]), 20, True, 1.0, ids, c, group_name)
+    except RuntimeError as e:
+        return str(e)
+    return ""
 
 
 _RESULTS: list[dict] = []
@@ -184,8 +197,14 @@ def test_windowless_zigzag_and_2d_steps_are_one_call_or_two_when_causal():
 
 
 @pytest.mark.slow
+def test_boundaries_short_of_the_stream_end_are_refused():
+    for per_rank in _results():
+        assert "cu_seqlens must run from 0 to the 48 tokens of the stream" in per_rank["short"]
+
+
+@pytest.mark.slow
 def test_cases_run_every_kind_of_pair():
-    kinds = {k for per_rank in _results() for r in per_rank.values() for k in r["kinds"]}
+    kinds = {k for per_rank in _results() for case in CASES for k in per_rank[case]["kinds"]}
     assert kinds == {"full", "causal", "before", "after"}
 
 

@@ -287,6 +287,19 @@ def _layout(q: Tensor, chunk_ids: list[int], chunks_per_rank: int, group_name: s
     return group, size, rank, chunk, ids
 
 
+def _check_ends(cu: Tensor, total: int) -> None:
+    """Assert, without a host sync, that the global boundaries start at 0 and reach the stream's
+    end: then every pair's views run 0..its row and key counts, which packing several pairs into
+    one call relies on (the kernel checks the call's views, not where one pair's end)."""
+    ok = (cu[0] == 0) & (cu[-1] >= total)
+    if ok.device.type == "cuda":
+        torch._assert_async(ok)
+    else:
+        torch._assert_async(
+            ok, f"usp::ring_attn: cu_seqlens must run from 0 to the {total} tokens of the stream"
+        )
+
+
 @torch.library.custom_op("usp::ring_attn_fwd", mutates_args=())
 def ring_attn_fwd(
     q: Tensor,
@@ -313,6 +326,7 @@ def ring_attn_fwd(
     t, h, _ = q.shape
     out = torch.zeros(t, h, v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full((h, t), _NEG_INF, dtype=acc, device=q.device)
+    _check_ends(cu_seqlens, len(chunk_ids) * chunk)
     seen = [False] * len(ids[rank])  # query chunks that hold a partial result already
     kv = [k, v]
     for step in range(size):
@@ -413,6 +427,7 @@ def ring_attn_bwd(
     group, size, rank, chunk, ids = _layout(q, chunk_ids, chunks_per_rank, group_name)
     window = (window_left, window_right)
     acc = _lse_dtype(q.dtype)
+    _check_ends(cu_seqlens, len(chunk_ids) * chunk)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     k_cur, v_cur = k, v
     carried = None  # dK/dV of the visiting K/V accumulated by earlier ranks, in flight
