@@ -12,8 +12,8 @@ per rank in zigzag order (C = 4 is what 2-D USP hands the ring at P = 2), timed 
 in the same process, interleaved:
 - "per_step": the op as it is, one varlen call per kernel-argument group and one merge per step;
 - "per_pair": the op's structure before issue 19, one varlen call and one merge per (query chunk,
-  key chunk) pair: `ring._calls` and `ring._merge_step` are swapped for the run for one call per
-  pair and one `_merge_step` per partial result.
+  key chunk) pair: `ring._views`, `ring._calls` and `ring._merge_step` are swapped for the run for
+  one view and one call per pair and one `_merge_step` per partial result.
 Both are checked against each other (rel err of out, dq, dk, dv), their varlen kernel calls are
 counted (`kernel_calls`), and the memory one fwd+bwd allocates is read (`peak_extra_gib`).
 """
@@ -37,16 +37,32 @@ from usp_graph.testing import cu_seqlens, lognormal_lengths
 ZIGZAG = {1: [0], 2: [0, 1], 4: [0, 3, 1, 2]}  # chunk order of one rank (C = 4: two zigzag ranks)
 
 
+def pair_views(q_ids, k_ids, chunk, cu, is_causal, max_seqlen, window=NO_WINDOW):
+    """One view per (query chunk, key chunk) pair with work, windowless: what the op ran before
+    issue 19."""
+    if window != NO_WINDOW:
+        raise ValueError("the per-pair mode is windowless only")
+    for qi, qc in enumerate(q_ids):
+        for ki, kc in enumerate(k_ids):
+            plan = ring._pair_plan(qc, kc, chunk, is_causal, window)
+            if plan is not None:
+                cu_q, cu_k = ring.pair_view(cu, qc * chunk, kc * chunk, chunk)
+                rows, keys = slice(qi * chunk, (qi + 1) * chunk), slice(ki * chunk, (ki + 1) * chunk)
+                yield ring._View([qi], [rows], [keys], cu_q, cu_k, plan[0] == "causal", (), max_seqlen)
+
+
 @contextlib.contextmanager
 def per_pair():
     """The op as it ran before issue 19: one kernel call and one merge per chunk pair."""
-    calls, merge = ring._calls, ring._merge_step
-    ring._calls = lambda pairs: [ring._Call([p], p.causal, tuple(p.window) or NO_WINDOW) for p in pairs]
+    saved = ring._views, ring._calls, ring._merge_step
+    merge = ring._merge_step
+    ring._views = pair_views
+    ring._calls = lambda views: [ring._Call([p], p.causal, NO_WINDOW) for p in views]
     ring._merge_step = lambda out, lse, parts, seen: [merge(out, lse, [p], seen) for p in parts]
     try:
         yield
     finally:
-        ring._calls, ring._merge_step = calls, merge
+        ring._views, ring._calls, ring._merge_step = saved
 
 
 def main() -> int:

@@ -10,11 +10,11 @@ boundaries may change every step and documents may cross chunks.
 
 Forward: K/V travel around the ring (rank r receives from r-1); at each step every local query
 chunk attends the visiting key chunks, and partial outputs are merged by their log-sum-exp in fp32
-(fp64 for fp64 inputs). The (query chunk, key chunk) pairs of a step that share the kernel's
-arguments (causal flag, window) run as ONE ``usp::varlen_fwd`` call (`_calls`): their query rows and
-key rows back to back, each pair's documents separate sequences of the packed call. So a windowless
-causal step is at most two calls (the causal diagonal pairs, the full pairs below it) and a
-bidirectional step one, whatever the chunks per rank (zigzag, 2-D USP); issue 19. The step's
+(fp64 for fp64 inputs). A step runs one ``usp::varlen_fwd`` call per kernel-argument group (causal
+flag, window; `_calls`), not one per (query chunk, key chunk) pair (issue 19): the group's views
+go back to back, each view's documents separate sequences of the packed call. Windowless pairs
+join into views over several chunks laid out in global order (`_views`), so a windowless step,
+causal or not, zigzag or 2-D USP, is ONE call that computes each query row once. The step's
 partial results are merged into the running result in one pass (`_merge_step`).
 Backward: recompute against the global out/lse with ``usp::varlen_bwd``, the same calls; the
 gradients go back to dq and to the dK/dV buffer by slice adds in a fixed order (bitwise repeatable;
@@ -112,93 +112,181 @@ def _pair_plan(
     return "after", n, (-1, right - gap)
 
 
-class _Pair:
-    """One (local query chunk, visiting key chunk) pair: its share of a step's kernel call (`_Call`),
-    the same in forward and backward.
+class _View:
+    """One view of a step's kernel call (`_Call`), the same in forward and backward: the local
+    query chunks `qis` (rows: their slices of the local q) against visiting key chunks (keys:
+    slices of the visiting K/V), each list in global chunk order, so every document's queries and
+    keys lie back to back. Windowless views take several chunks (`_views`); a windowed pair is
+    one query chunk and one key chunk, with dummy: query rows appended after its rows ('after')
+    and valid: bool (rows,) of the rows that belong to its document ('before'). window: the
+    kernel's trailing window args; max_q: bound on the query views' lengths."""
 
-    rows / keys: slices of the local q and the visiting k; dummy: query rows appended after q's
-    rows ('after'); valid: bool (rows,) of the rows that belong to the pair's document ('before');
-    window: the kernel's trailing window args; max_q: bound on the query views' lengths."""
+    __slots__ = ("qis", "rows", "keys", "cu_q", "cu_k", "causal", "window", "max_q", "dummy", "valid")
 
-    __slots__ = ("qi", "rows", "keys", "cu_q", "cu_k", "causal", "window", "max_q", "dummy", "valid")
-
-    def __init__(self, qi, rows, keys, cu_q, cu_k, causal, window, max_q, dummy=0, valid=None):
-        self.qi, self.rows, self.keys, self.cu_q, self.cu_k = qi, rows, keys, cu_q, cu_k
+    def __init__(self, qis, rows, keys, cu_q, cu_k, causal, window, max_q, dummy=0, valid=None):
+        self.qis, self.rows, self.keys, self.cu_q, self.cu_k = qis, rows, keys, cu_q, cu_k
         self.causal, self.window, self.max_q, self.dummy, self.valid = causal, window, max_q, dummy, valid
 
 
-def _pairs(q_ids, k_ids, chunk, cu, is_causal, max_seqlen, window=NO_WINDOW):
-    """Every (local query chunk, visiting key chunk) pair that has work, in a fixed order."""
+def _chunks_view(cu: Tensor, starts: list[int], chunk: int) -> Tensor:
+    """Document boundaries of the chunks starting at `starts` (global positions, ascending) laid
+    back to back: each boundary counts the chunks' tokens before it."""
+    view = cu.clamp(starts[0], starts[0] + chunk) - starts[0]
+    for s in starts[1:]:
+        view = view + (cu.clamp(s, s + chunk) - s)
+    return view
+
+
+def _views(q_ids, k_ids, chunk, cu, is_causal, max_seqlen, window=NO_WINDOW):
+    """The views of one step, in a fixed order: every (local query chunk, visiting key chunk) pair
+    with work (`_pair_plan`) is in exactly one.
+
+    Windowless pairs ('full', and 'causal' on the diagonal) join across chunks, so each query row
+    is in one windowless view per step: when the query and key chunks are the same set (a ring's
+    first step) one view holds them all (plain causal or bidirectional attention over the chunks in
+    global order); otherwise query chunks that attend the same key chunks in full share one view
+    (keys repeat only across views with different key sets), and a query chunk with its own
+    diagonal takes the keys below it and then its own, causal (bottom-right: each query sees every
+    earlier key and its own chunk causally). Windowed pairs ('before', 'after', the diagonal under
+    a window) stay one view each."""
+    full: dict[int, list[int]] = {}  # query chunk -> key chunks it attends whole, no window
+    diag: dict[int, int] = {}  # query chunk -> its own chunk among the keys, windowless causal
+    windowed = []
     for qi, qc in enumerate(q_ids):
         for ki, kc in enumerate(k_ids):
             plan = _pair_plan(qc, kc, chunk, is_causal, window)
             if plan is None:
                 continue
-            kind, size, win = plan
-            q0, k0 = qi * chunk, ki * chunk
-            qs, ks = qc * chunk, kc * chunk
-            if kind == "before":
-                # One view of `size` rows for the document that holds token qs (the only one with
-                # keys in this chunk and queries in that one); its key view ends at the chunk end.
-                cu_q = (cu > qs).to(cu.dtype) * size
-                cu_k = cu.clamp(ks, ks + chunk) - ks
-                doc_end = torch.where(cu > qs, cu, torch.iinfo(cu.dtype).max).amin()
-                valid = torch.arange(qs, qs + size, device=cu.device) < doc_end
-                rows = slice(q0, q0 + size)
-                yield _Pair(qi, rows, slice(k0, k0 + chunk), cu_q, cu_k, False, win, max(max_seqlen, size),
-                            valid=valid)  # fmt: skip
-            elif kind == "after":
-                # Dummy query rows stand for key positions ks .. ks+size-1 with the gap removed:
-                # boundaries past the query chunk continue at row `chunk`.
-                cu_q = (cu.clamp(qs, qs + chunk) - qs) + (cu.clamp(ks, ks + size) - ks)
-                cu_k = cu.clamp(ks, ks + size) - ks
-                yield _Pair(qi, slice(q0, q0 + chunk), slice(k0, k0 + size), cu_q, cu_k, False, win, max_seqlen,
-                            dummy=size)  # fmt: skip
+            if plan[2] == ():
+                if plan[0] == "causal":
+                    diag[qi] = ki
+                else:
+                    full.setdefault(qi, []).append(ki)
             else:
-                cu_q, cu_k = pair_view(cu, qs, ks, chunk)
-                yield _Pair(qi, slice(q0, q0 + chunk), slice(k0, k0 + chunk), cu_q, cu_k, kind == "causal", win,
-                            max_seqlen)  # fmt: skip
+                windowed.append((qi, ki, plan))
+
+    def by_id(ids, idx):
+        return sorted(idx, key=lambda i: ids[i])
+
+    def rows(ids, idx):
+        return [slice(i * chunk, (i + 1) * chunk) for i in idx]
+
+    def starts(ids, idx):
+        return [ids[i] * chunk for i in idx]
+
+    same_set = len(set(q_ids)) == len(q_ids) and sorted(q_ids) == sorted(k_ids)
+    if window == NO_WINDOW and same_set:
+        qis, kis = by_id(q_ids, range(len(q_ids))), by_id(k_ids, range(len(k_ids)))
+        cu_v = _chunks_view(cu, starts(q_ids, qis), chunk)
+        yield _View(qis, rows(q_ids, qis), rows(k_ids, kis), cu_v, cu_v, is_causal, (), max_seqlen)
+    else:
+        views: dict[tuple, list[int]] = {}  # (keys attended whole, own diagonal) -> query chunks
+        for qi in range(len(q_ids)):
+            if qi in full or qi in diag:
+                kis = tuple(by_id(k_ids, full.get(qi, [])))
+                views.setdefault((kis, diag.get(qi)), []).append(qi)  # a diagonal is one chunk's
+        for (kis, d), qis in views.items():
+            qis = by_id(q_ids, qis)
+            kis = [*kis, d] if d is not None else list(kis)  # keys below a diagonal come first
+            yield _View(qis, rows(q_ids, qis), rows(k_ids, kis), _chunks_view(cu, starts(q_ids, qis), chunk),
+                        _chunks_view(cu, starts(k_ids, kis), chunk), d is not None, (), max_seqlen)  # fmt: skip
+    for qi, ki, (kind, size, win) in windowed:
+        q0, k0 = qi * chunk, ki * chunk
+        qs, ks = q_ids[qi] * chunk, k_ids[ki] * chunk
+        if kind == "before":
+            # One view of `size` rows for the document that holds token qs (the only one with
+            # keys in this chunk and queries in that one); its key view ends at the chunk end.
+            cu_q = (cu > qs).to(cu.dtype) * size
+            cu_k = cu.clamp(ks, ks + chunk) - ks
+            doc_end = torch.where(cu > qs, cu, torch.iinfo(cu.dtype).max).amin()
+            valid = torch.arange(qs, qs + size, device=cu.device) < doc_end
+            yield _View([qi], [slice(q0, q0 + size)], [slice(k0, k0 + chunk)], cu_q, cu_k, False, win,
+                        max(max_seqlen, size), valid=valid)  # fmt: skip
+        elif kind == "after":
+            # Dummy query rows stand for key positions ks .. ks+size-1 with the gap removed:
+            # boundaries past the query chunk continue at row `chunk`.
+            cu_q = (cu.clamp(qs, qs + chunk) - qs) + (cu.clamp(ks, ks + size) - ks)
+            cu_k = cu.clamp(ks, ks + size) - ks
+            yield _View([qi], [slice(q0, q0 + chunk)], [slice(k0, k0 + size)], cu_q, cu_k, False, win, max_seqlen,
+                        dummy=size)  # fmt: skip
+        else:  # the diagonal under a window: the window as it is
+            cu_q, cu_k = pair_view(cu, qs, ks, chunk)
+            yield _View([qi], [slice(q0, q0 + chunk)], [slice(k0, k0 + chunk)], cu_q, cu_k, kind == "causal", win,
+                        max_seqlen)  # fmt: skip
 
 
 class _Call:
-    """One varlen kernel call of a ring step: the step's pairs with the same kernel arguments
-    (`causal`, `window`), back to back. q_at / k_at: where each pair's query rows (dummy rows
-    included) and keys start in the call's inputs; cu_q / cu_k: every pair's document views in
-    turn, shifted to those offsets (a pair's first boundary, 0, is the previous pair's last)."""
+    """One varlen kernel call of a ring step: the step's views with the same kernel arguments
+    (`causal`, `window`), back to back. q_at / k_at: where each view's query rows (dummy rows
+    included) and keys start in the call's inputs; cu_q / cu_k: every view's document boundaries
+    in turn, shifted to those offsets (a view's first boundary, 0, is the previous view's last)."""
 
-    __slots__ = ("pairs", "q_at", "k_at", "cu_q", "cu_k", "max_q", "causal", "window")
+    __slots__ = ("views", "q_at", "k_at", "cu_q", "cu_k", "max_q", "causal", "window")
 
-    def __init__(self, pairs: list[_Pair], causal: bool, window: tuple[int, int]):
-        self.pairs, self.causal, self.window = pairs, causal, window
+    def __init__(self, views: list[_View], causal: bool, window: tuple[int, int]):
+        self.views, self.causal, self.window = views, causal, window
         self.q_at, self.k_at, cu_q, cu_k = [], [], [], []
         n_q = n_k = 0
-        for i, p in enumerate(pairs):
+        for i, p in enumerate(views):
             self.q_at.append(n_q)
             self.k_at.append(n_k)
             # Every view runs 0..its row (key) count: cu_q by the kernel's contract, cu_k because
-            # the global boundaries end at the stream's end (a view clamps them to its chunk).
+            # the global boundaries end at the stream's end (`_check_ends`; a view clamps them).
             first = 0 if i == 0 else 1
             cu_q.append(p.cu_q[first:] + n_q)
             cu_k.append(p.cu_k[first:] + n_k)
-            n_q += _length(p.rows) + p.dummy
-            n_k += _length(p.keys)
-        self.cu_q = cu_q[0] if len(pairs) == 1 else torch.cat(cu_q)
-        self.cu_k = cu_k[0] if len(pairs) == 1 else torch.cat(cu_k)
-        self.max_q = max(p.max_q for p in pairs)
+            n_q += sum(map(_length, p.rows)) + p.dummy
+            n_k += sum(map(_length, p.keys))
+        self.cu_q = cu_q[0] if len(views) == 1 else torch.cat(cu_q)
+        self.cu_k = cu_k[0] if len(views) == 1 else torch.cat(cu_k)
+        self.max_q = max(p.max_q for p in views)
 
 
-def _calls(pairs: list[_Pair]) -> list[_Call]:
-    """The step's pairs grouped by kernel arguments, one `_Call` per group, in the order each
-    group first appears (pairs keep their order within a group): a fixed order, so results are
+def _calls(views: list[_View]) -> list[_Call]:
+    """The step's views grouped by kernel arguments, one `_Call` per group, in the order each
+    group first appears (views keep their order within a group): a fixed order, so results are
     bitwise repeatable."""
-    groups: dict[tuple[bool, tuple[int, ...]], list[_Pair]] = {}
-    for p in pairs:
+    groups: dict[tuple[bool, tuple[int, ...]], list[_View]] = {}
+    for p in views:
         groups.setdefault((p.causal, tuple(p.window) or NO_WINDOW), []).append(p)
     return [_Call(ps, causal, window) for (causal, window), ps in groups.items()]
 
 
 def _length(s: slice) -> int:
     return s.stop - s.start
+
+
+def _row_spans(call: _Call, *, masked: bool = False) -> list[tuple[slice, int, Tensor | None]]:
+    """`_gather` spans of the call's query rows: each view's chunks, then its dummy rows;
+    `masked`: with the rows of other documents of a 'before' view marked."""
+    return [
+        (sl, p.dummy if i == len(p.rows) - 1 else 0, p.valid if masked else None)
+        for p in call.views
+        for i, sl in enumerate(p.rows)
+    ]
+
+
+def _key_spans(call: _Call) -> list[tuple[slice, int, None]]:
+    return [(sl, 0, None) for p in call.views for sl in p.keys]
+
+
+def _row_places(call: _Call) -> list[tuple[int, slice, int]]:
+    """(query chunk, local rows, where they start in the call's query rows) of every view's chunks."""
+    places = []
+    for p, at in zip(call.views, call.q_at, strict=True):
+        for qi, sl in zip(p.qis, p.rows, strict=True):
+            places.append((qi, sl, at))
+            at += _length(sl)
+    return places
+
+
+def _key_places(call: _Call) -> list[tuple[slice, int]]:
+    places = []
+    for p, at in zip(call.views, call.k_at, strict=True):
+        for sl in p.keys:
+            places.append((sl, at))
+            at += _length(sl)
+    return places
 
 
 def _gather(
@@ -289,8 +377,8 @@ def _layout(q: Tensor, chunk_ids: list[int], chunks_per_rank: int, group_name: s
 
 def _check_ends(cu: Tensor, total: int) -> None:
     """Assert, without a host sync, that the global boundaries start at 0 and reach the stream's
-    end: then every pair's views run 0..its row and key counts, which packing several pairs into
-    one call relies on (the kernel checks the call's views, not where one pair's end)."""
+    end: then every view's boundaries run 0..its row and key counts, which packing several views
+    into one call relies on (the kernel checks the call's boundaries, not where each view ends)."""
     ok = (cu[0] == 0) & (cu[-1] >= total)
     if ok.device.type == "cuda":
         torch._assert_async(ok)
@@ -335,20 +423,21 @@ def ring_attn_fwd(
         k_cur, v_cur = kv
         parts = []  # (query chunk, rows, o_p, lse_p) of every pair, for the step's merge
         for call in _calls(
-            list(_pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal, max_seqlen, window))
+            list(_views(ids[rank], ids[src], chunk, cu_seqlens, is_causal, max_seqlen, window))
         ):
-            q_spans = [(p.rows, p.dummy, None) for p in call.pairs]
-            k_spans = [(p.keys, 0, None) for p in call.pairs]
+            k_spans = _key_spans(call)
             o_c, lse_c = torch.ops.usp.varlen_fwd(
-                _gather(q, q_spans), _gather(k_cur, k_spans), _gather(v_cur, k_spans), call.cu_q, call.cu_k,
-                call.max_q, max_seqlen, call.causal, scale, *call.window,
+                _gather(q, _row_spans(call)), _gather(k_cur, k_spans), _gather(v_cur, k_spans), call.cu_q,
+                call.cu_k, call.max_q, max_seqlen, call.causal, scale, *call.window,
             )  # fmt: skip
-            for p, at in zip(call.pairs, call.q_at, strict=True):
-                o_p, lse_p = o_c[at : at + _length(p.rows)], lse_c[:, at : at + _length(p.rows)]
+            for p, at in zip(call.views, call.q_at, strict=True):
                 if p.valid is not None:  # rows of other documents: no partial result
-                    o_p.masked_fill_(~p.valid.view(-1, 1, 1), 0.0)
-                    lse_p.masked_fill_(~p.valid, _NEG_INF)
-                parts.append((p.qi, p.rows, o_p, lse_p))
+                    n = _length(p.rows[0])
+                    o_c[at : at + n].masked_fill_(~p.valid.view(-1, 1, 1), 0.0)
+                    lse_c[:, at : at + n].masked_fill_(~p.valid, _NEG_INF)
+            for qi, rows, at in _row_places(call):
+                n = _length(rows)
+                parts.append((qi, rows, o_c[at : at + n], lse_c[:, at : at + n]))
         _merge_step(out, lse, parts, seen)
         if pending is not None:
             kv = _finish(pending)
@@ -438,12 +527,10 @@ def ring_attn_bwd(
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # grads of the visiting K/V
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         for call in _calls(
-            list(_pairs(ids[rank], ids[src], chunk, cu_seqlens, is_causal, max_seqlen, window))
+            list(_views(ids[rank], ids[src], chunk, cu_seqlens, is_causal, max_seqlen, window))
         ):
             # Rows of other documents ('before' pairs): lse +inf makes p = exp(s - inf) = 0, no gradient.
-            q_spans = [(p.rows, p.dummy, None) for p in call.pairs]
-            g_spans = [(p.rows, p.dummy, p.valid) for p in call.pairs]
-            k_spans = [(p.keys, 0, None) for p in call.pairs]
+            q_spans, g_spans, k_spans = _row_spans(call), _row_spans(call, masked=True), _key_spans(call)
             g_q, g_k, g_v = torch.ops.usp.varlen_bwd(
                 _gather(grad_out, g_spans),
                 _gather(q, q_spans),
@@ -459,13 +546,13 @@ def ring_attn_bwd(
                 scale,
                 *call.window,
             )
-            for p, at in zip(call.pairs, call.q_at, strict=True):
+            for p, at in zip(call.views, call.q_at, strict=True):
                 if p.valid is not None:
-                    g_q[at : at + _length(p.rows)].masked_fill_(~p.valid.view(-1, 1, 1), 0.0)
-            _add_rows(dq, g_q, [(p.rows, at) for p, at in zip(call.pairs, call.q_at, strict=True)])
-            k_at = [(p.keys, at) for p, at in zip(call.pairs, call.k_at, strict=True)]
-            _add_rows(dk, g_k, k_at)
-            _add_rows(dv, g_v, k_at)
+                    g_q[at : at + _length(p.rows[0])].masked_fill_(~p.valid.view(-1, 1, 1), 0.0)
+            _add_rows(dq, g_q, [(rows, at) for _, rows, at in _row_places(call)])
+            k_places = _key_places(call)
+            _add_rows(dk, g_k, k_places)
+            _add_rows(dv, g_v, k_places)
         # dK/dV travel with their K/V, one hop behind: the buffers this rank receives now belong
         # to the K/V it just used (rank-1 used them one step earlier), and their transfer
         # overlapped this step's compute. After the last step the sum belongs to rank+1's own
