@@ -329,6 +329,10 @@ class SweepSpec:
     kind: str = "decoder"
     tol: float = 1e-10
     model_kwargs: tuple = ()
+    no_positions: bool = False  # learned position embeddings zeroed and frozen (see make_sweep_model)
+    experts: str = (
+        "batched_mm"  # MoE experts (transformers' experts_implementation); grouped_mm has no fp64 kernel
+    )
 
 
 _DEC = dict(
@@ -365,6 +369,13 @@ SWEEP_SPECS = {
             "Qwen3MoeConfig",
             "Qwen3MoeForCausalLM",
             _kw(_DEC, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+        ),
+        SweepSpec(  # eager experts loop over the experts hit: a graph break between the mask and attention
+            "qwen3_moe_eager",
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
+            _kw(_DEC, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+            experts="eager",
         ),
         SweepSpec("olmo", "OlmoConfig", "OlmoForCausalLM", _kw(_DEC, clip_qkv=8.0)),
         SweepSpec("olmo2", "Olmo2Config", "Olmo2ForCausalLM", _kw(_DEC)),
@@ -493,16 +504,9 @@ SWEEP_SPECS = {
             kind="seq2seq",
         ),
         SweepSpec(
-            "t5",
-            "T5Config",
-            "T5Model",
-            _kw(d_model=WIDTH, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=HEADS),
-            kind="seq2seq",
-        ),
-        SweepSpec(
-            "whisper",
-            "WhisperConfig",
-            "WhisperModel",
+            "bart_nopos",
+            "BartConfig",
+            "BartModel",
             _kw(
                 d_model=WIDTH,
                 encoder_layers=1,
@@ -511,9 +515,15 @@ SWEEP_SPECS = {
                 decoder_attention_heads=HEADS,
                 encoder_ffn_dim=64,
                 decoder_ffn_dim=64,
-                num_mel_bins=8,
-                max_source_positions=32,
             ),
+            kind="seq2seq",
+            no_positions=True,
+        ),
+        SweepSpec(
+            "t5",
+            "T5Config",
+            "T5Model",
+            _kw(d_model=WIDTH, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=HEADS),
             kind="seq2seq",
         ),
     )
@@ -534,8 +544,16 @@ def make_sweep_model(name: str, *, seed: int = 0) -> nn.Module:
         if key.endswith("token_id") and isinstance(value, int) and value >= VOCAB:
             setattr(config, key, 0)  # the family's real vocabulary ids do not fit the tiny one
     config._attn_implementation = "sdpa"
-    config._experts_implementation = "batched_mm"  # grouped_mm has no fp64 kernel
+    config._experts_implementation = spec.experts
     torch.manual_seed(seed)
     model = getattr(transformers, spec.model)(config, **dict(spec.model_kwargs)).double()
     assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    if spec.no_positions:
+        # The family's positions count along the whole row and its forward takes no position ids, so
+        # they cannot restart per document (a documented limitation). Zeroed, the packed row runs
+        # the attention routing of the family alone: what usp decides, checked on its own.
+        for mod_name, module in model.named_modules():
+            if mod_name.endswith("embed_positions"):
+                module.weight.data.zero_()
+                module.weight.requires_grad_(False)
     return model

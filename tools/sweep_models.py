@@ -186,6 +186,9 @@ def sweep_one(name: str) -> dict:
         row["bitwise"] = ("ok" if same else "FAIL", 0.0 if same else max_err(got, eager))
     except Exception as exc:  # noqa: BLE001
         row["bitwise"] = ("ERR", _short(exc))
+    if not model.supports_gradient_checkpointing:
+        row["ckpt_why"] = f"{type(model).__name__} does not support gradient checkpointing"
+        return row
     try:
         torch._dynamo.reset()
         model.gradient_checkpointing_enable()

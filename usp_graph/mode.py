@@ -74,6 +74,10 @@ class _SDPAToUSP(TorchFunctionMode):
         # documents), and eager has no graph to read it from: follow the data flow op by op.
         self.track = metadata is not None or cp is not None
         self.streams = _Streams()
+        # Roots of self-attention calls routed with the query documents while key/value documents
+        # differ: checked against the keys of each later cross-attention call (see _is_kv_stream).
+        self._query_self: list[frozenset[int]] = []
+        self._same = kv is None or metadata is None or _same_documents(metadata, kv)  # one check per block
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -105,11 +109,41 @@ class _SDPAToUSP(TorchFunctionMode):
                     "everything its queries are), so the query documents cannot apply to its keys; give the "
                     "key/value stream's documents too: attention_mode(metadata, kv=kv_metadata)"
                 )
+            self._check_kv_stream(key)
             extra["kv_metadata"] = self.kv
+        elif self.kv is not None and self.metadata is not None:
+            if self._is_kv_stream(query):
+                # Self-attention on the key/value stream (an encoder's): its own documents, and under
+                # context parallelism that stream is replicated, not sharded.
+                out = sdpa_to_usp(query, key, value, *args, **kwargs, metadata=self.kv)
+                self.streams.note(out, self.streams.inputs((query, key, value)))
+                return out
+            if not self._same:
+                self._query_self.append(self.streams.inputs((query, key)))
         out = sdpa_to_usp(query, key, value, *args, **kwargs, metadata=self.metadata, cp=self.cp, **extra)
         if self.track:
             self.streams.note(out, self.streams.inputs((query, key, value)))
         return out
+
+    def _is_kv_stream(self, query) -> bool:
+        """A self-attention call on the key/value stream: eager cannot see the cross-attention that
+        comes later, so it goes by token count, where only the key/value documents fit."""
+        world = self.cp.world if self.cp is not None else 1
+        tokens = query.shape[0] * query.shape[-2]
+        return tokens == self.kv.total_tokens and tokens * world != self.metadata.total_tokens
+
+    def _check_kv_stream(self, key) -> None:
+        """Refuse a cross-attention call whose keys come from a stream that an earlier self-attention
+        call attended with the query documents (equal token counts made the two look alike)."""
+        k_roots = self.streams.inputs((key,))
+        if any(r and r <= k_roots for r in self._query_self):
+            raise ValueError(
+                "attention_mode(metadata, kv=kv): a self-attention call on the key/value stream of this "
+                "cross-attention (an encoder's) ran with the query documents, because both streams have the same "
+                "token count and eager cannot tell them apart before the cross-attention; use "
+                "torch.compile(model, backend='usp') under usp_graph.documents(metadata, kv=kv), which reads the "
+                "streams from the graph, or give the two streams different token counts"
+            )
 
     def _is_cross(self, query, key) -> bool:
         """The eager reading of `sites.is_cross_attention`: keys computed from only part of what
@@ -118,6 +152,12 @@ class _SDPAToUSP(TorchFunctionMode):
         if q_roots is None or k_roots is None:
             return query.shape[-2] != key.shape[-2]
         return not q_roots <= k_roots
+
+
+def _same_documents(a: AttentionMetadata, b: AttentionMetadata) -> bool:
+    return a.cu_seqlens.shape == b.cu_seqlens.shape and bool(
+        torch.equal(a.cu_seqlens, b.cu_seqlens.to(a.cu_seqlens.device))
+    )
 
 
 @contextlib.contextmanager

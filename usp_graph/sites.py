@@ -111,6 +111,7 @@ class AttentionSite:
     mask_form: MaskForm | None = None
     cross: bool = False
     regions: tuple[fx.Node, ...] = field(default=(), repr=False)
+    kv_stream: bool = False
 
     @property
     def name(self) -> str:
@@ -131,6 +132,8 @@ class AttentionSite:
             flags += f" mask={self.mask_form.kind}"
         if self.cross:
             flags += " cross"
+        if self.kv_stream:
+            flags += " kv-stream"
         where = f" at {self.source}" if self.source else ""
         why = "" if self.rewritable else f" [not rewritten: {self.reason}]"
         return f"{self.name} ({self.form}) {shapes} {flags}{where}{why}"
@@ -427,7 +430,26 @@ def find_sites(gm: fx.GraphModule | fx.Graph, *, read_masks: bool = True) -> lis
             form = None
         if form is not None:
             sites.append(_site(node, form, read_masks))
+    _mark_kv_streams(sites)
     return sites
+
+
+def _mark_kv_streams(sites: Sequence[AttentionSite]) -> None:
+    """Mark self-attention on the key/value stream of a cross-attention site (``kv_stream``).
+
+    An encoder-decoder computes its encoder's self-attention from the source tokens alone, and
+    the decoder's cross-attention reads keys from them: that self-attention belongs to the
+    conditioning stream, whose documents are `documents(meta, kv=kv_meta)`'s `kv`, not the
+    query stream's. Decided by data flow like `is_cross_attention`: a self-attention site whose
+    queries and keys are computed only from inputs the keys of some cross-attention site come from."""
+    cross_keys = [stream_inputs(s.key) for s in sites if s.cross]
+    if not cross_keys:
+        return
+    for site in sites:
+        if site.cross or site.form == "hidden":
+            continue
+        own = stream_inputs(site.query) | stream_inputs(site.key)
+        site.kv_stream = bool(own) and any(own <= keys for keys in cross_keys)
 
 
 def _body_sites(call: fx.Node, body: fx.GraphModule, read_masks: bool) -> list[AttentionSite]:

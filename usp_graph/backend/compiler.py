@@ -39,7 +39,7 @@ from .dump import AOT_GRAPHS, GraphDump, site_record, usp_op_counts
 from .inputs import MetadataFeed, check_not_guarded, metadata_hints, shared_rows
 from .joint import input_requires_grad
 from .options import UspOptions
-from .pipeline import JOINT_STAGE, CompileContext
+from .pipeline import GRAPH_STAGE, JOINT_STAGE, CompileContext
 
 __all__ = ["usp_backend", "CompileReport", "BACKEND_NAME"]
 
@@ -163,6 +163,7 @@ class _Compile:
         if kind == "forward" and not self.trained:
             kind = "inference"
             self.usp_ops = usp_op_counts(gm, phase="inference")
+        self.pipeline.run(gm, self.ctx, only=GRAPH_STAGE, into=self.passes, tag=False)
         self._record(kind, gm)
 
     def _record(self, name: str, gm: fx.GraphModule) -> None:
@@ -215,9 +216,12 @@ class _Compile:
             )
             self.dump.graph("dynamo", gm)
 
-        rows = shared_rows(todo) if todo else None
+        # Self-attention on the key/value stream of cross-attention (an encoder's) takes that stream's
+        # documents: its shape is the key stream's, not the queries'.
+        query_stream = [s for s in todo if not s.kv_stream]
+        rows = shared_rows(query_stream) if query_stream else None
         mode = "none" if not todo else ("inputs" if rows is not None else "per_row")
-        positions = _positions_input(gm, todo, opts, self.name)
+        positions = _positions_input(gm, query_stream, opts, self.name)
         if positions is not None and mode == "per_row":
             raise ValueError(
                 f"graph {self.name}: its attention calls differ in batch size or length, so the documents of "
@@ -225,6 +229,9 @@ class _Compile:
             )
         cross = [s for s in todo if s.cross]
         kv_length = _kv_length(cross, self.name) if cross and mode == "inputs" else None
+        if kv_length is not None and not _kv_stream_rows_match(todo, rows[0], kv_length):
+            mode = "per_row"  # documents(...) then raises, naming the shapes that differ
+            kv_length = None
         device = node_value(todo[0].query).device if todo else None
         ctx = self.ctx
         ctx.shape_env, ctx.fake_mode, ctx.device, ctx.positions = env, fake_mode, device, positions
@@ -351,6 +358,17 @@ def _hint(x: Any) -> int:
     return int(x.node.hint) if isinstance(x, torch.SymInt) else int(x)
 
 
+def _kv_stream_rows_match(sites: Sequence[Any], batch: Any, kv_length: Any) -> bool:
+    """Every key/value-stream self-attention site has the cross-attention keys' (B, L)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return all(
+        statically_known_true(s.q_shape[0] == batch) and statically_known_true(s.q_shape[-2] == kv_length)
+        for s in sites
+        if s.kv_stream
+    )
+
+
 def _kv_length(cross: Sequence[Any], name: str) -> Any:
     """The key length every cross-attention site shares (one conditioning stream)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -469,7 +487,9 @@ def _inductor(gm: fx.GraphModule, inputs: list[Any], hooks: _Compile) -> Callabl
         # Not a CustomGraphPass, so inductor's caches are bypassed: verify runs on every compile.
         hooks.on_joint(graph if isinstance(graph, fx.GraphModule) else graph.owning_module)
 
-    with inductor_config.patch(joint_custom_pre_pass=joint_pass):
+    # reorder_for_locality moves a node's only-used-here producers next to it: every issued
+    # collective next to its wait, undoing the overlap pass.
+    with inductor_config.patch(joint_custom_pre_pass=joint_pass, reorder_for_locality=False):
         return compile_fx(gm, inputs, inner_compile=inner_compile)
 
 

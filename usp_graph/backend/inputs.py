@@ -275,6 +275,8 @@ class MetadataFeed:
             return (cu.to(self.device) if self.device is not None else cu, length * self.world)
         if meta is None:
             return (*self._rows(b, length * self.world), *kv_fed)
+        if self.kv_length is None and kv is not None:
+            meta = self._stream_of_self_attention_graph(meta, kv, b, length)
         tokens = call_tokens(b, length, self.world)
         across = f" x {self.world} CP ranks" if self.world > 1 else ""
         check_token_count(
@@ -287,6 +289,32 @@ class MetadataFeed:
             ),
         )
         return (*self._on_device(meta), *kv_fed)
+
+    def _stream_of_self_attention_graph(
+        self, meta: AttentionMetadata, kv: AttentionMetadata, b: int, length: int
+    ) -> AttentionMetadata:
+        """The documents of a graph with self-attention only, under `documents(meta, kv=kv)`.
+
+        A graph break can put an encoder (the key/value stream of an encoder-decoder) in a graph of
+        its own, with no cross-attention to tell its stream by data flow: the token count decides,
+        and where both streams would fit it is refused rather than guessed."""
+        if kv is meta or kv.cu_seqlens is meta.cu_seqlens:
+            return meta
+        tokens = call_tokens(b, length, self.world)
+        fits_query, fits_kv = tokens == meta.total_tokens, b * length == kv.total_tokens
+        if fits_kv and (fits_query or self.world > 1):
+            why = (
+                "both streams have that many tokens"
+                if fits_query
+                else "under context parallelism the key/value stream is replicated, but this graph was sharded"
+            )
+            raise ValueError(
+                f"documents(meta, kv=kv): compiled graph {self.graph} has self-attention and no cross-attention, so "
+                f"whether its {tokens} tokens are the query stream or the key/value stream (an encoder's) cannot be "
+                f"read from the graph, and {why}; keep the encoder and the decoder in one graph (no graph break "
+                "between them) or give the two streams different token counts"
+            )
+        return kv if fits_kv else meta
 
     def _rows(self, b: int, span: int) -> tuple[torch.Tensor, int]:
         """One document of `span` tokens per row: ``cu = [0, span, ..., b * span]``, cached."""

@@ -327,27 +327,41 @@ def rewrite_sdpa(
                 "cross-attention under document metadata needs the key/value stream's documents too "
                 "(documents(meta, kv=kv_meta)); a graph input cu_seqlens_kv_N1 is missing"
             )
+        elif site.kv_stream and cu is not None and cu_kv is None:
+            site.rewritable = False
+            site.reason = (
+                "self-attention on the key/value stream of cross-attention (an encoder's) under document "
+                "metadata needs that stream's documents (documents(meta, kv=kv_meta)); a graph input "
+                "cu_seqlens_kv_N1 is missing"
+            )
     todo = [s for s in sites if s.rewritable]
     skipped = tuple(s for s in sites if not s.rewritable)
     cache: dict[tuple, fx.GraphModule] = {}
-    checked: set[fx.Node] = set()
+    checked: set[tuple[fx.Node, fx.Node | None]] = set()
     threaded: dict[tuple[fx.Node, fx.Node], fx.Node] = {}
     for site in todo:
-        inputs = _SiteInputs(cu=cu, ms=ms)
+        site_cp = cp
+        if site.kv_stream and cu is not None:
+            # The key/value stream's own self-attention (an encoder's) takes its documents; under
+            # context parallelism that stream is replicated on every rank (`cp.cross`), not sharded.
+            inputs = _SiteInputs(cu=cu_kv, ms=ms_kv)
+            site_cp = None
+        else:
+            inputs = _SiteInputs(cu=cu, ms=ms)
         form = site.mask_form
         pos = form.positions if form is not None and form.kind == "positions" else None
-        if pos is None and positions is not None and not site.cross:
+        if pos is None and positions is not None and not site.cross and not site.kv_stream:
             pos = positions
         if pos is not None:
             inputs.positions = pos
             # One check per graph and position-ids input: every site reads the same metadata.
-            inputs.check_positions = cu is not None and cp is None and pos not in checked
-            checked.add(pos)
+            inputs.check_positions = inputs.cu is not None and cp is None and (pos, inputs.cu) not in checked
+            checked.add((pos, inputs.cu))
         if site.cross and cu is not None:
             inputs.cu_kv, inputs.ms_kv = cu_kv, ms_kv
-        key = _key(site, inputs, cp)
+        key = _key(site, inputs, site_cp)
         if key not in cache:
-            cache[key] = _trace_site(site, inputs, cp)
+            cache[key] = _trace_site(site, inputs, site_cp)
         extra = [_thread(n, site.regions, threaded) for n in inputs.nodes()]
         graph = site.node.graph
         out = _inline(graph, cache[key], [site.query, site.key, site.value, *extra], site)

@@ -1,0 +1,199 @@
+"""Regressions from the model-family sweep (tools/sweep_models.py): one test per class of failure fixed.
+
+Encoder-decoder: the encoder's self-attention belongs to the key/value stream that the decoder's
+cross-attention reads, so under ``documents(meta, kv=kv_meta)`` it attends within the kv
+documents, not the decoder's. Checked on a tiny two-stream block (fast) and on BART with its
+learned positions zeroed (its forward takes no position ids, so positions cannot restart per
+document: a documented limitation; zeroed, the packed row checks usp's routing alone).
+
+# B batch, S source tokens, L target tokens, D width, H heads
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import usp_graph
+from tests.realmodels import compile_usp, grads, max_err, weighted_loss
+from usp_graph import AttentionMetadata
+from usp_graph.sites import find_sites
+
+D, H = 16, 2
+
+
+class EncoderDecoder(nn.Module):
+    """An encoder self-attention over the source, then decoder causal self-attention over the target
+    and cross-attention from the target to the encoded source."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc_qkv = nn.Linear(D, 3 * D)
+        self.dec_qkv = nn.Linear(D, 3 * D)
+        self.q2 = nn.Linear(D, D)
+        self.kv2 = nn.Linear(D, 2 * D)
+
+    def _heads(self, x):
+        return x.unflatten(-1, (H, -1)).transpose(1, 2)
+
+    def forward(self, src_BSD, tgt_BLD):
+        q, k, v = (self._heads(t) for t in self.enc_qkv(src_BSD).chunk(3, -1))
+        enc = src_BSD + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        q, k, v = (self._heads(t) for t in self.dec_qkv(tgt_BLD).chunk(3, -1))
+        x = tgt_BLD + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        k2, v2 = (self._heads(t) for t in self.kv2(enc).chunk(2, -1))
+        y = F.scaled_dot_product_attention(self._heads(self.q2(x)), k2, v2)
+        return torch.cat([x + y.transpose(1, 2).flatten(2), enc], 1)
+
+
+def _model():
+    torch.manual_seed(0)
+    return EncoderDecoder().double()
+
+
+def _inputs(src_lengths, tgt_lengths, *, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randn(1, sum(src_lengths), D, generator=gen, dtype=torch.float64)
+    tgt = torch.randn(1, sum(tgt_lengths), D, generator=gen, dtype=torch.float64)
+    return src, tgt
+
+
+def _alone(model, src, tgt, src_lengths, tgt_lengths):
+    """Each (source, target) document pair through the plain model, outputs laid out as packed."""
+    dec, enc, s0, t0 = [], [], 0, 0
+    for ls, lt in zip(src_lengths, tgt_lengths, strict=True):
+        out = model(src[:, s0 : s0 + ls], tgt[:, t0 : t0 + lt])
+        dec.append(out[:, :lt])
+        enc.append(out[:, lt:])
+        s0, t0 = s0 + ls, t0 + lt
+    out = torch.cat([*dec, *enc], 1)
+    weighted_loss(out).backward()
+    return out.detach(), grads(model)
+
+
+def _run(fn, model, src, tgt, block):
+    with block:
+        out = fn(src, tgt)
+    weighted_loss(out).backward()
+    return out.detach(), grads(model)
+
+
+# Equal token counts (16 and 16), different boundaries: the counts cannot tell the streams apart.
+SRC, TGT = (5, 1, 6, 4), (3, 7, 2, 4)
+
+
+def test_encoder_self_attention_is_marked_as_the_kv_stream():
+    graphs = []
+    torch.compile(_model(), backend=lambda gm, ex: graphs.append(gm) or gm.forward)(*_inputs(SRC, TGT))
+    enc, dec, cross = find_sites(graphs[0])
+    assert (enc.kv_stream, dec.kv_stream, cross.cross) == (True, False, True)
+    assert "kv-stream" in enc.describe()
+
+
+@pytest.mark.parametrize("tgt_lengths", [TGT, (2, 3, 1, 4)], ids=["equal_tokens", "fewer_target_tokens"])
+def test_encoder_decoder_compiled_takes_the_kv_documents_for_the_encoder(tgt_lengths):
+    model = _model()
+    src, tgt = _inputs(SRC, tgt_lengths)
+    ref_out, ref = _alone(model, src, tgt, SRC, tgt_lengths)
+    meta = AttentionMetadata.from_lengths(tgt_lengths, max_docs=6)
+    kv = AttentionMetadata.from_lengths(SRC, max_docs=6)
+    reports: list = []
+    fn = compile_usp(model, on_compile=reports.append)
+    out, got = _run(fn, model, src, tgt, usp_graph.documents(meta, kv=kv))
+    assert max_err(out, ref_out) <= 1e-12 and max_err(got, ref) <= 1e-12
+    assert len(reports[0].rewritten) == 3 and not reports[0].kept
+    if tgt_lengths != TGT:  # eager decides by token count: bitwise where the counts differ
+        eager_out, eager = _run(model, model, src, tgt, usp_graph.attention_mode(meta, kv=kv))
+        assert torch.equal(out, eager_out) and all(torch.equal(got[n], eager[n]) for n in got)
+
+
+def test_encoder_decoder_eager_refuses_streams_it_cannot_tell_apart():
+    model = _model()
+    src, tgt = _inputs(SRC, TGT)
+    meta = AttentionMetadata.from_lengths(TGT, max_docs=6)
+    kv = AttentionMetadata.from_lengths(SRC, max_docs=6)
+    with pytest.raises(ValueError, match="self-attention call on the key/value stream"):
+        with usp_graph.attention_mode(meta, kv=kv):
+            model(src, tgt)
+
+
+def test_encoder_decoder_without_kv_documents_refuses_clearly():
+    model = _model()
+    src, tgt = _inputs(SRC, TGT)
+    fn = compile_usp(model)
+    with pytest.raises(ValueError, match="documents\\(meta, kv=kv_meta\\)"):
+        with usp_graph.documents(AttentionMetadata.from_lengths(TGT, max_docs=6)):
+            fn(src, tgt)
+
+
+class _Encoder(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, src, tgt):
+        q, k, v = (self.model._heads(t) for t in self.model.enc_qkv(src).chunk(3, -1))
+        enc = src + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        return enc, tgt
+
+
+def test_a_graph_with_only_encoder_self_attention_takes_the_kv_documents_by_token_count():
+    # A graph break can leave the encoder in a graph of its own, with no cross-attention to read
+    # its stream from: the token count decides, and equal counts are refused, never guessed.
+    model = _model()
+    enc = _Encoder(model)
+    fn = compile_usp(enc)
+    src, tgt = _inputs(SRC, (2, 3, 1, 4))
+    meta = AttentionMetadata.from_lengths((2, 3, 1, 4), max_docs=6)
+    kv = AttentionMetadata.from_lengths(SRC, max_docs=6)
+    with usp_graph.documents(meta, kv=kv):
+        out, _ = fn(src, tgt)
+    with usp_graph.attention_mode(kv):
+        ref, _ = enc(src, tgt)
+    assert torch.equal(out, ref)
+    src, tgt = _inputs(SRC, TGT)
+    with pytest.raises(ValueError, match="cannot be read from the graph"):
+        with usp_graph.documents(AttentionMetadata.from_lengths(TGT, max_docs=6), kv=kv):
+            fn(src, tgt)
+
+
+@pytest.mark.slow
+def test_bart_packed_documents_with_gradient_checkpointing():
+    pytest.importorskip("transformers")
+    from tools.sweep_models import sweep_one
+
+    row = sweep_one("bart_nopos")
+    assert row["packed"][0] == "ok" and row["bitwise"][0] == "ok" and row["ckpt"][0] == "ok", row
+
+
+class _MaskThenBreak(nn.Module):
+    """The packed-document causal mask from position ids, a graph break, then attention: the graph
+    holding the attention receives the mask as an input (as transformers' eager MoE experts do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def forward(self, x_BLD, pos_BL):
+        doc = (pos_BL == 0).cumsum(-1)
+        idx = torch.arange(pos_BL.shape[-1])
+        mask = (doc[:, None, :, None] == doc[:, None, None, :]) & (idx[:, None] >= idx[None, :])
+        torch._dynamo.graph_break()
+        q, k, v = (t.unflatten(-1, (H, -1)).transpose(1, 2) for t in self.qkv(x_BLD).chunk(3, -1))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_a_mask_made_before_a_graph_break_is_refused_with_what_to_do():
+    torch.manual_seed(0)
+    model = _MaskThenBreak().double()
+    lengths = (5, 1, 6, 4)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    x = torch.randn(1, 16, D, dtype=torch.float64)
+    reports: list = []
+    fn = compile_usp(model, on_compile=reports.append)
+    with pytest.raises(ValueError, match="made outside this graph.*remove the graph break"):
+        with usp_graph.documents(AttentionMetadata.from_position_ids(pos, max_docs=6)):
+            fn(x, pos)
+    assert any("before a graph break" in k for r in reports for k in r.kept), reports
