@@ -351,6 +351,15 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
         elif isinstance(val, (int, float, bool)):
             fixed[leaf] = val
         elif isinstance(val, Tensor):
+            if leaf.op == "placeholder" and val.dim() == 4 and _hint(val.shape[-1]) == length:
+                return (
+                    f"the mask depends on the values of input {leaf.name} ({val.dtype}, {tuple(val.shape)}), a mask "
+                    "made outside this graph: by the caller (e.g. a padding mask), or in an earlier graph before a "
+                    "graph break (e.g. a data-dependent loop "
+                    "such as transformers' eager MoE experts; experts_implementation='batched_mm' or 'grouped_mm' "
+                    "has none), so which documents it describes cannot be read; remove the graph break between "
+                    "the mask and the attention, or pass position ids rather than a mask when packing documents"
+                )
             if val.is_floating_point() or val.is_complex() or val.dtype == torch.bool:
                 return (
                     f"the mask depends on the values of input {leaf.name} ({val.dtype}), e.g. a padding mask or "
