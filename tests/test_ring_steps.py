@@ -1,5 +1,5 @@
-"""The ring op runs one varlen kernel call per ring step and kernel-argument group, merges each
-step in one pass, and stays exact and bitwise repeatable (issue 19).
+"""The ring op runs at most one varlen kernel call per ring step and kernel-argument group (one per
+windowless step), merges each step in one pass, and stays exact and bitwise repeatable (issue 19).
 
 # H heads, G kv heads, K head dim, T global tokens, C chunks per rank, R ring ranks (2)
 
@@ -19,7 +19,7 @@ import torch
 
 from tests.dist import run_ranks
 from usp_graph.ops.window import NO_WINDOW
-from usp_graph.testing import attention_reference, cu_seqlens, lognormal_lengths, rel_err
+from usp_graph.testing import attention_reference, cu_seqlens, document_mask, lognormal_lengths, rel_err
 
 H, G, K, CHUNK, R = 4, 2, 8, 12, 2
 # Chunk ids of ring ranks 0 and 1, back to back.
@@ -284,3 +284,42 @@ def test_step_merge_copies_first_partials_and_keeps_untouched_rows_bitwise():
         rows = slice(min(r.start for r, _, _ in rows_parts), max(r.stop for r, _, _ in rows_parts))
         assert rel_err(out[rows], ref_out[rows]) <= 1e-14
         assert rel_err(lse[:, rows], ref_lse[:, rows]) <= 1e-14
+
+
+# Query chunks against key chunks as ring steps meet them (zigzag and 2-D, the first step and a
+# later one), and sets that overlap in part (a query chunk's own diagonal among foreign keys).
+VIEW_LAYOUTS = [([0, 3], [0, 3]), ([0, 3], [1, 2]), ([1, 2], [0, 3]), ([0, 7, 1, 6], [2, 5, 3, 4]),
+                ([2, 5, 3, 4], [0, 7, 1, 6]), ([0, 2, 3], [1, 2, 4]), ([4, 1], [4, 0])]  # fmt: skip
+VIEW_MODES = [*MODES.values(), (True, (5, 0)), (False, (0, 0)), (False, (30, 2))]
+
+
+@pytest.mark.parametrize("q_ids, k_ids", VIEW_LAYOUTS)
+def test_views_cover_every_query_key_pair_of_a_step_exactly_once(q_ids, k_ids):
+    # What each view's kernel call attends (its boundaries, causal flag and kernel window under the
+    # varlen contract, dummy and dropped rows left out), mapped back to global positions, must add
+    # up to the attention of the whole stream restricted to these queries and keys: every entry once.
+    from usp_graph.ops.ring import _views
+
+    chunk = 6
+    lens = [0, 1, 5, 13, 1, 0, 9, 1, 6, 12]  # 48 tokens, chunks 0-7; 6 and 36 are chunk boundaries
+    cu = cu_seqlens(lens)
+    for causal, window in VIEW_MODES:
+        cover = torch.zeros(48, 48, dtype=torch.int)
+        for v in _views(q_ids, k_ids, chunk, cu, causal, max(lens), window):
+            q_pos = torch.cat(
+                [torch.arange(sl.start, sl.stop) % chunk + q_ids[sl.start // chunk] * chunk for sl in v.rows]
+            )
+            k_pos = torch.cat(
+                [torch.arange(sl.start, sl.stop) % chunk + k_ids[sl.start // chunk] * chunk for sl in v.keys]
+            )
+            keep = document_mask(v.cu_q, v.cu_k, is_causal=v.causal, window=tuple(v.window) or None,
+                                 total_q=len(q_pos) + v.dummy, total_k=len(k_pos))[: len(q_pos)]  # fmt: skip
+            if v.valid is not None:
+                keep &= v.valid.unsqueeze(1)
+            cover[q_pos.unsqueeze(1), k_pos.unsqueeze(0)] += keep.int()
+        ref = document_mask(cu, is_causal=causal, window=None if window == NO_WINDOW else window).int()
+        rows = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in q_ids])
+        cols = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in k_ids])
+        sub = torch.zeros_like(ref)
+        sub[rows.unsqueeze(1), cols.unsqueeze(0)] = ref[rows.unsqueeze(1), cols.unsqueeze(0)]
+        assert torch.equal(cover, sub), (q_ids, k_ids, causal, window)
