@@ -121,14 +121,15 @@ def run_collective(op_name: str, pg: dist.ProcessGroup, call: Callable[[], _T]) 
         ) from e
 
 
-def all_gather_into(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
-    """Blocking all-gather of `input` into `output` (rank-ordered concatenation along dim 0).
+def all_gather_into(output: Tensor, input: Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Any:
+    """All-gather of `input` into `output` (rank-ordered concatenation along dim 0); blocking, or
+    started (`async_op`: returns the work to wait on).
 
     ``all_gather_single`` where this torch has it (``all_gather_into_tensor`` now warns that it is
     deprecated), ``all_gather_into_tensor`` on older releases (torch 2.11 has no ``all_gather_single``).
     """
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, input, group=group)
+    return fn(output, input, group=group, async_op=async_op)
 
 
 def ordered_sum(parts: Sequence[Tensor]) -> Tensor:

@@ -11,6 +11,12 @@ its row, or an op with no row, fails at import. Verify and inspect read this tab
 An op in the ``usp`` namespace that is neither a forward op of the table nor listed as some row's
 backward op is an error (`check_complete`), never a silent ``None`` gradient; so is a row whose
 module did not implement it.
+
+Issue + wait. A collective's row may name its ``issue`` op: the same collective started
+asynchronously, finished by `WAIT` (``usp::wait``). `usp_graph.passes.overlap` lowers a graph's
+collectives to these after autograd, so they are never differentiated (their autograd raises,
+naming the op to differentiate instead); pairing, verify and inspect read an issue node as its
+collective (`canonical`), and a wait as the end of the transfer it waits for.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ __all__ = [
     "rules",
     "check_complete",
     "is_backward_op",
+    "WAIT",
+    "canonical",
+    "issue_of",
+    "is_wait_op",
+    "implement_issue",
 ]
 
 NAMESPACE = "usp"
@@ -45,6 +56,7 @@ class Rule:
     backward_ops: the ops the backward rule emits (backward-only ops: they have no row of their own).
     adjoint: for a collective, the collective that must appear in the backward graph.
     module: where the op is defined and its backward implemented.
+    issue: for a collective, the op that starts it asynchronously (finished by `WAIT`), or None.
     """
 
     op: str
@@ -53,6 +65,7 @@ class Rule:
     adjoint: str | None
     module: str
     doc: str
+    issue: str | None = None
 
 
 _ATTENTION, _COLLECTIVE = "attention", "collective"
@@ -63,11 +76,12 @@ TABLE: tuple[Rule, ...] = (
     Rule("usp::ring_attn_fwd", _ATTENTION, ("usp::ring_attn_bwd",), None, "usp_graph.ops.ring",
          "reverse ring: recompute each pair against the global out/lse, carry dK/dV home"),
     Rule("usp::all_to_all", _COLLECTIVE, ("usp::all_to_all",), "usp::all_to_all", "usp_graph.ops.collectives",
-         "all_to_all with scatter/gather dims and sizes swapped"),
+         "all_to_all with scatter/gather dims and sizes swapped", issue="usp::all_to_all_start"),
     Rule("usp::all_gather", _COLLECTIVE, ("usp::reduce_scatter",), "usp::reduce_scatter",
-         "usp_graph.ops.collectives", "reduce_scatter (sum over ranks, in rank order) along the gathered dim"),
+         "usp_graph.ops.collectives", "reduce_scatter (sum over ranks, in rank order) along the gathered dim",
+         issue="usp::all_gather_start"),
     Rule("usp::reduce_scatter", _COLLECTIVE, ("usp::all_gather",), "usp::all_gather", "usp_graph.ops.collectives",
-         "all_gather along the scattered dim"),
+         "all_gather along the scattered dim", issue="usp::reduce_scatter_start"),
     Rule("usp::halo_exchange", _COLLECTIVE, ("usp::halo_reduce",), "usp::halo_reduce", "usp_graph.ops.halo",
          "halo_reduce: halo gradients sent home and added, tail then head"),
     Rule("usp::halo_reduce", _COLLECTIVE, ("usp::halo_exchange",), "usp::halo_exchange", "usp_graph.ops.halo",
@@ -75,6 +89,10 @@ TABLE: tuple[Rule, ...] = (
 )  # fmt: skip
 
 _TABLE_BY_OP = {r.op: r for r in TABLE}
+_TABLE_BY_ISSUE = {r.issue: r for r in TABLE if r.issue is not None}
+
+# Finishes every issued collective (`Rule.issue`).
+WAIT = "usp::wait"
 
 
 @dataclass(frozen=True)
@@ -215,6 +233,53 @@ def is_backward_op(op: Any) -> bool:
     return any(overload in r.backward_ops for r in _RULES.values())
 
 
+def canonical(op: Any) -> Any:
+    """The row op an issue op starts (``usp::all_to_all_start`` -> ``usp::all_to_all``); any other
+    op as it is. Pairing, verify and inspect key rules by it."""
+    if isinstance(op, torch._ops.OpOverload) and op.namespace == NAMESPACE:
+        row = _TABLE_BY_ISSUE.get(_qualname(op))
+        if row is not None:
+            return _overload(row.op)
+    return op
+
+
+def issue_of(op: Any) -> torch._ops.OpOverload | None:
+    """The issue op of collective `op`'s row (None: the collective has no async form)."""
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != NAMESPACE:
+        return None
+    row = _TABLE_BY_OP.get(_qualname(op))
+    return None if row is None or row.issue is None else _overload(row.issue)
+
+
+def is_wait_op(op: Any) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and _qualname(op) == WAIT
+
+
+def _lowered_backward(name: str) -> Callable[..., Any]:
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(
+            f"{name} is a collective's issue/wait form, which graphs get after autograd ran "
+            "(usp_graph.passes.overlap); differentiate the collective itself (its row of usp_graph.registry.TABLE)"
+        )
+
+    return backward
+
+
+def implement_issue(op: Any) -> None:
+    """Wire an issue op (a row's ``issue``) or `WAIT`: never differentiated, so its autograd raises
+    a clear error instead of dropping the gradient."""
+    name = _qualname(_overload(op))
+    if name != WAIT and name not in _TABLE_BY_ISSUE:
+        raise NotImplementedError(f"{name} is no row's issue op in usp_graph.registry.TABLE, nor {WAIT}")
+    torch.library.register_autograd(
+        name, _lowered_backward(name), setup_context=lambda ctx, inputs, output: None
+    )
+    _ISSUE_WIRED.add(name)
+
+
+_ISSUE_WIRED: set[str] = set()
+
+
 def check_complete(namespace: str = NAMESPACE) -> None:
     """Raise `NotImplementedError` for any op in `namespace` that no rule covers, and (for the
     package's own namespace) for any row of `TABLE` its module did not implement.
@@ -225,11 +290,16 @@ def check_complete(namespace: str = NAMESPACE) -> None:
     wired = {_qualname(op) for op in _RULES}
     if namespace == NAMESPACE:
         unimplemented = [f"{r.op} (in {r.module})" for r in TABLE if r.op not in wired]
+        unimplemented += [
+            f"{r.issue} (in {r.module})" for r in TABLE if r.issue and r.issue not in _ISSUE_WIRED
+        ]
+        if _TABLE_BY_ISSUE and WAIT not in _ISSUE_WIRED:
+            unimplemented.append(WAIT)
         if unimplemented:
             raise NotImplementedError(
                 "rules in usp_graph.registry.TABLE that no module implemented: " + ", ".join(unimplemented)
             )
-    covered = set(wired)
+    covered = set(wired) | _ISSUE_WIRED
     for r in _RULES.values():
         covered.update(_qualname(b) for b in r.backward_ops)
     prefix = namespace + "::"

@@ -25,6 +25,20 @@ Determinism: all_to_all and all_gather only move data. reduce_scatter receives e
 (an all_to_all) and adds them in rank order 0..P-1 on each rank, so its bits do not depend on the
 backend's reduction order (gloo's reduce_scatter/all_reduce pick their own).
 
+Issue + wait (`usp_graph.passes.overlap` lowers each op to these after autograd, so independent
+compute can run while the data travels):
+
+    all_to_all(x, ...)        ==  wait(all_to_all_start(x, ...), gather_dim, False)
+    all_gather(x, dim, ...)   ==  wait(all_gather_start(x, dim, ...), dim, False)
+    reduce_scatter(x, dim, ...) == wait(reduce_scatter_start(x, dim, ...), dim, True)
+
+A ``*_start`` op launches the collective asynchronously and returns the receive buffer (rows of
+the gathered dim first; for reduce_scatter one block per source rank); ``usp::wait`` waits for it
+and lays the result out as the synchronous op does (the same bits: the same data moves, the same
+rank-order sum). The ``*_start`` ops copy their input when the send buffer would alias it, so a
+compiler that reuses the input's memory after its last use cannot change what is sent. The
+registry lists them as the async forms of their collective's row (`usp_graph.registry`).
+
 Implementation: ``torch.distributed.all_to_all_single`` / ``all_gather_into_tensor`` on flat,
 contiguous buffers (both work on gloo and NCCL, even and uneven); each piece is sent laid out with
 gather_dim first, so the received buffer is already the concatenation along gather_dim. Outputs are
@@ -35,7 +49,8 @@ not arrive within the group's timeout) becomes `usp_graph.distributed.Collective
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +63,11 @@ from ..distributed import group_name as _group_name
 
 __all__ = [
     "all_gather",
+    "all_gather_start_op",
+    "all_to_all_start_op",
+    "reduce_scatter_start_op",
+    "wait_op",
+    "wait_args",
     "all_gather_op",
     "all_to_all",
     "all_to_all_op",
@@ -152,6 +172,125 @@ def _all_to_all_shape(
 
 
 # ------------------------------------------------------------------------------------------------
+# Launch and finish, shared by the synchronous ops and their issue/wait forms: the same buffers,
+# the same collective call, the same layout of the result, so both give the same bits.
+
+# Collectives in flight: receive buffer's storage -> (work, op name, group, receive, send buffer).
+# A ``*_start`` op adds its entry, ``usp::wait`` pops it; the send buffer is kept alive until then.
+_PENDING: dict[int, tuple[Any, str, dist.ProcessGroup, Tensor, Tensor]] = {}
+
+
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _own(send: Tensor, x: Tensor) -> Tensor:
+    """`send`, copied when it shares memory with the op's input `x` (an issued collective reads it
+    after the op returned, when a compiler may already have reused x's memory)."""
+    return send.clone() if send.numel() and _storage(send) == _storage(x) else send
+
+
+def _launch(op_name: str, pg: dist.ProcessGroup, recv: Tensor, send: Tensor, call: Callable[[bool], Any],
+            issue: bool) -> Tensor:  # fmt: skip
+    """Run ``call(async_op)``: blocking, or (issue) started and recorded for `wait_op`."""
+    work = run_collective(op_name, pg, lambda: call(issue))
+    if issue:
+        _PENDING[_storage(recv)] = (work, op_name, pg, recv, send)
+    return recv
+
+
+def _a2a_launch(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group_name, issue):
+    """Start (issue) or run the all-to-all; returns the receive buffer, (sum(gather_sizes), *rest):
+    the pieces concatenated along gather_dim, laid out with gather_dim first."""
+    pg = resolve_group(group_name)
+    rank = pg.rank()
+    sd, gd, ss, gs = _check_all_to_all(
+        x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, pg.size(), rank
+    )
+    out_shape = _all_to_all_shape(x.shape, sd, gd, ss, gs, group_name)
+    if sd == gd:  # pieces are consecutive rows once the dim is in front
+        send = x.movedim(gd, 0).contiguous().view(-1)
+        row_in = math.prod(x.shape[d] for d in range(x.dim()) if d != gd)
+        send_splits = [s * row_in for s in ss]
+    else:  # each piece laid out gather_dim first, so the receiver's buffer is the concatenation
+        pieces = x.split(ss, dim=sd)
+        send = torch.cat([p.movedim(gd, 0).reshape(-1) for p in pieces])
+        send_splits = [p.numel() for p in pieces]
+    if issue:
+        send = _own(send, x)
+    rest = [out_shape[d] for d in range(x.dim()) if d != gd]
+    row = math.prod(rest)
+    recv = x.new_empty(sum(gs) * row)
+    record_sent("usp::all_to_all", (sum(send_splits) - send_splits[rank]) * x.element_size())
+    recv_splits = [g * row for g in gs]
+    _launch(
+        "usp::all_to_all",
+        pg,
+        recv,
+        send,
+        lambda a: dist.all_to_all_single(recv, send, recv_splits, send_splits, group=pg, async_op=a),
+        issue,
+    )
+    return recv.view(sum(gs), *rest)
+
+
+def _gather_launch(x, dim, group_size, group_name, issue):
+    """Start or run the all-gather; returns (group_size * x.shape[dim], *rest): dim first."""
+    pg = resolve_group(group_name)
+    _check_tensor(x)
+    d = _norm_dim("dim", dim, x.dim())
+    _check_group_size(group_size, pg)
+    x_m = x.movedim(d, 0).contiguous()
+    if issue:
+        x_m = _own(x_m, x)
+    out = x_m.new_empty((group_size * x_m.shape[0], *x_m.shape[1:]))
+    if x.numel():  # every rank has the same shape, so all skip together
+        record_sent("usp::all_gather", x.numel() * x.element_size() * (group_size - 1))
+        _launch("usp::all_gather", pg, out, x_m, lambda a: all_gather_into(out, x_m, pg, async_op=a), issue)
+    return out
+
+
+def _scatter_launch(x, dim, group_size, group_name, issue):
+    """Start or run the reduce-scatter's exchange; returns (group_size, n, *rest): block j came
+    from rank j (n = x.shape[dim] / group_size)."""
+    pg = resolve_group(group_name)
+    _check_tensor(x)
+    d = _norm_dim("dim", dim, x.dim())
+    _check_group_size(group_size, pg)
+    if x.shape[d] % group_size:
+        raise ValueError(
+            f"x has {x.shape[d]} along dim={d}, not divisible by the group's {group_size} ranks "
+            f"(x shape {tuple(x.shape)})"
+        )
+    x_m = x.movedim(d, 0).contiguous()  # chunk j (rows j*n:(j+1)*n) goes to rank j
+    if issue:
+        x_m = _own(x_m, x)
+    recv = torch.empty_like(x_m)
+    if x.numel():
+        record_sent("usp::reduce_scatter", x.numel() * x.element_size() * (group_size - 1) // group_size)
+        _launch(
+            "usp::reduce_scatter", pg, recv, x_m,
+            lambda a: dist.all_to_all_single(recv, x_m, group=pg, async_op=a), issue,
+        )  # fmt: skip
+    return recv.view(group_size, x_m.shape[0] // group_size, *x_m.shape[1:])
+
+
+def _finish(recv: Tensor, dim: int, reduce: bool) -> Tensor:
+    """The collective's result from its receive buffer: the blocks summed in rank order (reduce),
+    then the leading dim moved to `dim`; contiguous, and never `recv` itself."""
+    x = ordered_sum(recv.unbind(0)) if reduce else recv
+    out = x.movedim(0, dim).contiguous()
+    return out.clone() if _storage(out) == _storage(recv) else out
+
+
+def _moved_shape(shape: Sequence[IntLike], dim: int) -> list[IntLike]:
+    out = list(shape)
+    first = out.pop(0)
+    out.insert(dim, first)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
 # The ops.
 
 
@@ -170,30 +309,8 @@ def all_to_all_op(
     group_name: str,
 ) -> Tensor:
     """All-to-all along (scatter_dim, gather_dim) with per-rank sizes. See the module docstring."""
-    pg = resolve_group(group_name)
-    rank = pg.rank()
-    sd, gd, ss, gs = _check_all_to_all(
-        x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, pg.size(), rank
-    )
-    out_shape = _all_to_all_shape(x.shape, sd, gd, ss, gs, group_name)
-    if sd == gd:  # pieces are consecutive rows once the dim is in front
-        send = x.movedim(gd, 0).contiguous().view(-1)
-        row_in = math.prod(x.shape[d] for d in range(x.dim()) if d != gd)
-        send_splits = [s * row_in for s in ss]
-    else:  # each piece laid out gather_dim first, so the receiver's buffer is the concatenation
-        pieces = x.split(ss, dim=sd)
-        send = torch.cat([p.movedim(gd, 0).reshape(-1) for p in pieces])
-        send_splits = [p.numel() for p in pieces]
-    rest = [out_shape[d] for d in range(x.dim()) if d != gd]
-    row = math.prod(rest)
-    recv = x.new_empty(sum(gs) * row)
-    record_sent("usp::all_to_all", (sum(send_splits) - send_splits[rank]) * x.element_size())
-    run_collective(
-        "usp::all_to_all",
-        pg,
-        lambda: dist.all_to_all_single(recv, send, [g * row for g in gs], send_splits, group=pg),
-    )
-    return recv.view(sum(gs), *rest).movedim(0, gd).contiguous()
+    recv = _a2a_launch(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group_name, False)
+    return _finish(recv, gather_dim % x.dim(), False)
 
 
 @all_to_all_op.register_fake
@@ -210,16 +327,8 @@ def _(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group_name):
 )
 def all_gather_op(x: Tensor, dim: int, group_size: int, group_name: str) -> Tensor:
     """Concatenate every rank's x along dim in rank order."""
-    pg = resolve_group(group_name)
-    _check_tensor(x)
-    d = _norm_dim("dim", dim, x.dim())
-    _check_group_size(group_size, pg)
-    x_m = x.movedim(d, 0).contiguous()
-    out = x_m.new_empty((group_size * x_m.shape[0], *x_m.shape[1:]))
-    if x.numel():  # every rank has the same shape, so all skip together
-        record_sent("usp::all_gather", x.numel() * x.element_size() * (group_size - 1))
-        run_collective("usp::all_gather", pg, lambda: all_gather_into(out, x_m, pg))
-    return out.movedim(0, d).contiguous()
+    out = _gather_launch(x, dim, group_size, group_name, False)
+    return _finish(out, dim % x.dim(), False)
 
 
 @all_gather_op.register_fake
@@ -237,22 +346,8 @@ def _(x, dim, group_size, group_name):
 )
 def reduce_scatter_op(x: Tensor, dim: int, group_size: int, group_name: str) -> Tensor:
     """Sum x over ranks (in rank order) and keep this rank's chunk along dim."""
-    pg = resolve_group(group_name)
-    _check_tensor(x)
-    d = _norm_dim("dim", dim, x.dim())
-    _check_group_size(group_size, pg)
-    if x.shape[d] % group_size:
-        raise ValueError(
-            f"x has {x.shape[d]} along dim={d}, not divisible by the group's {group_size} ranks "
-            f"(x shape {tuple(x.shape)})"
-        )
-    x_m = x.movedim(d, 0).contiguous()  # chunk j (rows j*n:(j+1)*n) goes to rank j
-    recv = torch.empty_like(x_m)
-    if x.numel():
-        record_sent("usp::reduce_scatter", x.numel() * x.element_size() * (group_size - 1) // group_size)
-        run_collective("usp::reduce_scatter", pg, lambda: dist.all_to_all_single(recv, x_m, group=pg))
-    parts = recv.view(group_size, x_m.shape[0] // group_size, *x_m.shape[1:]).unbind(0)
-    return ordered_sum(parts).movedim(0, d).contiguous()
+    recv = _scatter_launch(x, dim, group_size, group_name, False)
+    return _finish(recv, dim % x.dim(), True)
 
 
 @reduce_scatter_op.register_fake
@@ -261,6 +356,113 @@ def _(x, dim, group_size, group_name):
     shape = list(x.shape)
     shape[d] = shape[d] // group_size
     return x.new_empty(shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue + wait forms (graphs get them from `usp_graph.passes.overlap`, after autograd).
+
+
+@torch.library.custom_op(
+    "usp::all_to_all_start",
+    mutates_args=(),
+    schema="(Tensor x, int scatter_dim, int gather_dim, SymInt[] scatter_sizes, SymInt[] gather_sizes, "
+    "str group_name) -> Tensor",
+)
+def all_to_all_start_op(
+    x: Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    scatter_sizes: Sequence[int],
+    gather_sizes: Sequence[int],
+    group_name: str,
+) -> Tensor:
+    """Start `all_to_all_op`; ``usp::wait(recv, gather_dim, False)`` gives its result."""
+    return _a2a_launch(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group_name, True)
+
+
+@all_to_all_start_op.register_fake
+def _(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group_name):
+    sd = _norm_dim("scatter_dim", scatter_dim, x.dim())
+    gd = _norm_dim("gather_dim", gather_dim, x.dim())
+    shape = _all_to_all_shape(x.shape, sd, gd, scatter_sizes, gather_sizes, group_name)
+    return x.new_empty([shape[gd]] + [s for d, s in enumerate(shape) if d != gd])
+
+
+@torch.library.custom_op(
+    "usp::all_gather_start",
+    mutates_args=(),
+    schema="(Tensor x, int dim, int group_size, str group_name) -> Tensor",
+)
+def all_gather_start_op(x: Tensor, dim: int, group_size: int, group_name: str) -> Tensor:
+    """Start `all_gather_op`; ``usp::wait(recv, dim, False)`` gives its result."""
+    return _gather_launch(x, dim, group_size, group_name, True)
+
+
+@all_gather_start_op.register_fake
+def _(x, dim, group_size, group_name):
+    d = _norm_dim("dim", dim, x.dim())
+    return x.new_empty([x.shape[d] * group_size] + [s for i, s in enumerate(x.shape) if i != d])
+
+
+@torch.library.custom_op(
+    "usp::reduce_scatter_start",
+    mutates_args=(),
+    schema="(Tensor x, int dim, int group_size, str group_name) -> Tensor",
+)
+def reduce_scatter_start_op(x: Tensor, dim: int, group_size: int, group_name: str) -> Tensor:
+    """Start `reduce_scatter_op`; ``usp::wait(recv, dim, True)`` gives its result."""
+    return _scatter_launch(x, dim, group_size, group_name, True)
+
+
+@reduce_scatter_start_op.register_fake
+def _(x, dim, group_size, group_name):
+    d = _norm_dim("dim", dim, x.dim())
+    return x.new_empty([group_size, x.shape[d] // group_size] + [s for i, s in enumerate(x.shape) if i != d])
+
+
+@torch.library.custom_op("usp::wait", mutates_args=(), schema="(Tensor recv, int dim, bool reduce) -> Tensor")
+def wait_op(recv: Tensor, dim: int, reduce: bool) -> Tensor:
+    """Wait for the collective a ``*_start`` op issued into `recv` and return its result: the
+    blocks of `recv` summed in rank order (`reduce`, reduce_scatter), the leading dim moved to `dim`."""
+    _check_tensor(recv)
+    if not isinstance(reduce, bool):
+        raise TypeError(f"reduce must be a bool, got {type(reduce).__name__}")
+    if recv.dim() < (2 if reduce else 1):
+        raise ValueError(f"recv of shape {tuple(recv.shape)} is not a collective's receive buffer")
+    d = _norm_dim("dim", dim, recv.dim() - reduce)
+    entry = _PENDING.pop(_storage(recv), None)
+    if entry is not None:
+        work, op_name, pg = entry[:3]
+        run_collective(op_name, pg, work.wait)
+    return _finish(recv, d, reduce)
+
+
+@wait_op.register_fake
+def _(recv, dim, reduce):
+    shape = list(recv.shape[1:] if reduce else recv.shape)
+    return recv.new_empty(_moved_shape(shape, _norm_dim("dim", dim, len(shape))))
+
+
+def wait_args(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int, bool]:
+    """(dim, reduce): the `wait_op` arguments that finish collective `op` called with `args`."""
+    bound = {**dict(zip(_ARG_NAMES[op], args, strict=False)), **kwargs}
+    if op is torch.ops.usp.all_to_all.default:
+        return bound["gather_dim"], False
+    return bound["dim"], op is torch.ops.usp.reduce_scatter.default
+
+
+_ARG_NAMES = {
+    torch.ops.usp.all_to_all.default: (
+        "x",
+        "scatter_dim",
+        "gather_dim",
+        "scatter_sizes",
+        "gather_sizes",
+        "group_name",
+    ),
+    torch.ops.usp.all_gather.default: ("x", "dim", "group_size", "group_name"),
+    torch.ops.usp.reduce_scatter.default: ("x", "dim", "group_size", "group_name"),
+}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -295,6 +497,8 @@ def _reduce_scatter_backward(ctx, grad):
 registry.implement(all_to_all_op, setup_context=_all_to_all_setup, backward=_all_to_all_backward)
 registry.implement(all_gather_op, setup_context=_dim_group_setup, backward=_all_gather_backward)
 registry.implement(reduce_scatter_op, setup_context=_dim_group_setup, backward=_reduce_scatter_backward)
+for _op in (all_to_all_start_op, all_gather_start_op, reduce_scatter_start_op, wait_op):
+    registry.implement_issue(_op)
 
 
 # ------------------------------------------------------------------------------------------------
