@@ -10,15 +10,23 @@ from typing import Any
 from usp_graph.graphfile.document import fingerprint
 
 
+_ALL_TO_ALL = ("usp.all_to_all.default", "usp.all_to_all_start.default")
+
+
 def remove_backward_adjoint(src: Path, dst: Path) -> dict[str, Any]:
     """Write `src` to `dst` with its first backward all-to-all replaced by a clone of its input (the
-    adjoint collective is gone; the data still flows); returns the replaced node's record."""
+    adjoint collective is gone; the data still flows); returns the replaced node's record. An
+    issued all-to-all (the overlap pass) loses its wait too (a clone as well)."""
     doc = json.loads(Path(src).read_text())
+    nodes = doc["graph"]["nodes"]
     victim = next(
-        n
-        for n in doc["graph"]["nodes"]
-        if n.get("target") == "usp.all_to_all.default" and n["meta"].get("usp_phase") == "backward"
+        n for n in nodes if n.get("target") in _ALL_TO_ALL and n["meta"].get("usp_phase") == "backward"
     )
+    if victim["target"] == _ALL_TO_ALL[1]:
+        for n in nodes:
+            if n.get("target") == "usp.wait.default" and n["args"][0] == {"node": victim["name"]}:
+                n["target"] = "aten.clone.default"
+                n["args"] = n["args"][:1]
     victim["target"] = "aten.clone.default"
     victim["args"] = victim["args"][:1]
     doc["fingerprint"] = fingerprint(doc)

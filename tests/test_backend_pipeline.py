@@ -44,9 +44,9 @@ def _compile_step(options: dict, *, backward: bool = True) -> list:
 def test_the_backend_pipeline_is_a_printable_list_of_named_passes():
     pipeline = backend_pipeline()
     assert isinstance(pipeline, Pipeline)
-    assert pipeline.names == ["rewrite_sdpa", "verify_rewrite", "joint", "verify"]
+    assert pipeline.names == ["rewrite_sdpa", "verify_rewrite", "joint", "verify", "overlap"]
     lines = str(pipeline).splitlines()
-    assert lines[0] == "Pipeline (4 passes):" and "(required)" in lines[3]
+    assert lines[0] == "Pipeline (5 passes):" and "(required)" in lines[3]
 
 
 def test_options_disable_and_dump_passes_build_the_pipeline(tmp_path):
@@ -62,16 +62,16 @@ def test_options_disable_and_dump_passes_build_the_pipeline(tmp_path):
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
-        ({"disable": "nope"}, ValueError, r"option 'disable': cannot disable unknown pass\(es\) \['nope'\]; the passes are \['rewrite_sdpa', 'verify_rewrite', 'joint', 'verify'\]"),
+        ({"disable": "nope"}, ValueError, r"option 'disable': cannot disable unknown pass\(es\) \['nope'\]; the passes are \['rewrite_sdpa', 'verify_rewrite', 'joint', 'verify', 'overlap'\]"),
         ({"disable": ["joint"]}, ValueError, "option 'disable': pass 'joint' is required and cannot be disabled"),
         ({"dump_passes": True}, ValueError, "option 'dump_passes' writes each pass's before/after graph below dump_dir; set that too"),
         ({"dump_passes": ["x"], "dump_dir": "d"}, ValueError, r"option 'dump_passes': cannot dump unknown pass\(es\) \['x'\]"),
         ({"disable": 3}, TypeError, "option 'disable' must be a pass name or a list of pass names, got 3"),
-        ({"disable": ["verify", None]}, TypeError, r"option 'disable' must be a pass name or a list of pass names, got \['verify', None\]; the passes are \['rewrite_sdpa', 'verify_rewrite', 'joint', 'verify'\]"),
+        ({"disable": ["verify", None]}, TypeError, r"option 'disable' must be a pass name or a list of pass names, got \['verify', None\]; the passes are \['rewrite_sdpa', 'verify_rewrite', 'joint', 'verify', 'overlap'\]"),
         ({"disable": {"verify"}}, TypeError, r"option 'disable' must be .*, got \{'verify'\}; the passes are \['rewrite_sdpa', "),
-        ({"dump_passes": 1, "dump_dir": "d"}, TypeError, r"option 'dump_passes' must be True, a pass name or a list of pass names, got 1; the passes are \['rewrite_sdpa', 'verify_rewrite', 'joint', 'verify'\]"),
+        ({"dump_passes": 1, "dump_dir": "d"}, TypeError, r"option 'dump_passes' must be True, a pass name or a list of pass names, got 1; the passes are \['rewrite_sdpa', 'verify_rewrite', 'joint', 'verify', 'overlap'\]"),
         ({"dump_passes": ["joint", 2], "dump_dir": "d"}, TypeError, r"option 'dump_passes' must be True, .*; the passes are \['rewrite_sdpa', "),
-        ({"dump_passes": ["x"], "dump_dir": "d"}, ValueError, r"cannot dump unknown pass\(es\) \['x'\]; the passes are \['rewrite_sdpa', 'verify_rewrite', 'joint', 'verify'\]"),
+        ({"dump_passes": ["x"], "dump_dir": "d"}, ValueError, r"cannot dump unknown pass\(es\) \['x'\]; the passes are \['rewrite_sdpa', 'verify_rewrite', 'joint', 'verify', 'overlap'\]"),
         ({"disable": "Verify"}, ValueError, r"option 'disable': cannot disable unknown pass\(es\) \['Verify'\]; the passes are \["),
     ],
     ids=["unknown", "required", "dump_without_dir", "dump_unknown", "not_names", "disable_list_not_names",
@@ -92,16 +92,17 @@ def test_good_pass_options_are_kept_as_tuples_of_names(tmp_path):
 
 def test_a_compile_reports_each_pass_and_a_disabled_one_does_not_run():
     (report,) = _compile_step({})
-    assert list(report.passes) == ["rewrite_sdpa", "verify_rewrite", "joint", "verify"]
+    assert list(report.passes) == ["rewrite_sdpa", "verify_rewrite", "joint", "verify", "overlap"]
     assert report.passes["rewrite_sdpa"] == CONFIG.n_layers and report.passes["joint"] > 0
+    assert report.passes["overlap"] == 0  # one process: no collective to issue
     (report,) = _compile_step({"disable": ["verify"]})
-    assert list(report.passes) == ["rewrite_sdpa", "verify_rewrite", "joint"]
+    assert list(report.passes) == ["rewrite_sdpa", "verify_rewrite", "joint", "overlap"]
 
 
-def test_under_no_grad_only_the_passes_before_aotautograd_run():
+def test_under_no_grad_the_joint_passes_do_not_run():
     with torch.no_grad():
         (report,) = _compile_step({}, backward=False)
-    assert list(report.passes) == ["rewrite_sdpa", "verify_rewrite"]
+    assert list(report.passes) == ["rewrite_sdpa", "verify_rewrite", "overlap"]
 
 
 def test_dump_passes_writes_before_and_after_into_the_graph_dump(tmp_path):

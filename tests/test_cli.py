@@ -212,7 +212,8 @@ def test_diff_reports_no_change_between_ranks_and_a_change_against_another_graph
     r = _cli("diff", str(demo_dir / "rank0.uspg"), str(single), "--json")
     d = json.loads(r.stdout)
     assert not d["same"]
-    assert d["op_counts"]["usp.all_to_all.default"] == {"a": 16, "b": 0}
+    assert d["op_counts"]["usp.all_to_all_start.default"] == {"a": 16, "b": 0}  # issued (overlap pass)
+    assert d["op_counts"]["usp.wait.default"] == {"a": 16, "b": 0}
     assert "usp.varlen_fwd.default" not in d["op_counts"]  # two attention sites in both
 
 

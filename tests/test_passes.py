@@ -446,23 +446,24 @@ def test_verify_requires_each_forward_collective_to_have_its_adjoint_in_backward
 def test_pipeline_prints_as_an_ordered_list():
     text = str(default_pipeline().disable("verify"))
     lines = text.splitlines()
-    assert lines[0] == "Pipeline (3 passes):"
+    assert lines[0] == "Pipeline (4 passes):"
     assert lines[1].split()[:3] == ["1.", "rewrite_sdpa", "on"]
     assert lines[2].split()[:3] == ["2.", "joint", "on"] and "(required)" in lines[2]
     assert lines[3].split()[:3] == ["3.", "verify", "off"]
+    assert lines[4].split()[:3] == ["4.", "overlap", "on"]
 
 
 def test_pipeline_rejects_unknown_and_required_pass_names():
     with pytest.raises(
         ValueError,
-        match=r"unknown pass\(es\) \['nope'\]; the passes are \['rewrite_sdpa', 'joint', 'verify'\]",
+        match=r"unknown pass\(es\) \['nope'\]; the passes are \['rewrite_sdpa', 'joint', 'verify', 'overlap'\]",
     ):
         default_pipeline().disable("nope")
     with pytest.raises(ValueError, match="pass 'joint' is required and cannot be disabled"):
         default_pipeline().disable("joint")
     for bad in (3, [3], None):
         with pytest.raises(
-            TypeError, match=r"pass names.*the passes are \['rewrite_sdpa', 'joint', 'verify'\]"
+            TypeError, match=r"pass names.*the passes are \['rewrite_sdpa', 'joint', 'verify', 'overlap'\]"
         ):
             default_pipeline().with_dump(only=bad) if bad is not None else default_pipeline().disable(None)
 
@@ -470,10 +471,11 @@ def test_pipeline_rejects_unknown_and_required_pass_names():
 def test_pipeline_reports_match_counts_and_skips_disabled_passes():
     model, graph = tiny_trace()
     n_params = len(list(model.parameters()))
-    assert graph.run.matches == {"rewrite_sdpa": 2, "joint": n_params, "verify": 2 + n_params}
+    # overlap: no collective in one process
+    assert graph.run.matches == {"rewrite_sdpa": 2, "joint": n_params, "verify": 2 + n_params, "overlap": 0}
     assert all(isinstance(r, PassResult) for r in graph.run.results)
     _, graph = tiny_trace(passes=default_pipeline().disable("verify"))
-    assert [r.name for r in graph.run.results] == ["rewrite_sdpa", "joint"]
+    assert [r.name for r in graph.run.results] == ["rewrite_sdpa", "joint", "overlap"]
 
 
 def test_every_node_records_the_pass_that_created_it():

@@ -16,6 +16,7 @@ from usp_graph import (
     TrainStepGraph,
     attention_mode,
     find_sites,
+    registry,
     trace_train_step,
 )
 from usp_graph.models import (
@@ -442,10 +443,16 @@ def test_trace_rejects_bad_arguments():
 
 
 def _cp_counts(gm) -> dict[str, int]:
+    """usp ops per phase; an issued collective (the overlap pass) counts as its collective, once,
+    and must have exactly one wait."""
     counts: dict[str, int] = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and getattr(n.target, "namespace", None) == "usp":
-            key = f"{n.target._schema.name.split('::')[1]}:{n.meta.get('usp_phase')}"
+            if registry.is_wait_op(n.target):
+                continue
+            if registry.canonical(n.target) is not n.target:
+                assert [registry.is_wait_op(u.target) for u in n.users] == [True], n.format_node()
+            key = f"{registry.canonical(n.target)._schema.name.split('::')[1]}:{n.meta.get('usp_phase')}"
             counts[key] = counts.get(key, 0) + 1
     return counts
 

@@ -38,11 +38,49 @@ def _target_name(node: fx.Node) -> str:
     )
 
 
+def _op_label(node: fx.Node) -> str:
+    """The node's op as pairing rows name it: an issued collective as its collective."""
+    canonical = registry.canonical(node.target)
+    if canonical is node.target:
+        return _target_name(node)
+    return f"{canonical.namespace}.{canonical._schema.name.split('::')[1]}.{canonical._overloadname}"
+
+
 def _usp_name(node: fx.Node) -> str | None:
+    """The usp op's name without the namespace; an issued collective's issue node is named as its
+    collective (``all_to_all_start`` -> ``all_to_all``), its end is ``wait``."""
     t = node.target
     if isinstance(t, torch._ops.OpOverload) and t.namespace == "usp":
-        return t._schema.name.split("::")[1]
+        return registry.canonical(t)._schema.name.split("::")[1]
     return None
+
+
+def _overlapped(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:
+    """{issue node: (its wait node, compute ops scheduled between them)}: what runs while an
+    issued collective's data travels (`usp_graph.passes.overlap`). Compute: call_function nodes
+    with a tensor value that are not views, issues or waits."""
+    nodes = list(gm.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    out = {}
+    for n in nodes:
+        if n.op != "call_function" or registry.canonical(n.target) is n.target or not _usp_name(n):
+            continue
+        waits = [u for u in n.users if registry.is_wait_op(u.target)]
+        if not waits:
+            continue
+        w = min(waits, key=at.__getitem__)
+        between = 0
+        for m in nodes[at[n] + 1 : at[w]]:
+            t = m.target
+            if m.op != "call_function" or not isinstance(m.meta.get("val"), torch.Tensor):
+                continue
+            if isinstance(t, torch._ops.OpOverload) and (t.is_view or registry.is_wait_op(t)):
+                continue
+            if registry.canonical(t) is not t:
+                continue
+            between += 1
+        out[n.name] = (w.name, between)
+    return out
 
 
 def _comm_ops(table: Sequence[Any], strategies: Any) -> tuple[frozenset[str], frozenset[str]]:
@@ -301,22 +339,24 @@ def summarize(
                 )  # fmt: skip
 
     collectives = []
+    overlapped = _overlapped(gm)
     for n in gm.graph.nodes:
         u = _usp_name(n)
         if u not in _COMM_OPS:
             continue
         nbytes, size, group = _collective_bytes(n)
-        collectives.append(
-            {
-                "node": n.name,
-                "op": f"usp.{u}",
-                "phase": n.meta.get("usp_phase", ""),
-                "group": group,
-                "group_size": size,
-                "bytes_per_rank": _fmt(nbytes, names, values),
-                "forward_node": n.meta.get("usp_fwd_node"),
-            }
-        )
+        row = {
+            "node": n.name,
+            "op": f"usp.{u}",
+            "phase": n.meta.get("usp_phase", ""),
+            "group": group,
+            "group_size": size,
+            "bytes_per_rank": _fmt(nbytes, names, values),
+            "forward_node": n.meta.get("usp_fwd_node"),
+        }
+        if n.name in overlapped:  # issued: where it is waited for, and the compute in between
+            row["wait"], row["overlap_ops"] = overlapped[n.name]
+        collectives.append(row)
     pairing, unpaired = _pairing(gm, backward) if not (forward_only and backward is None) else ([], [])
     counts = Counter(_target_name(n) for n in gm.graph.nodes if n.op == "call_function")
     passes = Counter(n.meta.get("usp_pass", "?") for n in gm.graph.nodes)
@@ -392,12 +432,10 @@ def _pairing(
     when the backward is another graph; and those whose backward is missing."""
     result = pair_backward(gm, backward)
     pairs = [
-        {"forward": p.forward.name, "backward": [b.name for b in p.backward], "op": _target_name(p.forward)}
+        {"forward": p.forward.name, "backward": [b.name for b in p.backward], "op": _op_label(p.forward)}
         for p in result.pairs
     ]
-    unpaired = [
-        {"node": u.node.name, "op": _target_name(u.node), "missing": u.missing} for u in result.unpaired
-    ]
+    unpaired = [{"node": u.node.name, "op": _op_label(u.node), "missing": u.missing} for u in result.unpaired]
     return pairs, unpaired
 
 

@@ -29,15 +29,17 @@ from typing import Any
 import torch.fx as fx
 
 from ..passes.base import Pass, PassContext, PassResult, Pipeline
+from ..passes.overlap import overlap_pass
 from ..passes.provenance import ORIGIN_META, PHASE_META
 from ..passes.rewrite import rewrite_sdpa
 from ..passes.verify import verify
 from .inputs import add_metadata_inputs
 from .joint import tag_joint, verify_joint
 
-__all__ = ["CompileContext", "JOINT_STAGE", "backend_pipeline"]
+__all__ = ["CompileContext", "GRAPH_STAGE", "JOINT_STAGE", "backend_pipeline"]
 
 JOINT_STAGE = ("joint", "verify")
+GRAPH_STAGE = ("overlap",)
 
 
 @dataclass
@@ -96,7 +98,7 @@ def _verify_joint(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
 
 
 def backend_pipeline() -> Pipeline:
-    """rewrite_sdpa -> verify_rewrite -> (AOTAutograd) -> joint -> verify."""
+    """rewrite_sdpa -> verify_rewrite -> (AOTAutograd) -> joint -> verify -> (partition) -> overlap."""
     return Pipeline(
         [
             Pass(
@@ -112,5 +114,10 @@ def backend_pipeline() -> Pipeline:
                 required=True,
             ),
             Pass("verify", _verify_joint, "the joint graph: usp ops have rules; backward/adjoint present"),
+            Pass(
+                "overlap",
+                overlap_pass,
+                "each compiled graph: collectives -> issue + wait; issue early, wait late",
+            ),
         ]
     )

@@ -15,6 +15,9 @@ code). Its backward is found when a backward node
   ``usp_fwd_node``, or its name when it has none: see `usp_graph.passes.provenance`), or
 - (not for collectives) of one of those ops reads its output directly.
 
+An issued collective (`usp_graph.passes.overlap`) is read as its collective: the issue node is
+the forward op or the adjoint, its ``usp::wait`` is neither.
+
 The backward may be in another graph (a compile dump's ``backward.uspg`` next to its
 ``forward.uspg``); attribution then links the two, as the backward names the forward's nodes.
 """
@@ -119,7 +122,10 @@ def _feeds_loss(gm: fx.GraphModule) -> set[fx.Node] | None:
 def _forward_ops(gm: fx.GraphModule, rules: dict[Any, registry.BackwardRule]) -> Iterator[fx.Node]:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.meta.get(PHASE_META) == "forward":
-            if node.target in rules or (_is_usp_op(node.target) and not registry.is_backward_op(node.target)):
+            target = registry.canonical(node.target)
+            if registry.is_wait_op(target):
+                continue  # the end of an issued collective: its issue node stands for it
+            if target in rules or (_is_usp_op(target) and not registry.is_backward_op(target)):
                 yield node
 
 
@@ -136,7 +142,7 @@ def pair_backward(gm: fx.GraphModule, backward: fx.GraphModule | None = None) ->
     feeds_loss = _feeds_loss(gm)
     pairs, unpaired, skipped = [], [], []
     for node in _forward_ops(gm, rules):
-        rule = rules.get(node.target)
+        rule = rules.get(registry.canonical(node.target))
         if rule is None:
             unpaired.append(Unpaired(node, None))
             continue
@@ -144,9 +150,11 @@ def pair_backward(gm: fx.GraphModule, backward: fx.GraphModule | None = None) ->
             skipped.append(node)  # no gradient flows through it: autograd rightly runs no backward
             continue
         expected = (rule.adjoint,) if rule.kind == "collective" else rule.backward_ops
-        found = [b for b in by_origin.get(_origin(node), ()) if b.target in expected]
+        found = [b for b in by_origin.get(_origin(node), ()) if registry.canonical(b.target) in expected]
         if not found and rule.kind != "collective":
-            found = [b for b in bwd_nodes if b.target in expected and _reads_output_of(b, node)]
+            found = [
+                b for b in bwd_nodes if registry.canonical(b.target) in expected and _reads_output_of(b, node)
+            ]
         if found:
             pairs.append(Pair(node, tuple(found)))
         else:

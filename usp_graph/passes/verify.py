@@ -2,7 +2,7 @@
 
 1. No SDPA is left unless the rewrite reported it as kept (with its reason).
 2. Every ``usp::`` op in the graph has a rule in `usp_graph.registry` (forward op) or is some
-   rule's backward op.
+   rule's backward op (an issued collective counts as its collective, ``usp::wait`` as its end).
 3. Every forward op with a rule that needs a gradient has its backward in the backward graph:
    an attention op one of its ``backward_ops``, a collective its ``adjoint``, attributed to the
    same forward node (`usp_graph.passes.pairing`: the analysis ``usp-graph inspect`` shows too).
@@ -71,7 +71,8 @@ def verify(gm: fx.GraphModule) -> PassResult:
     rules = registry.rules()
     for node in gm.graph.nodes:
         if node.op == "call_function" and _is_usp_op(node.target):
-            if node.target not in rules and not registry.is_backward_op(node.target):
+            target = registry.canonical(node.target)
+            if target not in rules and not registry.is_backward_op(target) and not registry.is_wait_op(target):
                 raise VerifyError(
                     f"node {node.name} ({node.target}) {_where(node)} has no backward rule in "
                     "usp_graph.registry; add its row (backward ops, adjoint collective, implementing module) "
