@@ -142,18 +142,52 @@ def _llama_setup():
     return model, graph, inputs
 
 
-@pytest.mark.timeout(120)
-def test_llama_and_flux_loaded_in_a_fresh_process_replay_10_adamw_steps_bitwise_equal_to_eager(tmp_path):
+def _ten_steps(setup, loss_fn) -> dict:
+    """A traced step, its 10 inputs, and 10 AdamW steps driven by eager attention_mode and by the
+    traced graph's replay (the tests below compare them, then the graph's file, here and fresh)."""
+    model, graph, inputs = setup()
+    return {
+        "model": model,
+        "graph": graph,
+        "inputs": inputs,
+        "loss_fn": loss_fn,
+        "eager": _adamw_steps(copy.deepcopy(model), loss_fn, inputs),
+        "replayed": _adamw_steps(copy.deepcopy(model), loss_fn, inputs, replay_fn=graph.replay),
+    }
+
+
+# Traced once per module: each is a few seconds of symbolic tracing.
+@pytest.fixture(scope="module")
+def llama_ten_steps():
+    return _ten_steps(_llama_setup, llama_loss)
+
+
+@pytest.fixture(scope="module")
+def flux_ten_steps():
+    return _ten_steps(_flux_setup, flux_loss)
+
+
+def test_llama_10_adamw_steps_replayed_equal_eager_bitwise(llama_ten_steps):
+    _assert_same_history(llama_ten_steps["eager"], llama_ten_steps["replayed"])
+
+
+def test_flux_10_adamw_steps_replayed_equal_eager_bitwise(flux_ten_steps):
+    assert len(flux_ten_steps["graph"].sites) == FLUX.n_double + FLUX.n_single
+    _assert_same_history(flux_ten_steps["eager"], flux_ten_steps["replayed"])
+
+
+def test_llama_and_flux_loaded_in_a_fresh_process_replay_10_adamw_steps_bitwise_equal_to_eager(
+    tmp_path, llama_ten_steps, flux_ten_steps
+):
     jobs, expected = [], []
-    for name, setup, loss_fn in (("llama", _llama_setup, llama_loss), ("flux", _flux_setup, flux_loss)):
-        model, graph, inputs = setup()
+    for name, run in (("llama", llama_ten_steps), ("flux", flux_ten_steps)):
+        model, graph, inputs, loss_fn = run["model"], run["graph"], run["inputs"], run["loss_fn"]
         assert len({m.total_tokens for _, m in inputs}) > 5  # token counts change step to step
         path = tmp_path / f"{name}.uspg"
         save(graph, path)
-        eager = _adamw_steps(copy.deepcopy(model), loss_fn, inputs)
-        in_process = _adamw_steps(copy.deepcopy(model), loss_fn, inputs, replay_fn=graph.replay)
+        eager = run["eager"]
         loaded_here = _adamw_steps(copy.deepcopy(model), loss_fn, inputs, replay_fn=load(path).replay)
-        _assert_same_history(eager, in_process)
+        _assert_same_history(eager, run["replayed"])
         _assert_same_history(eager, loaded_here)
         expected.append(eager)
         jobs.append(
@@ -175,7 +209,7 @@ def test_llama_and_flux_loaded_in_a_fresh_process_replay_10_adamw_steps_bitwise_
         ],
         capture_output=True,
         text=True,
-        timeout=100,
+        timeout=600,  # a hang guard only: a loaded machine may take minutes
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

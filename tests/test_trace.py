@@ -24,7 +24,6 @@ from usp_graph.models import (
     FluxConfig,
     Llama,
     LlamaConfig,
-    flux_loss,
     llama_loss,
     make_flux_batch,
     make_llama_batch,
@@ -174,35 +173,8 @@ def _assert_same_history(eager, replayed):
         assert_bitwise(p1, p2, f"step {step}: param")
 
 
-def test_llama_10_adamw_steps_replayed_equal_eager_bitwise():
-    model = llama_model(seed=4)
-    batch, meta = llama_inputs([5, 7, 3], seed=10)
-    graph = trace_train_step(model, llama_loss, batch, meta)
-    doc_lists = [[5, 7, 3], [2, 9, 4, 6], [20], [1, 1, 8, 3, 2, 7], [11, 4], [3, 3, 3, 3, 3, 3, 3, 3], [9, 0, 6],
-                 [16, 1], [2, 2], [4, 13, 5]]  # fmt: skip
-    inputs = [llama_inputs(lengths, seed=20 + i, max_seqlen=24) for i, lengths in enumerate(doc_lists)]
-    eager = _adamw_steps(copy.deepcopy(model), llama_loss, inputs)
-    replayed = _adamw_steps(copy.deepcopy(model), llama_loss, inputs, replay_fn=graph.replay)
-    _assert_same_history(eager, replayed)
-
-
-def test_flux_10_adamw_steps_replayed_equal_eager_bitwise():
-    torch.manual_seed(5)
-    model = Flux(FLUX)
-    gen = torch.Generator().manual_seed(6)
-    batch = make_flux_batch(FLUX, 2, 4, 9, generator=gen, grid_width=3)
-    graph = trace_train_step(
-        model, flux_loss, batch, AttentionMetadata.per_sample(2, 13), dynamic=FLUX_DYNAMIC
-    )
-    assert len(graph.sites) == FLUX.n_double + FLUX.n_single
-    sizes = [(4, 9), (3, 6), (6, 12), (2, 4), (5, 15), (4, 9), (7, 3), (3, 9), (2, 2), (6, 6)]
-    inputs = [
-        (make_flux_batch(FLUX, 2, t, i, generator=gen, grid_width=3), AttentionMetadata.per_sample(2, t + i))
-        for t, i in sizes
-    ]
-    eager = _adamw_steps(copy.deepcopy(model), flux_loss, inputs)
-    replayed = _adamw_steps(copy.deepcopy(model), flux_loss, inputs, replay_fn=graph.replay)
-    _assert_same_history(eager, replayed)
+# The 10-step Llama and Flux replays (eager vs replayed, bitwise) live in tests/test_graphfile.py,
+# which traces the same steps once for them and for their saved files loaded here and fresh.
 
 
 def test_traced_with_boundaries_a_replayed_with_b_equals_eager_with_b_bitwise(llama_traced):
