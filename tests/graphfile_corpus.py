@@ -16,9 +16,11 @@ Issue 17: "Graph files safe to load and replay from an untrusted source".
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import random
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,9 +131,21 @@ def load_doc(data: bytes) -> dict[str, Any]:
     return json.loads(data)
 
 
+def fast_fingerprint(doc: dict[str, Any]) -> str:
+    """`fingerprint(doc)` in one C-encoded pass: sha256 of `canonical_bytes`, the same bytes the
+    loader hashes piece by piece (tests/test_graphfile_limits.py checks the two agree; the loader's
+    own check of every file still uses `fingerprint`). A document the encoder cannot write at once
+    (nested past its recursion limit) goes through `fingerprint`, which raises the same errors."""
+    try:
+        body = canonical_bytes(doc)
+    except RecursionError:
+        return fingerprint(doc)
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
 def to_bytes(doc: dict[str, Any]) -> bytes:
     """The document with a fresh, valid fingerprint, as `save` writes it."""
-    doc["fingerprint"] = fingerprint(doc)
+    doc["fingerprint"] = fast_fingerprint(doc)
     return dumps(doc).encode()
 
 
@@ -954,19 +968,20 @@ def mutate_bytes(data: bytes, rng: random.Random, edit: Callable[[dict, random.R
         flips = [rng.randrange(len(b)) for _ in range(rng.randrange(1, 5))]
         for i in flips:
             b[i] ^= 1 << rng.randrange(8)
-        return bytes(b), f"bit flips at {flips}"
+        return bytes(b), f"[bit_flips] at {flips}"
     if kind == 1:
         cut = rng.randrange(len(data))
-        return data[:cut], f"truncated at {cut}"
+        return data[:cut], f"[truncation] at {cut}"
     if kind == 2:
         i, j = sorted(rng.randrange(len(data)) for _ in range(2))
-        return (data[:i] + data[j:], f"bytes {i}:{j} deleted") if rng.random() < 0.5 else (
-            data[:j] + data[i:j] + data[j:], f"bytes {i}:{j} duplicated")  # fmt: skip
+        return (data[:i] + data[j:], f"[splice] bytes {i}:{j} deleted") if rng.random() < 0.5 else (
+            data[:j] + data[i:j] + data[j:], f"[splice] bytes {i}:{j} duplicated")  # fmt: skip
     doc = json.loads(data)
-    what = "; ".join(edit(doc, rng) for _ in range(rng.randrange(1, 3)))
+    tag = "[json_edit] " if edit is mutate_doc_randomly else ""  # semantic edits tag themselves
+    what = "; ".join(tag + edit(doc, rng) for _ in range(rng.randrange(1, 3)))
     if rng.random() < 0.9 or not byte_level:
         try:
-            doc["fingerprint"] = fingerprint(doc)
+            doc["fingerprint"] = fast_fingerprint(doc)
         except ValueError:
             pass
     else:
@@ -1227,7 +1242,18 @@ SEMANTIC = (_swap_op, _swap_same_types, _swap_same_types, _change_ints, _change_
 
 
 def mutate_semantically(doc: dict, rng: random.Random) -> str:
-    return rng.choice(SEMANTIC)(doc, rng)
+    fn = rng.choice(SEMANTIC)
+    return f"[{fn.__name__.lstrip('_')}] " + fn(doc, rng)
+
+
+# What `mutate` can do, as the tags its descriptions carry ("[swap_op] ...; [rewire] ...").
+MUTATION_CLASSES = ("bit_flips", "truncation", "splice", "json_edit",
+                    *dict.fromkeys(f.__name__.lstrip("_") for f in SEMANTIC))  # fmt: skip
+
+
+def mutation_classes(what: str) -> set[str]:
+    """The classes of mutation a description from `mutate` names."""
+    return set(re.findall(r"\[(\w+)\]", what)) & set(MUTATION_CLASSES)
 
 
 def mutate(data: bytes, rng: random.Random) -> tuple[bytes, str]:

@@ -9,9 +9,13 @@ a changed global RNG state, a changed caller tensor (values, shape, strides, req
 file written, or outputs that differ between two replays with the heap disturbed in between
 (heap content or uninitialized memory in an output; CPU ops are deterministic).
 
-    pytest tests/test_graphfile_redteam.py                                   # 2000 cases (CI)
+    pytest tests/test_graphfile_redteam.py                                   # 1000 cases (CI)
     USP_REDTEAM_CASES=50000 USP_REDTEAM_SEED=7 pytest tests/test_graphfile_redteam.py -s   # nightly
     python -m tests.test_graphfile_redteam --case 0:123     # rerun one fuzz case (seed:case) here
+
+The seed rotates: unless USP_REDTEAM_SEED is set it is the UTC day number, so reruns the same day
+see the same cases and each day's runs see new ones (a failure names its seed and case). Each run
+covers every mutation class of `tests.graphfile_corpus.mutate` and every base (checked).
 
 USP_REDTEAM_WORKERS sets the number of worker processes (default: CPUs, at most 4).
 """
@@ -41,17 +45,19 @@ from tests.graphfile_corpus import (
     EXPECT,
     GM_OPS,
     GM_SYM,
+    MUTATION_CLASSES,
     STEP,
     Crafted,
     build_bases,
     crafted_corpus,
     example_inputs,
     mutate,
+    mutation_classes,
     use_bases,
 )
 
-CASES = int(os.environ.get("USP_REDTEAM_CASES", "2000"))
-SEED = int(os.environ.get("USP_REDTEAM_SEED", "0"))
+CASES = int(os.environ.get("USP_REDTEAM_CASES", "1000"))
+SEED = int(os.environ.get("USP_REDTEAM_SEED") or int(time.time() // 86400))  # the UTC day unless set
 WORKERS = int(os.environ.get("USP_REDTEAM_WORKERS", str(min(4, os.cpu_count() or 1))))
 HANG_S = 60.0  # no result from a worker for this long: the case in flight hangs
 BOUNDED_S = 20.0  # what a crafted resource file may cost (load + replay)
@@ -393,9 +399,13 @@ def bases_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def crafted(bases_dir, tmp_path_factory) -> tuple[dict[str, Crafted], dict[str, dict[str, Any]]]:
+def corpus() -> dict[str, Crafted]:
+    return {c.name: c for c in crafted_corpus(build_bases())}
+
+
+@pytest.fixture(scope="module")
+def crafted(corpus, bases_dir, tmp_path_factory) -> tuple[dict[str, Crafted], dict[str, dict[str, Any]]]:
     folder = tmp_path_factory.mktemp("redteam_crafted")
-    corpus = {c.name: c for c in crafted_corpus(build_bases())}
     items = []
     for c in corpus.values():
         path = folder / f"{c.name}.json"
@@ -452,10 +462,10 @@ def test_crafted_files_of_each_class_meet_their_expected_outcome(crafted, cls):
     assert not failures, f"{len(failures)} of {len(cases)} crafted {cls} files:\n" + "\n".join(failures)
 
 
-def test_every_crafted_file_has_a_valid_fingerprint():
+def test_every_crafted_file_has_a_valid_fingerprint(corpus):
     from usp_graph.graphfile.document import fingerprint
 
-    for c in crafted_corpus(build_bases()):
+    for c in corpus.values():
         if c.isolated or len(c.data) > 4 << 20:
             continue
         try:
@@ -487,6 +497,16 @@ def test_seeded_mutations_load_and_replay_with_only_allowed_outcomes(bases_dir, 
         pytest.fail(f"{len(bad)} of {CASES} cases broke the rules:\n" + "\n".join(lines))
     reached = sum(n for o, n in outcomes.items() if not o.startswith("load:"))
     assert reached >= CASES // 10, f"only {reached} of {CASES} mutants reached replay: the mutations miss"
+    classes, bases = Counter(), Counter()
+    for r in results.values():
+        what = r.get("what") or fuzz_case(*map(int, r["id"].split(":")))[3]
+        base = what.split(":", 1)[0].split(" ", 1)[0]
+        bases[base] += 1
+        classes.update(mutation_classes(what))
+    assert set(classes) == set(MUTATION_CLASSES), (
+        f"mutation classes not run: {set(MUTATION_CLASSES) - set(classes)}"
+    )
+    assert set(bases) == set(BASES), f"bases not mutated: {set(BASES) - set(bases)}"
 
 
 def _main(argv: list[str]) -> None:
