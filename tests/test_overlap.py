@@ -254,3 +254,70 @@ def test_compiled_with_the_overlap_pass_is_bitwise_equal_to_without():
         # the backward graph (compiled at the first backward) is lowered after the report
         assert r["lowered"] and all(n and n > 0 for n in r["lowered"]), r
         assert r["lowered_off"] and all(n is None for n in r["lowered_off"]), r
+
+
+class _Attention(torch.nn.Module):
+    """One attention block: q, k, v projections, SDPA, output projection."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, t, d = x.shape
+
+        def split(y):
+            return y.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(
+            split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True
+        )
+        return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+def _inductor_keeps_the_overlap(rank: int, world: int) -> dict:
+    from torch._inductor.utils import run_and_get_code
+
+    from usp_graph import documents
+
+    cp = ContextParallel("ulysses")
+    torch.manual_seed(6)
+    block = _Attention()
+    meta = AttentionMetadata.from_lengths([5, 1, 0, 11, 8, 7], max_docs=8)
+    x = cp.shard(torch.randn(1, 32, 32, generator=torch.Generator().manual_seed(7)), 1)
+    out = {}
+    for inner in ("aot_eager", "inductor"):
+        m = copy.deepcopy(block)
+        compiled = torch.compile(m, backend="usp", fullgraph=True, options={"cp": cp, "inner": inner})
+
+        def run(m=m, compiled=compiled):
+            with documents(meta):
+                y = compiled(x)
+            y.pow(2).sum().backward()
+            return y.detach(), [p.grad for p in m.parameters()]
+
+        if inner == "inductor":
+            (y, grads), code = run_and_get_code(run)
+            out["code"] = code
+        else:
+            y, grads = run()
+        out[inner] = (y, grads)
+    (ya, ga), (yi, gi) = out["aot_eager"], out["inductor"]
+    close = torch.allclose(ya, yi, atol=1e-5) and all(
+        torch.allclose(a, b, atol=1e-5) for a, b in zip(ga, gi, strict=True)
+    )
+    forward = out["code"][0]
+    at = forward.find
+    return {
+        "close": close,
+        # in the generated forward, q's all-to-all is issued before the k projection's matmul and
+        # waited for after it
+        "issue_before_mm": 0 <= at("usp.all_to_all_start") < forward.find("extern_kernels.mm", at("usp.all_to_all_start")) < at("usp.wait"),
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_inductor_keeps_issue_before_independent_compute_and_matches_aot_eager():
+    for r in run_ranks(_inductor_keeps_the_overlap, 2, timeout=400):
+        assert r["close"] and r["issue_before_mm"], r

@@ -58,6 +58,7 @@ def _sections(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[A
             c["group_size"],
             human_bytes(c["bytes_per_rank"]),
             c.get("forward_node") or "",
+            f"{c['overlap_ops']} ops" if "overlap_ops" in c else "blocking",
         ]
         for c in summary["collectives"]
     ]
@@ -75,7 +76,7 @@ def _sections(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[A
         ("Attention sites", ["node", "source", "q", "k", "causal", "gqa", "strategy"], attn),
         (
             "Collectives (bytes sent per rank per step)",
-            ["node", "op", "phase", "group", "ranks", "bytes", "forward node"],
+            ["node", "op", "phase", "group", "ranks", "bytes", "forward node", "in flight over"],
             coll,
         ),
         (_pairing_title(summary), ["forward", "op", "backward", "status"], pairs),

@@ -85,8 +85,8 @@ def lower_collectives(gm: fx.GraphModule) -> int:
             done = graph.create_node(
                 "call_function", torch.ops.usp.wait.default, (start, dim, reduce), name=f"{node.name}_wait"
             )
-        start.meta.update(node.meta)
-        done.meta.update(node.meta)
+        start.meta.update(node.meta)  # the same schema and arguments as the collective
+        done.meta.update((k, v) for k, v in node.meta.items() if k != "eager_input_vals")
         start.meta[ASYNC_META], done.meta[ASYNC_META] = "issue", "wait"
         value = _fake_value(issue, node.args, node.kwargs) if "val" in node.meta else None
         if value is None:
