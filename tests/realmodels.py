@@ -329,7 +329,7 @@ class SweepSpec:
     kind: str = "decoder"
     tol: float = 1e-10
     model_kwargs: tuple = ()
-    no_positions: bool = False  # learned position embeddings zeroed and frozen (see make_sweep_model)
+    no_positions: bool = False  # learned position embeddings replaced by zeros (see make_sweep_model)
     experts: str = (
         "batched_mm"  # MoE experts (transformers' experts_implementation); grouped_mm has no fp64 kernel
     )
@@ -452,6 +452,48 @@ SWEEP_SPECS = {
             "GPTBigCodeForCausalLM",
             _kw(n_embd=WIDTH, n_layer=2, n_head=HEADS, multi_query=True),
         ),
+        SweepSpec(  # multi-head latent attention: value head dim 8, query/key head dim 16 (8 of them rotary)
+            "deepseek_v3",
+            "DeepseekV3Config",
+            "DeepseekV3ForCausalLM",
+            _kw(
+                _DEC,
+                num_key_value_heads=HEADS,
+                q_lora_rank=16,
+                kv_lora_rank=16,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=8,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                n_group=1,
+                topk_group=1,
+                moe_intermediate_size=16,
+                first_k_dense_replace=2,  # dense layers only: its MoE router computes in fp32
+            ),
+        ),
+        SweepSpec(
+            "olmoe", "OlmoeConfig", "OlmoeForCausalLM", _kw(_DEC, num_experts=4, num_experts_per_tok=2)
+        ),
+        SweepSpec("granitemoe", "GraniteMoeConfig", "GraniteMoeForCausalLM", _kw(_DEC, num_local_experts=4)),
+        SweepSpec(
+            "qwen2_moe",
+            "Qwen2MoeConfig",
+            "Qwen2MoeForCausalLM",
+            _kw(_DEC, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+        ),
+        SweepSpec("seed_oss", "SeedOssConfig", "SeedOssForCausalLM", _kw(_DEC, head_dim=8)),
+        SweepSpec(
+            "hunyuan_v1_dense", "HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", _kw(_DEC, head_dim=8)
+        ),
+        SweepSpec("bitnet", "BitNetConfig", "BitNetForCausalLM", _kw(_DEC)),
+        SweepSpec("lfm2", "Lfm2Config", "Lfm2ForCausalLM", _kw(_DEC, layer_types=["conv", "full_attention"])),
+        SweepSpec(
+            "modernbert_decoder",
+            "ModernBertDecoderConfig",
+            "ModernBertDecoderForCausalLM",
+            _kw(_ENC, global_attn_every_n_layers=2, local_attention=WINDOW),
+        ),
         SweepSpec(
             "roberta", "RobertaConfig", "RobertaModel", _kw(_ENC), kind="encoder", model_kwargs=_NO_POOLER
         ),
@@ -481,6 +523,15 @@ SWEEP_SPECS = {
             _kw(dim=WIDTH, hidden_dim=64, n_layers=2, n_heads=HEADS),
             kind="encoder",
         ),
+        SweepSpec(
+            "camembert",
+            "CamembertConfig",
+            "CamembertModel",
+            _kw(_ENC),
+            kind="encoder",
+            model_kwargs=_NO_POOLER,
+        ),
+        SweepSpec("eurobert", "EuroBertConfig", "EuroBertModel", _kw(_DEC), kind="encoder"),
         SweepSpec(
             "modernbert",
             "ModernBertConfig",
@@ -550,10 +601,21 @@ def make_sweep_model(name: str, *, seed: int = 0) -> nn.Module:
     assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
     if spec.no_positions:
         # The family's positions count along the whole row and its forward takes no position ids, so
-        # they cannot restart per document (a documented limitation). Zeroed, the packed row runs
-        # the attention routing of the family alone: what usp decides, checked on its own.
-        for mod_name, module in model.named_modules():
+        # they cannot restart per document (the backend refuses packed documents then). Without
+        # them, the packed row runs the family's attention routing alone: what usp decides.
+        for mod_name, module in list(model.named_modules()):
             if mod_name.endswith("embed_positions"):
-                module.weight.data.zero_()
-                module.weight.requires_grad_(False)
+                parent = model.get_submodule(mod_name.rpartition(".")[0])
+                parent.embed_positions = _NoPositions(module.embedding_dim)
     return model
+
+
+class _NoPositions(nn.Module):
+    """Stands in for a learned position embedding: zeros of its width for every token."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+
+    def forward(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return torch.zeros(*input_ids.shape[:2], self.width, dtype=torch.float64)

@@ -197,3 +197,117 @@ def test_a_mask_made_before_a_graph_break_is_refused_with_what_to_do():
         with usp_graph.documents(AttentionMetadata.from_position_ids(pos, max_docs=6)):
             fn(x, pos)
     assert any("before a graph break" in k for r in reports for k in r.kept), reports
+
+
+class _RowPositions(nn.Module):
+    """Learned absolute positions from arange over the row (BART's, OPT's or GPT2's without
+    position ids): they cannot restart at each packed document."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(64, D)
+        self.pos = nn.Embedding(64, D)
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def forward(self, ids_BL, pos_BL=None):
+        if pos_BL is None:
+            pos_BL = torch.arange(ids_BL.shape[-1])[None]
+        x = self.tok(ids_BL) + self.pos(pos_BL)
+        q, k, v = (t.unflatten(-1, (H, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_positions_counted_along_the_row_are_refused_under_packed_documents():
+    torch.manual_seed(0)
+    model = _RowPositions().double()
+    lengths = (5, 1, 6, 4)
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    meta = AttentionMetadata.from_lengths(lengths, max_docs=6)
+    fn = compile_usp(model)
+    torch.testing.assert_close(fn(ids), model(ids), rtol=0, atol=0)  # one document per row: fine
+    with pytest.raises(
+        ValueError, match="counts or mixes tokens along the whole row.*embeds arange positions"
+    ):
+        with usp_graph.documents(meta):
+            fn(ids)
+    with usp_graph.documents(meta):  # positions from the caller restart per document
+        out = fn(ids, pos)
+    s = 0
+    for n in lengths:
+        ref = model(ids[:, s : s + n], pos[:, s : s + n])
+        assert max_err(out[:, :, s : s + n], ref) <= 1e-12
+        s += n
+
+
+class _ShortConv(nn.Module):
+    """A hybrid block: a depthwise causal convolution over the sequence (LFM2's, Mamba's), then
+    attention. The convolution would mix the end of one packed document into the next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(D, D, 3, padding=2, groups=D)
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def forward(self, x_BLD):
+        x = self.conv(x_BLD.transpose(1, 2))[..., : x_BLD.shape[1]].transpose(1, 2)
+        q, k, v = (t.unflatten(-1, (H, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_a_convolution_along_the_sequence_is_refused_under_packed_documents():
+    torch.manual_seed(0)
+    model = _ShortConv().double()
+    x = torch.randn(1, 16, D, dtype=torch.float64)
+    fn = compile_usp(model)
+    torch.testing.assert_close(fn(x), model(x), rtol=0, atol=0)  # one document per row: fine
+    with pytest.raises(
+        ValueError, match="counts or mixes tokens along the whole row.*convolves along the sequence"
+    ):
+        with usp_graph.documents(AttentionMetadata.from_lengths((5, 1, 6, 4), max_docs=6)):
+            fn(x)
+
+
+class _KeysWrittenInPlace(nn.Module):
+    """Keys assembled by in-place writes into an empty tensor (DeepSeek's MLA: a shared rotary
+    part, positions from position ids, next to a per-head part): still self-attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(D, D)
+        self.k_nope = nn.Linear(D, D // 2)
+        self.k_rot = nn.Linear(D, D // 2 // H)
+        self.v = nn.Linear(D, D)
+
+    def forward(self, x_BLD, pos_BL):
+        heads = lambda t: t.unflatten(-1, (H, -1)).transpose(1, 2)  # noqa: E731
+        angle = pos_BL[:, None, :, None].to(x_BLD.dtype)
+        q = heads(self.q(x_BLD)) * torch.cos(angle)
+        k_nope = heads(self.k_nope(x_BLD))
+        k_rot = (self.k_rot(x_BLD)[:, None] * torch.sin(angle)).expand(-1, H, -1, -1)
+        k = k_nope.new_empty(*k_nope.shape[:-1], D // H)
+        k[..., : D // 2 // H].copy_(k_nope)
+        k[..., D // 2 // H :].copy_(k_rot)
+        return F.scaled_dot_product_attention(q, k, heads(self.v(x_BLD)), is_causal=True)
+
+
+def test_keys_written_in_place_are_self_attention_compiled_and_eager():
+    torch.manual_seed(0)
+    model = _KeysWrittenInPlace().double()
+    lengths = (5, 1, 6, 4)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    x = torch.randn(1, 16, D, dtype=torch.float64)
+    graphs = []
+    torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or gm.forward)(x, pos)
+    (site,) = find_sites(graphs[0])
+    assert not site.cross and site.rewritable, site.describe()
+    meta = AttentionMetadata.from_lengths(lengths, max_docs=6)
+    with usp_graph.documents(meta):
+        out = compile_usp(model)(x, pos)
+    with usp_graph.attention_mode(meta):
+        eager = model(x, pos)
+    assert torch.equal(out, eager)
+    s = 0
+    for n in lengths:
+        assert max_err(out[:, :, s : s + n], model(x[:, s : s + n], pos[:, s : s + n])) <= 1e-12
+        s += n

@@ -89,6 +89,14 @@ class _SDPAToUSP(TorchFunctionMode):
             roots = self.streams.inputs(args) | self.streams.inputs(kwargs.values())
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 self.streams.note(t, roots)
+            name = getattr(func, "__name__", "")
+            if args and isinstance(args[0], torch.Tensor) and (name == "__setitem__" or _in_place(name)):
+                # A write into a tensor (or a view of it: t[..., :k].copy_(x)) adds what it writes
+                # to what the tensor, and the tensor it views, hold.
+                target = args[0]
+                while target is not None:
+                    self.streams.note(target, roots)
+                    target = target._base
         return out
 
     def _attention(self, query, key, value, *args, **kwargs):
@@ -152,6 +160,10 @@ class _SDPAToUSP(TorchFunctionMode):
         if q_roots is None or k_roots is None:
             return query.shape[-2] != key.shape[-2]
         return not q_roots <= k_roots
+
+
+def _in_place(name: str) -> bool:
+    return name.endswith("_") and not name.endswith("__")
 
 
 def _same_documents(a: AttentionMetadata, b: AttentionMetadata) -> bool:

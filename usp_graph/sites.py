@@ -362,7 +362,36 @@ def stream_inputs(node: fx.Node) -> frozenset[fx.Node]:
                 found.add(n)
             continue
         stack.extend(n.all_input_nodes)
+        stack.extend(_writes_into(n))
     return frozenset(found)
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._opname
+    return getattr(node.target, "__name__", "")
+
+
+def _writes_into(node: fx.Node) -> list[fx.Node]:
+    """In-place writes into `node` or a view of it (``t[..., :k].copy_(x)``, ``t[i] = x``): what
+    they write is part of what `node` holds (DeepSeek's MLA assembles its keys this way)."""
+    writes, seen, stack = [], set(), [node]
+    while stack:
+        alias = stack.pop()
+        if alias in seen:
+            continue
+        seen.add(alias)
+        for user in alias.users:
+            if user.op not in ("call_function", "call_method") or not user.args or user.args[0] is not alias:
+                continue
+            name = _op_name(user)
+            if user.target is operator.setitem or (name.endswith("_") and not name.endswith("__")):
+                writes.append(user)
+            elif name in _LAYOUT:
+                stack.append(user)
+    return writes
 
 
 def is_cross_attention(query: Any, key: Any) -> bool:

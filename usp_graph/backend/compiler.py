@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from ..passes.base import PipelineRun, tag_nodes
-from ..sites import find_sites, node_value
+from ..sites import find_sites, node_value, source_location, stream_inputs
 from .dump import AOT_GRAPHS, GraphDump, site_record, usp_op_counts
 from .inputs import MetadataFeed, check_not_guarded, metadata_hints, shared_rows
 from .joint import input_requires_grad
@@ -270,6 +270,7 @@ class _Compile:
             world=world,
             device=device,
             kept=kept,
+            row_positions=_row_position_embeddings(gm, todo),
             positions=_placeholder_index(self.dynamo_gm, positions),
             positions_by=(
                 f"option documents={opts.documents!r}"
@@ -300,6 +301,60 @@ class _Compile:
         if opts.on_compile is not None:
             opts.on_compile(report)
         return _with_metadata(compiled, feed)
+
+
+def _row_position_embeddings(gm: fx.GraphModule, sites: Sequence[Any]) -> list[str]:
+    """What mixes or counts tokens along the whole row outside attention, which packed documents
+    cannot restart: embedding lookups of indices made by ``arange`` in the graph, from no input of
+    the call, as long as an attention call's sequence (learned absolute positions of a model whose
+    forward takes no position ids, e.g. BART's), and 1-D convolutions with a kernel wider than one
+    along such a sequence (the short causal convolutions of hybrid models, e.g. LFM2's). Packed
+    documents would leak across their boundaries: `MetadataFeed` refuses them. Described as
+    ``name at file:line`` and what it does."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    lengths = [s.q_shape[-2] for s in sites] + [s.k_shape[-2] for s in sites]
+    found = []
+    for node in gm.graph.find_nodes(op="call_function", target=torch.nn.functional.embedding):
+        index = node.args[0] if node.args else node.kwargs.get("input")
+        val = node_value(index)
+        if not isinstance(index, fx.Node) or not isinstance(val, torch.Tensor) or val.is_floating_point():
+            continue
+        if val.dim() == 0 or not any(statically_known_true(val.shape[-1] == n) for n in lengths):
+            continue
+        if stream_inputs(index) or not _made_by_arange(index):
+            continue
+        where = source_location(node)
+        found.append(f"{node.name}" + (f" at {where}" if where else "") + " embeds arange positions")
+    convs = (torch.conv1d, torch.nn.functional.conv1d)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in convs or not node.args:
+            continue
+        x = node_value(node.args[0])
+        w = node_value(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"))
+        if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or w.dim() != 3:
+            continue
+        if statically_known_true(w.shape[-1] == 1):
+            continue  # a pointwise convolution mixes channels only
+        if any(statically_known_true(x.shape[-1] == n) for n in lengths):
+            where = source_location(node)
+            found.append(f"{node.name}" + (f" at {where}" if where else "") + " convolves along the sequence")
+    return found
+
+
+def _made_by_arange(node: fx.Node) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and (
+            n.target is torch.arange or getattr(n.target, "__name__", "").startswith("arange")
+        ):
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _positions_input(gm: fx.GraphModule, sites: Sequence[Any], opts: UspOptions, name: str) -> fx.Node | None:

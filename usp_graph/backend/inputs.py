@@ -199,6 +199,7 @@ class MetadataFeed:
         world: int,
         device: torch.device | None,
         kept: Sequence[AttentionSite],
+        row_positions: Sequence[str] = (),
         positions: int | None = None,
         positions_by: str = "mask",
         capacity: int | None = None,
@@ -211,6 +212,7 @@ class MetadataFeed:
         self.world = world
         self.device = device
         self.kept = [f"{s.name} ({s.reason})" for s in kept]
+        self.row_positions = list(row_positions)
         self._per_row: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (b, span) -> (cu, span)
         self.batch = self.length = self.kv_length = None
         # positions: the index of the argument whose position ids define the documents outside
@@ -243,6 +245,15 @@ class MetadataFeed:
                     "size or sequence length, so one packed token stream cannot describe them; call it outside "
                     "documents(...) (one document per batch row)"
                 )
+        if self.row_positions and (
+            meta is not None or (self.mode == "inputs" and self.positions is not None)
+        ):
+            raise ValueError(
+                f"packed documents, but compiled graph {self.graph} counts or mixes tokens along the whole row outside "
+                f"attention ({'; '.join(self.row_positions)}), which would not restart at each document: positions "
+                "from arange rather than from the position ids, or a convolution over the sequence; pass position_ids "
+                "to a model whose forward takes them, or call it outside documents(...) with one document per batch row"
+            )
         if self.mode != "inputs":
             return ()
         b, length = self.batch(args), self.length(args)
