@@ -31,8 +31,6 @@ from usp_graph.models import (
 )
 from usp_graph.sites import node_value
 
-pytestmark = pytest.mark.timeout(300)
-
 STRATEGIES = ["allgather_kv", "ulysses", "ring", "usp", "halo"]
 
 
@@ -126,7 +124,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a hang guard only
         cwd="/",  # not the repo: usp_graph must come from the installed package and its entry point
     )
 
@@ -642,7 +640,7 @@ def _cp_worker(rank: int, world: int, strategies: list[str]) -> dict:
 
 def test_cp_compiled_every_strategy_matches_one_process_on_2_ranks():
     rules = usp_graph.registry.rules()
-    for worker in run_ranks(_cp_worker, 2, STRATEGIES, timeout=240):
+    for worker in run_ranks(_cp_worker, 2, STRATEGIES):
         c = worker["collectives"]
         assert c["out"] and c["grad"], c
         assert c["usp_ops"]["backward"] == {

@@ -61,7 +61,7 @@ def _rewrite(src, dst, edit) -> None:
         f.write(dumps(doc))
 
 
-def _run(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def _run(code: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     # A hang fails the test (TimeoutExpired) instead of blocking the suite.
     return subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=ENV
@@ -233,7 +233,7 @@ def test_loading_a_fifo_or_a_device_is_refused_not_waited_on(tmp_path):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "usp_graph", *args], capture_output=True, text=True, timeout=60, env=ENV
+        [sys.executable, "-m", "usp_graph", *args], capture_output=True, text=True, timeout=300, env=ENV
     )
 
 
