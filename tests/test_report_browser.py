@@ -61,7 +61,7 @@ def test_the_screenshot_shows_the_picture(page, tmp_path):
 
 
 def test_the_script_runs_without_errors_links_every_pair_and_shows_a_node(page, tmp_path):
-    r = _chromium("--virtual-time-budget=3000", "--dump-dom", page.as_uri() + "#show=g0:all_to_all_3",
+    r = _chromium("--virtual-time-budget=3000", "--dump-dom", page.as_uri() + "#show=g0:all_to_all_3_start",
                   home=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     dom = parse(r.stdout)
@@ -71,9 +71,9 @@ def test_the_script_runs_without_errors_links_every_pair_and_shows_a_node(page, 
     assert root.get("data-pairs-linked") == "10"
     assert len(boxes(dom, kind="collective")) == 16 and len(boxes(dom, kind="attention")) == 4
     (info,) = [a for tag, a in dom.elements if a.get("class") == "info"]
-    assert info.get("data-shown") == "all_to_all_3" and "hidden" not in info
+    assert info.get("data-shown") == "all_to_all_3_start" and "hidden" not in info
     assert "source: " in r.stdout and "llama.py:120 in forward" in r.stdout
-    assert "sel" in boxes(dom, node="all_to_all_3")[0]["class"].split()
+    assert "sel" in boxes(dom, node="all_to_all_3_start")[0]["class"].split()
 
 
 def test_a_script_error_is_recorded_where_the_test_reads_it(page, tmp_path):

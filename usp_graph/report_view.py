@@ -505,7 +505,7 @@ padding:8px 12px;font-size:12px;font-family:monospace;white-space:pre-wrap;box-s
 """
 
 # Plain DOM code, no library. Errors land in <html data-script-errors> (read by tests/test_report_browser.py).
-# A page opened as report.html#show=g0:all_to_all_3 shows that node's details, as a click would.
+# A page opened as report.html#show=g0:all_to_all_3_start shows that node's details, as a click would.
 PAGE_SCRIPT = """
 (function(){
 var root=document.documentElement;
