@@ -12,8 +12,8 @@ fits a shard, zigzag ring for causal attention), `choose` estimates one attentio
     compute = the busiest rank's query-key pairs x seconds per pair (shard balance included)
     comm    = bytes one rank sends (`cost.bytes_sent`) / bandwidth + messages x latency
 
-and picks the smallest ``compute + comm`` (today's collectives do not overlap compute, so the two
-add), averaged over the sampled steps. Ties go to the first candidate in a fixed order, so every
+and picks the smallest ``compute + comm`` (an upper bound: what `usp_graph.passes.overlap` hides
+behind independent compute is not modelled), averaged over the sampled steps. Ties go to the first candidate in a fixed order, so every
 rank decides the same; `resolve` also takes rank 0's decision for every rank. The `Decision`
 keeps every candidate's estimate and why the others lost or could not run: `Decision.line()` is
 the log line, `ContextParallel.decision` the record.
