@@ -1,10 +1,12 @@
 """Derive the OBSERVED block of usp_graph/graphfile/optable.py: the ops that graph files usp_graph
 writes actually contain.
 
-Workloads (CPU, tiny models; about a minute on 2 cores):
+Workloads (CPU, tiny models; about a minute on one core):
   - `trace_train_step` + `save` of the reference models: Llama (GQA, causal), Flux
     (bidirectional, per-sample documents, dynamic sizes);
-  - the same under every context-parallel strategy on 2 spawned gloo ranks;
+  - the same under every context-parallel strategy, traced as rank 0 and as rank 1 of a world of 2
+    in this process over torch's fake process group (tracing runs no collective: the ops equal
+    those of 2 spawned gloo ranks, checked 2026-12-01, without spawning and importing twice);
   - ``torch.compile(backend="usp", options={"dump_dir": ...})`` forward + backward of Llama and
     Flux, and (when installed) of the transformers models llama, qwen2, mistral, gemma3, gpt2, bert
     (sliding windows among them) and the diffusers Flux, SD3 and Wan transformers: the dumps write
@@ -95,17 +97,30 @@ def _flux(folder: str):
     return model, batch
 
 
-def _cp_rank(rank: int, world: int, folder: str) -> list[str]:
+def _cp_rank(rank: int, world: int, folder: str) -> None:
+    """Trace and save the Llama step under every CP strategy as `rank` of `world` (an initialized
+    default process group)."""
     from usp_graph import ContextParallel
 
-    seen = _record()
     for strategy in ("allgather_kv", "ulysses", "ring", "usp", "halo"):
         if strategy == "halo":
             cp = ContextParallel("halo", max_document_len=17)
         else:
             cp = ContextParallel(strategy, ulysses_degree=1 if strategy == "usp" else None)
         _llama(os.path.join(folder, f"r{rank}"), cp=cp, lengths=(9, 7, 11, 5))
-    return sorted(seen)
+
+
+def _cp_ranks(folder: str, world: int = 2) -> None:
+    """`_cp_rank` for each rank of `world`, one after another, over a fake process group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            _cp_rank(rank, world, folder)
+        finally:
+            dist.destroy_process_group()
 
 
 def _compiled(folder: str, name: str, model: torch.nn.Module, run) -> None:
@@ -149,8 +164,6 @@ def _realmodels(folder: str) -> None:
 
 
 def derive() -> set[str]:
-    from usp_graph.launch import run_local_ranks
-
     seen = _record()
     with tempfile.TemporaryDirectory() as folder:
         for sub in ("r0", "r1"):
@@ -164,8 +177,7 @@ def derive() -> set[str]:
             _compiled(folder, "llama", model, lambda m: llama_loss(m, batch))
         _compiled(folder, "flux", flux, lambda m: flux_loss(m, flux_batch))
         _realmodels(folder)
-        for names in run_local_ranks(_cp_rank, 2, folder, timeout=300):
-            seen.update(names)
+        _cp_ranks(folder)
     return {n for n in seen if not n.startswith("usp.")}
 
 
