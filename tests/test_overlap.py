@@ -131,6 +131,10 @@ def test_the_schedule_issues_early_waits_late_and_keeps_rng_order():
     assert at("all_gather_start_default") == at("mul_tensor") + 1
     assert at("wait_default") == at("add_tensor_1") - 1 and at("wait_default") > at("add_tensor")
     gm.graph.lint()
+    # a compile dump's summary counts the issued collective as its collective
+    from usp_graph.backend.dump import _collectives
+
+    assert _collectives(gm, False) == {"all": {"usp.all_gather.default": 1}}
 
 
 # ---- the pass on traced train steps -------------------------------------------------------------

@@ -73,8 +73,9 @@ def _collectives(gm: fx.GraphModule, by_phase: bool) -> dict[str, dict[str, int]
     coll = {op for op, r in rules.items() if r.kind == "collective"}
     out: dict[str, Counter] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in coll:
-            out.setdefault(_phase(node, by_phase), Counter())[_op_name(node.target)] += 1
+        target = registry.canonical(node.target) if node.op == "call_function" else None
+        if target in coll:  # an issued collective (the overlap pass) counts as its collective
+            out.setdefault(_phase(node, by_phase), Counter())[_op_name(target)] += 1
     return {phase: dict(sorted(c.items())) for phase, c in out.items()}
 
 
