@@ -403,8 +403,14 @@ def corpus() -> dict[str, Crafted]:
     return {c.name: c for c in crafted_corpus(build_bases())}
 
 
+def _fuzz_items() -> list[dict[str, Any]]:
+    return [{"id": f"{SEED}:{case}", "kind": "fuzz", "seed": SEED, "case": case} for case in range(CASES)]
+
+
 @pytest.fixture(scope="module")
-def crafted(corpus, bases_dir, tmp_path_factory) -> tuple[dict[str, Crafted], dict[str, dict[str, Any]]]:
+def runs(corpus, bases_dir, tmp_path_factory) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every crafted file and fuzz case, checked by one set of worker processes (each worker pays
+    its imports once): {"crafted": name -> result, "fuzz": "seed:case" -> result}."""
     folder = tmp_path_factory.mktemp("redteam_crafted")
     items = []
     for c in corpus.values():
@@ -416,8 +422,18 @@ def crafted(corpus, bases_dir, tmp_path_factory) -> tuple[dict[str, Crafted], di
             (folder / f"{c.name}.reference.json").write_bytes(c.reference)
             item["reference"] = str(folder / f"{c.name}.reference.json")
         items.append(item)
-    results = run_items(items, bases_dir, str(folder), workers=WORKERS)
-    return corpus, results
+    fuzz = _fuzz_items()
+    assert not {i["id"] for i in items} & {i["id"] for i in fuzz}
+    results = run_items(items + fuzz, bases_dir, str(folder), workers=WORKERS)
+    return {
+        "crafted": {i["id"]: results[i["id"]] for i in items},
+        "fuzz": {i["id"]: results[i["id"]] for i in fuzz},
+    }
+
+
+@pytest.fixture(scope="module")
+def crafted(corpus, runs) -> tuple[dict[str, Crafted], dict[str, dict[str, Any]]]:
+    return corpus, runs["crafted"]
 
 
 def _allowed(outcome: str) -> bool:
@@ -476,13 +492,12 @@ def test_every_crafted_file_has_a_valid_fingerprint(corpus):
 
 
 @pytest.mark.slow
-def test_seeded_mutations_load_and_replay_with_only_allowed_outcomes(bases_dir, tmp_path):
-    items = [{"id": f"{SEED}:{case}", "kind": "fuzz", "seed": SEED, "case": case} for case in range(CASES)]
-    start = time.perf_counter()
-    results = run_items(items, bases_dir, str(tmp_path), workers=WORKERS)
-    seconds = time.perf_counter() - start
+def test_seeded_mutations_load_and_replay_with_only_allowed_outcomes(runs):
+    results = runs["fuzz"]
+    assert len(results) == CASES
     outcomes = Counter(r["outcome"] for r in results.values())
-    print(f"\n{CASES} red-team fuzz cases (seed {SEED}, {WORKERS} workers, {seconds:.0f} s): "
+    seconds = sum(r["seconds"] or 0.0 for r in results.values())
+    print(f"\n{CASES} red-team fuzz cases (seed {SEED}, {WORKERS} workers, {seconds:.0f} s in cases): "
           f"{dict(sorted(outcomes.items()))}")  # fmt: skip
     bad = [r for r in results.values() if r["problems"] or not _allowed(r["outcome"])]
     if bad:
