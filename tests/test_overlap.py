@@ -325,3 +325,23 @@ def _inductor_keeps_the_overlap(rank: int, world: int) -> dict:
 def test_inductor_keeps_issue_before_independent_compute_and_matches_aot_eager():
     for r in run_ranks(_inductor_keeps_the_overlap, 2, timeout=400):
         assert r["close"] and r["issue_before_mm"], r
+
+
+def test_exposed_communication_is_the_comm_time_no_compute_kernel_overlaps():
+    """tools/harness.exposed_time, which the CP train bench reports from a profiled step."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "harness.py"
+    spec = importlib.util.spec_from_file_location("harness_for_test", path)
+    harness = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = harness  # its dataclasses look their module up
+    spec.loader.exec_module(harness)
+    # comm [0,10) and [12,14) (overlapping pieces merged); compute covers [2,5), [4,8), [13,20)
+    comm = [(0.0, 6.0), (5.0, 10.0), (12.0, 14.0)]
+    compute = [(2.0, 5.0), (4.0, 8.0), (13.0, 20.0)]
+    assert harness.exposed_time(comm, compute) == (12.0, 12.0 - 6.0 - 1.0)
+    assert harness.exposed_time(comm, []) == (12.0, 12.0)
+    assert harness.exposed_time([], compute) == (0.0, 0.0)
+    assert harness.exposed_time([(0.0, 4.0)], [(-1.0, 9.0)]) == (4.0, 0.0)

@@ -17,6 +17,10 @@ and the step is fwd + bwd + `cp.reduce_grads` (the rank-ordered gradient sum tha
 parallelism would). Checked first: the CP loss (summed over ranks) and every gradient vs the one-GPU
 step. Timed (`harness.time_ms`): median step after warm-up, compile excluded, CUDA events, with a
 barrier before each CP step. `--json PATH` appends one JSON line per row.
+`--overlap on|off|both`: the compile backend's overlap pass (issued collectives) on, off, or each
+strategy both ways. `--profile`: one more step under torch.profiler per row, reporting the
+communication kernels' time and the part of it no compute kernel overlaps (exposed), as ms and as a
+fraction of the step (`harness.profile_comm`).
 Scaling efficiency = tokens/s on P GPUs / (P x tokens/s on one GPU). Memory: peak allocated per
 rank during a step, above what was held before it.
 """
@@ -33,7 +37,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import Results, add_json_arg, peak_extra_gib, stopwatch, time_ms
+from harness import Results, add_json_arg, peak_extra_gib, profile_comm, stopwatch, time_ms
 from kernel_calls import kernel_calls
 
 import usp_graph
@@ -71,6 +75,8 @@ def main() -> int:
         "--balance", action="store_true", help="pack documents in usp_graph.cp.balance_documents order"
     )
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--overlap", choices=("on", "off", "both"), default="on")
+    ap.add_argument("--profile", action="store_true", help="exposed communication from a profiled step")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--usp-kernel", choices=CUDA_KERNELS, default="auto",
                     help="usp's CUDA attention kernel for every step (usp_graph.ops.kernel_choice.cuda_kernel)")  # fmt: skip
@@ -152,7 +158,8 @@ def main() -> int:
         print(json.dumps(rows[0]), flush=True)
     torch._dynamo.reset()
 
-    for strategy in args.strategies.split(","):
+    overlaps = {"on": (True,), "off": (False,), "both": (True, False)}[args.overlap]
+    for strategy, overlap in ((s, o) for s in args.strategies.split(",") for o in overlaps):
         kw = {"ulysses_degree": 2 if world >= 4 else 1} if strategy == "usp" else {}
         if strategy in ("halo", "usp_halo"):
             kw = {"max_document_len": max(lengths)}
@@ -162,7 +169,8 @@ def main() -> int:
             cp = ContextParallel(strategy.split("_halo")[0], **kw)
             shard = {k: cp.shard(v, 1).contiguous() for k, v in batch.items()}
             labels = shard["labels"]
-            compiled = torch.compile(model, backend="usp", options={"cp": cp, "inner": inner})
+            options = {"cp": cp, "inner": inner, "disable": [] if overlap else ["overlap"]}
+            compiled = torch.compile(model, backend="usp", options=options)
             n_local = (labels != -100).sum()
 
             def cp_step(cp=cp, compiled=compiled, shard=shard, labels=labels, n_local=n_local):
@@ -181,6 +189,7 @@ def main() -> int:
             grad_err = max(rel(p.grad, ref_grads[n]) for n, p in model.named_parameters())
             ms = time_ms(cp_step, device, warmup=0, reps=args.reps, barrier=dist.barrier).median_ms
             gib = peak_extra_gib(cp_step, device)
+            prof = profile_comm(cp_step, device) if args.profile else None
             tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
             row = {
                 "strategy": strategy
@@ -190,6 +199,7 @@ def main() -> int:
                     else ""
                 ),
                 "world": world,
+                "overlap": overlap,
                 "ok": loss_err < tol and grad_err < tol,
                 "loss_rel_err": loss_err,
                 "worst_grad_rel_err": grad_err,
@@ -200,11 +210,14 @@ def main() -> int:
                 "compile_s": compile_s,
                 "kernel_calls": calls,
             }
+            if prof is not None:
+                row.update(prof, exposed_comm_frac=prof["exposed_comm_ms"] / ms)
             del compiled
         except Exception as e:  # report and go on with the other strategies
             row = {
                 "strategy": strategy,
                 "world": world,
+                "overlap": overlap,
                 "ok": False,
                 "error": f"{type(e).__name__}: {e}"[:400],
             }
@@ -217,13 +230,15 @@ def main() -> int:
         print(f"\n{total} tokens, {len(lengths)} documents, {world} ranks, balanced order {args.balance}, "
               f"shard balance (mean/max attention work, causal) {balance:.2f}")  # fmt: skip
         print(
-            "| GPUs | strategy | check (loss, worst grad) | step ms | tokens/s | scaling efficiency | peak extra GiB/rank "
-            "| flex / all attention calls (fwd, bwd) |"
+            "| GPUs | strategy | overlap | check (loss, worst grad) | step ms | tokens/s | scaling efficiency "
+            "| peak extra GiB/rank | exposed comm ms (of comm ms) | flex / all attention calls (fwd, bwd) |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if "error" in r:
-                print(f"| {r['world']} | {r['strategy']} | ERROR {r['error'][:80]} | | | | | |")
+                print(
+                    f"| {r['world']} | {r['strategy']} | {r.get('overlap', '')} | ERROR {r['error'][:80]} | | | | | | |"
+                )
                 continue
             check = (
                 "-"
@@ -232,8 +247,10 @@ def main() -> int:
                     f"{'PASS' if r['ok'] else 'FAIL'} {r['loss_rel_err']:.1e}, {r['worst_grad_rel_err']:.1e}"
                 )
             )
-            print(f"| {r['world']} | {r['strategy']} | {check} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} "
-                  f"| {r['efficiency']:.2f} | {r['peak_extra_gib']:.2f} | {calls_text(r['kernel_calls'])} |")  # fmt: skip
+            exposed = f"{r['exposed_comm_ms']:.2f} ({r['comm_ms']:.2f})" if "exposed_comm_ms" in r else "-"
+            print(f"| {r['world']} | {r['strategy']} | {r.get('overlap', '-')} | {check} | {r['ms']:.1f} "
+                  f"| {r['tokens_per_s']:,.0f} | {r['efficiency']:.2f} | {r['peak_extra_gib']:.2f} | {exposed} "
+                  f"| {calls_text(r['kernel_calls'])} |")  # fmt: skip
         results = Results(args.json, bench="train_cp", device=device)
         settings = {k: v for k, v in vars(args).items() if k != "json"}
         for r in rows:

@@ -165,6 +165,58 @@ def peak_extra_gib(fn: Callable[[], Any], device: torch.device | str) -> float:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**30
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint sorted intervals covering the same time as `intervals`."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def exposed_time(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> tuple[float, float]:
+    """(time some communication kernel runs, time communication runs while no compute kernel
+    does): the exposed communication of a step, from kernel intervals (any unit)."""
+    c, k = _union(comm), _union(compute)
+    total = sum(b - a for a, b in c)
+    hidden, j = 0.0, 0
+    for a, b in c:
+        while j < len(k) and k[j][1] <= a:
+            j += 1
+        i = j
+        while i < len(k) and k[i][0] < b:
+            hidden += min(b, k[i][1]) - max(a, k[i][0])
+            i += 1
+    return total, total - hidden
+
+
+def profile_comm(fn: Callable[[], Any], device: torch.device | str) -> dict[str, float] | None:
+    """One call of `fn` under torch.profiler: the GPU kernels' busy time (ms), the communication
+    kernels' (names with "nccl"), and the communication no compute kernel overlaps (exposed);
+    None off CUDA (gloo runs no kernels)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    comm, compute = [], []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.end <= e.time_range.start:
+            continue
+        span = (float(e.time_range.start), float(e.time_range.end))  # microseconds
+        (comm if "nccl" in e.name.lower() else compute).append(span)
+    busy = _union(comm + compute)
+    comm_us, exposed_us = exposed_time(comm, compute)
+    span_us = busy[-1][1] - busy[0][0] if busy else 0.0
+    return {"gpu_span_ms": span_us / 1e3, "comm_ms": comm_us / 1e3, "exposed_comm_ms": exposed_us / 1e3}
+
+
 FLOP_CONVENTION = (
     "useful FLOPs only; per document of n tokens fwd = 4*n^2*H*K (bidirectional) or "
     "4*n(n+1)/2*H*K (causal); fwd+bwd = 3.5 * fwd"
