@@ -345,3 +345,76 @@ def test_exposed_communication_is_the_comm_time_no_compute_kernel_overlaps():
     assert harness.exposed_time(comm, []) == (12.0, 12.0)
     assert harness.exposed_time([], compute) == (0.0, 0.0)
     assert harness.exposed_time([(0.0, 4.0)], [(-1.0, 9.0)]) == (4.0, 0.0)
+
+
+# ---- Ulysses by head groups ------------------------------------------------------------------------
+
+
+def _head_groups_agree(rank: int, world: int) -> dict:
+    from usp_graph.analysis import summarize
+
+    torch.manual_seed(8)
+    model = Llama(CONFIG)  # 4 query heads, 2 K/V heads: 2 groups x 2 ranks repeat K/V
+    one, two = ContextParallel("ulysses"), ContextParallel("ulysses", head_groups=2)
+
+    def step(m, b, cp):
+        logits = m(b["input_ids"], b["position_ids"])
+        labels = b["labels"].flatten()
+        return cp.token_mean(F.cross_entropy(logits.flatten(0, 1), labels, reduction="sum"), labels.numel())
+
+    batch, meta = _batch([9, 1, 0, 13, 9], 2)
+    local = {k: one.shard(v, 1) for k, v in batch.items()}
+    out = {}
+    for name, cp in (("one", one), ("two", two)):
+        m = copy.deepcopy(model)
+        with attention_mode(meta, cp=cp):
+            loss = step(m, local, cp)
+        loss.backward()
+        out[name] = [loss.detach()] + [p.grad for p in m.parameters()]
+    eager_equal = all(torch.equal(a, b) for a, b in zip(out["one"], out["two"], strict=True))
+    graph = trace_train_step(model, lambda m, b: step(m, b, two), local, meta, cp=two)
+    loss, grads = graph.replay(dict(model.named_parameters()), local, meta)
+    replay_equal = torch.equal(loss, out["one"][0]) and all(
+        torch.equal(grads[n], g) for (n, _), g in zip(model.named_parameters(), out["one"][1:], strict=True)
+    )
+    # in the first layer's forward, group 1's q is issued before group 0 attends
+    nodes = list(graph.graph_module.graph.nodes)
+    issues = [n for n in nodes if n.meta.get(ASYNC_META) == "issue" and n.meta.get("usp_phase") == "forward"]
+    attend = next(n for n in nodes if n.target is U.varlen_fwd.default)
+    s = summarize(graph.graph_module, symbols=graph.signature.symbols)
+    try:
+        ContextParallel("ring", head_groups=2)
+        wrong = "no error"
+    except ValueError as e:
+        wrong = str(e)
+    three = ContextParallel("ulysses", head_groups=3)  # 4 heads do not split into 3 x 2
+    try:
+        with attention_mode(meta, cp=three):
+            step(copy.deepcopy(model), local, three)
+        uneven = "no error"
+    except ValueError as e:
+        uneven = str(e)
+    return {
+        "uneven": uneven,
+        "eager_equal": eager_equal,
+        "replay_equal": replay_equal,
+        "issued_before_first_attention": sum(nodes.index(i) < nodes.index(attend) for i in issues),
+        "a2a": sum(c["op"] == "usp.all_to_all" for c in s["collectives"]),
+        "repr": repr(two),
+        "wrong": wrong,
+    }
+
+
+@pytest.mark.slow
+def test_ulysses_by_head_groups_is_bitwise_the_one_group_result_and_issues_ahead():
+    for r in run_ranks(_head_groups_agree, 2, timeout=300):
+        assert r["eager_equal"] and r["replay_equal"], r
+        # 2 layers x 2 groups x (q, k, v, out) forward and as many adjoints
+        assert r["a2a"] == 2 * 2 * 4 * 2, r
+        assert r["issued_before_first_attention"] == 6, r  # q, k, v of both groups
+        assert "head_groups=2" in r["repr"], r
+        assert r["wrong"] == "head_groups is only for strategy 'ulysses', not 'ring'", r
+        assert (
+            "head_groups=3 over 2 ranks splits the query heads into 6 equal parts, but there are 4"
+            in r["uneven"]
+        )

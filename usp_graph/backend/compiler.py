@@ -487,6 +487,7 @@ def _cp_record(cp: Any) -> dict[str, Any] | None:
         "rank": cp.rank,
         "load_balance": cp.load_balance,
         "ulysses_degree": cp.ulysses_degree,
+        "head_groups": getattr(cp, "head_groups", 1),
         "group": cp.group_name,
     }
 

@@ -60,6 +60,12 @@ class ContextParallel:
     most the local row length + 1.
     check_metadata: debug mode; every attention call first checks that all ranks hold the same
     metadata (a host sync per call).
+    head_groups: for ``"ulysses"`` only: split the heads into this many groups and run the
+    all-to-alls and attention group by group (default 1). With the overlap pass
+    (`usp_graph.passes.overlap`) group j+1's q/k/v travel while group j attends and group j's output
+    travels while group j+1 attends; each head's attention is the same computation, so the result
+    is the same as with one group. The query heads (and K/V heads, else K/V are repeated to the
+    query heads) must divide into head_groups x P.
 
     ``"auto"`` picks the strategy and its options for the run (`usp_graph.cp.auto`): give
     `documents` (the packer's document lengths of one step, or of a few sampled steps), `heads`,
@@ -82,6 +88,7 @@ class ContextParallel:
         max_document_len: int | None = None,
         across: str | None = None,
         check_metadata: bool = False,
+        head_groups: int = 1,
         documents=None,
         heads: int | None = None,
         kv_heads: int | None = None,
@@ -162,6 +169,11 @@ class ContextParallel:
                 f"max_document_len is only for strategy 'halo' and usp with across='halo', not {strategy!r}"
             )
         self.max_document_len = max_document_len
+        if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1:
+            raise ValueError(f"head_groups must be a positive int, got {head_groups!r}")
+        if head_groups != 1 and strategy != "ulysses":
+            raise ValueError(f"head_groups is only for strategy 'ulysses', not {strategy!r}")
+        self.head_groups = head_groups
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
                 "ContextParallel needs torch.distributed initialized: call init_process_group first"
@@ -245,6 +257,8 @@ class ContextParallel:
             extra += f", across='halo', max_document_len={self.max_document_len}"
         if self.strategy == "halo":
             extra = f", max_document_len={self.max_document_len}"
+        if self.head_groups != 1:
+            extra += f", head_groups={self.head_groups}"
         return (
             f"ContextParallel({self.strategy!r}, world={self.world}, rank={self.rank}{extra}, "
             f"load_balance={self.load_balance!r})"

@@ -167,7 +167,32 @@ def allgather_kv(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, windo
 
 def ulysses(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
     """Sequence <-> heads all-to-all; the full sequence with a subset of heads runs varlen with the
-    global boundaries, then the output goes back to sequence shards."""
+    global boundaries, then the output goes back to sequence shards. With ``cp.head_groups`` > 1,
+    group by group of heads (each head's attention unchanged), so one group's all-to-alls can
+    travel while another group attends."""
+    groups = getattr(cp, "head_groups", 1)
+    if groups == 1:
+        return _ulysses(cp, q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, is_causal=is_causal,
+                        scale=scale, window=window)  # fmt: skip
+    h, g = q.shape[1], k.shape[1]
+    n = groups * cp.world
+    if h % n:
+        raise ValueError(
+            f"Ulysses with head_groups={groups} over {cp.world} ranks splits the query heads into {n} equal "
+            f"parts, but there are {h}; use a head_groups that divides {h} // {cp.world}"
+        )
+    if g % n:  # K/V heads do not split as the query heads do: repeat them (the repeat's backward sums)
+        k, v, g = k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1), h
+    hq, hk = h // groups, g // groups
+    outs = [
+        _ulysses(cp, q[:, j * hq : (j + 1) * hq], k[:, j * hk : (j + 1) * hk], v[:, j * hk : (j + 1) * hk],
+                 cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, is_causal=is_causal, scale=scale, window=window)
+        for j in range(groups)
+    ]  # fmt: skip
+    return torch.cat(outs, dim=1)
+
+
+def _ulysses(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
     b, _, ll, _ = q.shape
     k, v, q_sizes, kv_sizes = _ulysses_heads(q, k, v, cp.world)
     seq = [ll] * cp.world
