@@ -17,6 +17,7 @@ and the step is fwd + bwd + `cp.reduce_grads` (the rank-ordered gradient sum tha
 parallelism would). Checked first: the CP loss (summed over ranks) and every gradient vs the one-GPU
 step. Timed (`harness.time_ms`): median step after warm-up, compile excluded, CUDA events, with a
 barrier before each CP step. `--json PATH` appends one JSON line per row.
+Strategy ``ulysses_hgN``: Ulysses in N head groups (``head_groups=N``).
 `--overlap on|off|both`: the compile backend's overlap pass (issued collectives) on, off, or each
 strategy both ways. `--profile`: one more step under torch.profiler per row, reporting the
 communication kernels' time and the part of it no compute kernel overlaps (exposed), as ms and as a
@@ -166,7 +167,9 @@ def main() -> int:
             if strategy == "usp_halo":  # Ulysses in pairs, halos across the pairs
                 kw.update(ulysses_degree=2 if world >= 4 else 1, across="halo")
         try:
-            cp = ContextParallel(strategy.split("_halo")[0], **kw)
+            if strategy.startswith("ulysses_hg"):  # ulysses_hgN: Ulysses in N head groups
+                kw = {"head_groups": int(strategy.removeprefix("ulysses_hg"))}
+            cp = ContextParallel(strategy.split("_halo")[0].split("_hg")[0], **kw)
             shard = {k: cp.shard(v, 1).contiguous() for k, v in batch.items()}
             labels = shard["labels"]
             options = {"cp": cp, "inner": inner, "disable": [] if overlap else ["overlap"]}
