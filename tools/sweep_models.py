@@ -5,7 +5,7 @@
 
 Each family is built from a config (no download), fp64, SDPA attention, dropout zeroed, training
 mode, and runs on 2 rows x 16 tokens of packed documents (positions restart at 0 per document;
-no document crosses a row). Checks, each printed as ok / FAIL / ERR (an exception) / - (skipped):
+no document crosses a row). Checks, each printed as ok / FAIL / refused / ERR / - (skipped):
 
 - packed: ``torch.compile(model, backend="usp")`` under ``documents(meta)`` with
   ``use_cache=False`` vs every document run alone through the plain model: the output and every
@@ -13,6 +13,9 @@ no document crosses a row). Checks, each printed as ok / FAIL / ERR (an exceptio
 - bitwise: the same compiled call vs eager ``attention_mode(meta)``: output and grads equal.
 - ckpt: ``gradient_checkpointing_enable()``, compiled again: matches each document alone and
   rewrote as many attention calls as without checkpointing, keeping none as SDPA.
+
+"refused": the backend raised its own ValueError saying why packed documents cannot run (the
+message follows the table), never a wrong result; "ERR": any other exception.
 
 Encoder-decoders (kind "seq2seq"): source and target documents pair up (document i of the
 target reads document i of the source): ``documents(target_meta, kv=source_meta)``.
@@ -215,7 +218,8 @@ def _cell(value) -> str:
         return "-"
     status, detail = value
     if status == "ERR":
-        return "ERR"
+        # usp_graph's own refusals are ValueErrors that say why; anything else is a crash
+        return "refused" if detail.startswith("ValueError:") else "ERR"
     return f"{status} {detail:.1e}"
 
 
