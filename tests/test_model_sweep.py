@@ -92,6 +92,7 @@ def test_encoder_self_attention_is_marked_as_the_kv_stream():
     assert "kv-stream" in enc.describe()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tgt_lengths", [TGT, (2, 3, 1, 4)], ids=["equal_tokens", "fewer_target_tokens"])
 def test_encoder_decoder_compiled_takes_the_kv_documents_for_the_encoder(tgt_lengths):
     model = _model()
