@@ -1,6 +1,7 @@
 """Suite-wide settings: the `slow` marker for tests in modules that do not mark themselves, the
 early start of long subprocess checks (`tests.background`), and the end of the pooled gloo ranks
-(`tests.dist`) and of those subprocesses when the session ends.
+(`tests.dist`) and of those subprocesses when the session ends, and the order in which xdist
+workers take the test files (`LONG_FIRST`).
 
 `slow` marks a test that spawns ranks or processes, or runs for seconds: ``python -m pytest -q``
 (and CI) runs every test; ``-m "not slow"`` is the quick loop. Modules mark their own tests where
@@ -67,6 +68,45 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # Only a run of the whole suite collects every module whole (-k deselects later).
     if stale and config.args_source == pytest.Config.ArgsSource.TESTPATHS:
         raise pytest.UsageError(f"tests/conftest.py SLOW names tests that do not exist: {stale}")
+    _order_files(items)
+
+
+# Under xdist (`--dist loadfile --no-loadscope-reorder`, pyproject) a worker takes whole files in
+# collection order. These run longest (wall seconds on 2 busy cores: multi-process, subprocess and
+# tracing-heavy files), longest first, so the many short files fill the end and neither core idles
+# while the other finishes one long file; every other file follows, files with more tests first
+# (xdist's own default order). A name here that is gone is only skipped: the order is a hint.
+LONG_FIRST: tuple[str, ...] = (
+    "test_trace.py",
+    "test_graphfile.py",
+    "test_optable.py",
+    "test_cli.py",
+    "test_compile.py",
+    "test_diffusers.py",
+    "test_train_recipe.py",
+    "test_transformers.py",
+    "test_collectives.py",
+    "test_graphfile_redteam.py",
+    "test_backend_pipeline.py",
+    "test_cp.py",
+    "test_window_cp.py",
+    "test_graphfile_limits.py",
+)
+
+
+def _order_files(items: list[pytest.Item]) -> None:
+    """Order whole files for the xdist workers: `LONG_FIRST`, then by test count (stable)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[str(item.path)] = counts.get(str(item.path), 0) + 1
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        return rank.get(item.path.name, len(LONG_FIRST)), -counts[str(item.path)]
+
+    items.sort(key=key)  # stable: tests keep their order within a file
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
