@@ -9,7 +9,6 @@ from typing import Any
 
 from usp_graph.graphfile.document import fingerprint
 
-
 _ALL_TO_ALL = ("usp.all_to_all.default", "usp.all_to_all_start.default")
 
 
