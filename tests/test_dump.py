@@ -255,4 +255,6 @@ def test_an_unpaired_collective_in_a_dump_still_fails_verify(cp_llama_dump, tmp_
     rc, out, err = _inspect(capsys, "verify", str(dump))
     assert rc == 1, out + err
     # the forward collective, issued (the overlap pass): all_to_all_3 -> all_to_all_3_start
-    assert f"{victim['meta']['usp_fwd_node']}_start (usp.all_to_all.default): no usp.all_to_all.default" in out
+    assert (
+        f"{victim['meta']['usp_fwd_node']}_start (usp.all_to_all.default): no usp.all_to_all.default" in out
+    )

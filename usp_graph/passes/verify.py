@@ -72,7 +72,11 @@ def verify(gm: fx.GraphModule) -> PassResult:
     for node in gm.graph.nodes:
         if node.op == "call_function" and _is_usp_op(node.target):
             target = registry.canonical(node.target)
-            if target not in rules and not registry.is_backward_op(target) and not registry.is_wait_op(target):
+            if (
+                target not in rules
+                and not registry.is_backward_op(target)
+                and not registry.is_wait_op(target)
+            ):
                 raise VerifyError(
                     f"node {node.name} ({node.target}) {_where(node)} has no backward rule in "
                     "usp_graph.registry; add its row (backward ops, adjoint collective, implementing module) "
