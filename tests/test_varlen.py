@@ -216,6 +216,36 @@ def test_two_runs_are_bitwise_equal(dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, (5, 0), (3, 2)])
+@pytest.mark.parametrize("rep", [2, 4])
+def test_enable_gqa_is_bitwise_the_model_repeating_kv_itself(dtype, window, rep):
+    # transformers passes enable_gqa=True when it builds no mask and repeats K/V itself when it
+    # does (compiled graphs always build one), and Ulysses repeats K/V heads when they do not split
+    # over the ranks as the query heads do: both forms must give the same bits in every output and
+    # gradient, whatever order the CPU kernel's own GQA would sum a group in.
+    gen = torch.Generator().manual_seed(rep)
+    lengths = _random_lengths(gen, 7, 40) + [1, 0]
+    meta = AttentionMetadata.from_lengths(lengths)
+    cu, m, t, g = meta.cu_seqlens, meta.max_seqlen, meta.total_tokens, 2
+    q, k, v = _qkv(gen, t, t, g * rep, g, 16, dtype)
+    d_out = torch.randn(t, g * rep, 16, generator=gen).to(dtype)
+    d_lse = torch.randn(g * rep, t, generator=gen).to(dtype)
+    kw = dict(is_causal=window is None, scale=0.3, return_lse=True, window=window or (-1, -1))
+    repeats = {
+        "repeat_interleave": lambda x: x.repeat_interleave(rep, 1),
+        "expand": lambda x: x[:, :, None].expand(t, g, rep, 16).reshape(t, g * rep, 16),
+    }
+    out, lse = varlen_attn(q, k, v, cu, cu, m, m, enable_gqa=True, **kw)
+    d_lse = d_lse.masked_fill(lse.isinf(), 0).to(lse.dtype)
+    ref = (out, lse, *torch.autograd.grad((out, lse), (q, k, v), (d_out, d_lse)))
+    for name, repeat in repeats.items():
+        out, lse = varlen_attn(q, repeat(k), repeat(v), cu, cu, m, m, **kw)
+        got = (out, lse, *torch.autograd.grad((out, lse), (q, k, v), (d_out, d_lse)))
+        for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref, strict=True):
+            assert torch.equal(a, b), (name, what, (a.double() - b.double()).abs().max())
+
+
 def test_unused_lse_adds_no_backward_work():
     # With lse unused, backward is exactly one varlen_bwd: the lse terms must not run.
     gen = torch.Generator().manual_seed(10)

@@ -4,7 +4,8 @@
 # lq / lk query / key count of one document
 
 Per document over ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward op), which
-was bitwise deterministic across runs and thread counts; GQA is native to it. A value head dim
+was bitwise deterministic across runs and thread counts. GQA is native to its forward; the backward
+runs the repeated heads and sums each group in head order (`cpu_bwd`). A value head dim
 Kv != K runs it on inputs zero-padded to max(K, Kv), the result cut back (issue 17). A document a
 sliding window cuts runs in blocks of query rows, each over the keys its rows can see with an
 additive mask (memory rows x (rows + window), not lq x lk); a document it does not cut runs the
@@ -19,7 +20,7 @@ from torch import Tensor
 from .boundaries import doc_bounds, lse_dtype
 from .window import NO_WINDOW, doc_plan, keep_mask
 
-__all__ = ["cpu_fwd", "cpu_bwd", "WINDOW_ROWS"]
+__all__ = ["cpu_fwd", "cpu_bwd", "group_sum", "WINDOW_ROWS"]
 
 _aten = torch.ops.aten
 
@@ -157,6 +158,12 @@ def _cpu_window_bwd(dq, dk, dv, dout, q, k, v, out, lse, sq, sk, lq, lk, left, r
         dv[sk : sk + lk] = acc[1]
 
 
+def group_sum(x_THK: Tensor, g: int) -> Tensor:
+    """(T, G, K): the H = G * rep heads of `x_THK` summed per group of `rep` consecutive heads."""
+    t, h, d = x_THK.shape
+    return x_THK.view(t, g, h // g, d).sum(2)
+
+
 def cpu_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
     if q.shape[-1] != v.shape[-1]:  # as in `cpu_fwd`: zero columns, gradients cut back
         d, kq, kv = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
@@ -164,6 +171,19 @@ def cpu_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale,
         padded = (_pad_head_dim(x, d) for x in (dout, q, k, v, out))
         dq, dk, dv = cpu_bwd(*padded, lse, *args)
         return dq[..., :kq], dk[..., :kq], dv[..., :kv]
+    h, g = q.shape[1], k.shape[1]
+    if g != h:
+        # Grouped-query attention: each query head's key/value gradient is computed on its own and
+        # the group's heads are summed in head order, exactly what autograd does for a model that
+        # repeats K/V itself (expand or repeat_interleave, then SDPA). The kernel's own GQA sums in
+        # an order that depends on the CPU's vector width, so a model that passes enable_gqa and
+        # one that repeats K/V (transformers picks by whether it built a mask) would differ in the
+        # last bit of dK/dV on some machines.
+        rep = h // g
+        args = (cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
+        k_h, v_h = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        dq, dk_h, dv_h = cpu_bwd(dout, q, k_h, v_h, out, lse, *args)
+        return dq, group_sum(dk_h, g), group_sum(dv_h, g)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for sq, eq, sk, ek in doc_bounds(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k):
         lq, lk = eq - sq, ek - sk

@@ -36,7 +36,7 @@ from torch import Tensor
 from .. import registry
 from . import kernel_choice
 from .boundaries import lse_dtype
-from .cpu_kernel import cpu_bwd, cpu_fwd
+from .cpu_kernel import cpu_bwd, cpu_fwd, group_sum
 from .kernel_choice import AUTO_TABLE as AUTO_TABLE  # re-exported: tools and tests read them here
 from .kernel_choice import CHECK_TOL as CHECK_TOL
 from .kernel_choice import CUDA_KERNELS, cuda_bwd, cuda_fwd, cuda_kernel
@@ -175,6 +175,18 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    g = k.shape[1]
+    if grad_lse is not None and g != q.shape[1]:
+        # Grouped-query attention with an lse gradient: both terms per query head, each group
+        # summed once at the end, as autograd sums for a model that repeats K/V itself (summing
+        # the groups of each term first and then adding the terms would round differently).
+        k, v = (x.repeat_interleave(q.shape[1] // g, 1) for x in (k, v))
+        dq, dk, dv = _terms(ctx, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k)
+        return dq, group_sum(dk, g), group_sum(dv, g), *(None,) * 8
+    return *_terms(ctx, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k), *(None,) * 8
+
+
+def _terms(ctx, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k):
     meta = (cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.is_causal, ctx.scale, *ctx.window)
     if grad_out is None:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -189,7 +201,7 @@ def _backward(ctx, grad_out, grad_lse):
         dq = dq + (ctx.scale * w_TH1 * pk).to(dq.dtype)
         _, _, pt_wq = torch.ops.usp.varlen_bwd((w_TH1 * q).to(q.dtype), q, k, k, pk, lse_k, *meta)
         dk = dk + (ctx.scale * pt_wq).to(dk.dtype)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv
 
 
 # The rules themselves (backward ops, adjoints) are rows of usp_graph.registry.TABLE.
