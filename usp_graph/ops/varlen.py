@@ -176,10 +176,12 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     g = k.shape[1]
-    if grad_lse is not None and g != q.shape[1]:
+    if grad_lse is not None and g != q.shape[1] and q.device.type == "cpu":
         # Grouped-query attention with an lse gradient: both terms per query head, each group
         # summed once at the end, as autograd sums for a model that repeats K/V itself (summing
-        # the groups of each term first and then adding the terms would round differently).
+        # the groups of each term first and then adding the terms would round differently). CPU
+        # only: the CUDA kernels' own GQA sums differ from a repeat's anyway, and H heads of K/V
+        # would cost GPU memory for no promise.
         k, v = (x.repeat_interleave(q.shape[1] // g, 1) for x in (k, v))
         dq, dk, dv = _terms(ctx, grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k)
         return dq, group_sum(dk, g), group_sum(dv, g), *(None,) * 8
