@@ -11,6 +11,7 @@ file round trip and through torch.compile. The schedule keeps RNG and side-effec
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -220,6 +221,15 @@ def test_a_traced_cp_step_issues_every_collective_and_replays_bitwise(strategy, 
         if strategy == "ulysses":  # q travels while the k and v projections run
             assert r["matmul_in_flight"], r
             assert sum(n > 0 for n in r["overlap_ops"]) >= len(r["overlap_ops"]) // 2, r
+    # a file whose issued collective is not finished by exactly one matching wait is refused at load
+    # (it would leave work and buffers in flight past the replay, or read a buffer being written)
+    from tests.graph_docs import break_first_wait
+    from usp_graph.graphfile import GraphFileSchemaError, loads_graph_module
+
+    for how, says in [("dropped", "exactly one usp.wait"), ("wrong_dim", "must be called as (recv, dim="),
+                      ("extra_reader", "exactly one usp.wait"), ("wait_on_tensor", "finishes an issued collective")]:  # fmt: skip
+        with pytest.raises(GraphFileSchemaError, match=re.escape(says)):
+            loads_graph_module(break_first_wait(tmp_path / "rank0.uspg", how))
 
 
 def _compiled_agree(rank: int, world: int) -> dict:

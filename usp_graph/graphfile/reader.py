@@ -21,6 +21,8 @@ import sympy
 import torch
 import torch.fx as fx
 
+from .. import registry
+from ..ops.collectives import wait_args
 from ..signature import check_bindings, evaluate_recorded
 from . import document
 from .allowlist import check_call, resolve_target, result_kind
@@ -561,6 +563,35 @@ def _check_writes(graph: fx.Graph) -> None:
                     )
 
 
+def _check_issued(graph: fx.Graph) -> None:
+    """Every issued collective is finished by exactly one ``usp::wait`` with the arguments its
+    collective implies, and nothing else reads its receive buffer (which the collective is still
+    writing); every wait finishes an issue. A file that issued without waiting would leave work
+    and buffers in flight past the replay."""
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        where = f"graph.nodes ({node.name})"
+        if registry.is_issue_op(node.target):
+            users = list(node.users)
+            if len(users) != 1 or not registry.is_wait_op(users[0].target):
+                raise _schema(
+                    where,
+                    f"{node.target} is read by {[u.name for u in users]}; an issued collective is read by "
+                    "exactly one usp.wait.default and nothing else",
+                )
+            dim, reduce = wait_args(registry.canonical(node.target), node.args, node.kwargs)
+            if tuple(users[0].args) != (node, dim, reduce) or users[0].kwargs:
+                raise _schema(
+                    f"graph.nodes ({users[0].name})",
+                    f"usp.wait.default of {node.name} must be called as (recv, dim={dim}, reduce={reduce})",
+                )
+        elif registry.is_wait_op(node.target):
+            recv = node.args[0] if node.args else node.kwargs.get("recv")
+            if not isinstance(recv, fx.Node) or not registry.is_issue_op(recv.target):
+                raise _schema(where, "usp.wait.default finishes an issued collective (a *_start node) only")
+
+
 def _build_graph(
     nodes: list[Any],
     constants: dict[str, torch.Tensor],
@@ -675,6 +706,7 @@ def _build_graph(
     if n_placeholders != len(specs):
         raise _schema("inputs", f"{len(specs)} input specs for {n_placeholders} placeholders")
     _check_writes(graph)
+    _check_issued(graph)
     unused = set(constants) - used_constants
     if unused:
         raise _schema("constants", f"constants {sorted(unused)[:5]} are not read by any node")
