@@ -253,7 +253,11 @@ def issue_of(op: Any) -> torch._ops.OpOverload | None:
 
 def is_issue_op(op: Any) -> bool:
     """Whether `op` is a row's issue op (``usp::all_to_all_start``, ...)."""
-    return isinstance(op, torch._ops.OpOverload) and op.namespace == NAMESPACE and _qualname(op) in _TABLE_BY_ISSUE
+    return (
+        isinstance(op, torch._ops.OpOverload)
+        and op.namespace == NAMESPACE
+        and _qualname(op) in _TABLE_BY_ISSUE
+    )
 
 
 def is_wait_op(op: Any) -> bool:
