@@ -239,6 +239,15 @@ def test_positions_counted_along_the_row_are_refused_under_packed_documents():
         ref = model(ids[:, s : s + n], pos[:, s : s + n])
         assert max_err(out[:, :, s : s + n], ref) <= 1e-12
         s += n
+    # eager refuses the same model the same way, and runs it with the caller's positions
+    with pytest.raises(ValueError, match="counts or mixes tokens along the whole row.*embedding of positions"):
+        with usp_graph.attention_mode(meta):
+            model(ids)
+    with usp_graph.attention_mode(meta):
+        assert torch.equal(model(ids, pos), out)
+    with usp_graph.attention_mode(meta):  # positions from arange over each document: fine
+        pos_docs = torch.cat([torch.arange(n) for n in lengths])[None]
+        assert torch.equal(model(ids, pos_docs), out)
 
 
 class _ShortConv(nn.Module):
@@ -267,6 +276,11 @@ def test_a_convolution_along_the_sequence_is_refused_under_packed_documents():
     ):
         with usp_graph.documents(AttentionMetadata.from_lengths((5, 1, 6, 4), max_docs=6)):
             fn(x)
+    with pytest.raises(ValueError, match="counts or mixes tokens along the whole row.*convolution along"):
+        with usp_graph.attention_mode(AttentionMetadata.from_lengths((5, 1, 6, 4), max_docs=6)):
+            model(x)
+    with usp_graph.attention_mode():  # one document per row
+        assert torch.equal(model(x), fn(x))
 
 
 class _KeysWrittenInPlace(nn.Module):

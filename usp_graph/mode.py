@@ -78,6 +78,13 @@ class _SDPAToUSP(TorchFunctionMode):
         # differ: checked against the keys of each later cross-attention call (see _is_kv_stream).
         self._query_self: list[frozenset[int]] = []
         self._same = kv is None or metadata is None or _same_documents(metadata, kv)  # one check per block
+        # Under packed documents: tensors computed from `arange` (and from no outside tensor), what
+        # counts or mixes tokens along a whole row outside attention (described, with its sequence
+        # length), and the sequence lengths attention calls ran on. Eager's reading of the compiled
+        # backend's refusal (backend/compiler.py `_row_position_embeddings`).
+        self._aranged = _Streams()
+        self._row_mixers: list[tuple[str, int]] = []
+        self._lengths: set[int] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -85,6 +92,8 @@ class _SDPAToUSP(TorchFunctionMode):
             self.calls += 1
             return self._attention(*args, **kwargs)
         out = func(*args, **kwargs)
+        if self.metadata is not None:
+            self._follow_rows(func, args, kwargs, out)
         if self.track:
             roots = self.streams.inputs(args) | self.streams.inputs(kwargs.values())
             for t in out if isinstance(out, (tuple, list)) else (out,):
@@ -99,7 +108,62 @@ class _SDPAToUSP(TorchFunctionMode):
                     target = target._base
         return out
 
+    def _follow_rows(self, func, args, kwargs, out) -> None:
+        """Record what counts or mixes tokens along the row: an embedding of positions made by
+        `arange` from no outside tensor, a 1-D convolution wider than one along the sequence."""
+        # `_aranged` roots: the lengths of the aranges a tensor is computed from. Positions built
+        # per document (a cat of aranges) have a length of their own, not the row's.
+        name = getattr(func, "__name__", "")
+        if name == "arange" and isinstance(out, torch.Tensor):
+            self._aranged.note(out, frozenset({out.numel()}))
+        else:
+            lengths = frozenset().union(
+                *(r for r in map(self._aranged.of, _tensors((*args, *kwargs.values()))) if r is not None)
+            )
+            if lengths:
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    self._aranged.note(t, lengths)
+        if func in _EMBEDDINGS:
+            index = args[0] if args else kwargs.get("input")
+            if (
+                isinstance(index, torch.Tensor)
+                and index.dim() > 0
+                and not index.is_floating_point()
+                and index.shape[-1] in (self._aranged.of(index) or ())
+                and not self.streams.inputs((index,))
+            ):
+                self._mixes("an embedding of positions made by arange", index.shape[-1])
+        elif func in _CONV1D:
+            x, w = (args + (None, None))[:2]
+            w = kwargs.get("weight", w)
+            if (
+                isinstance(x, torch.Tensor)
+                and isinstance(w, torch.Tensor)
+                and w.dim() == 3
+                and w.shape[-1] > 1
+            ):
+                self._mixes("a convolution along the sequence", x.shape[-1])
+
+    def _mixes(self, what: str, length: int) -> None:
+        self._row_mixers.append((what, int(length)))
+        self._check_rows()
+
+    def _check_rows(self) -> None:
+        found = sorted({what for what, n in self._row_mixers if n in self._lengths})
+        if found:
+            raise ValueError(
+                f"attention_mode(metadata): packed documents, but the model counts or mixes tokens along the whole "
+                f"row outside attention ({'; '.join(found)}), which would not restart at each document: positions "
+                "from arange rather than from the position ids, or a convolution over the sequence; pass position_ids "
+                "to a model whose forward takes them, or run it without metadata, one document per batch row"
+            )
+
     def _attention(self, query, key, value, *args, **kwargs):
+        if self.metadata is not None:
+            self._lengths.update(
+                int(x.shape[-2]) for x in (query, key) if isinstance(x, torch.Tensor) and x.dim() >= 2
+            )
+            self._check_rows()
         extra = {}
         if self.track and self._is_cross(query, key):
             if self.metadata is None:  # under CP: one document per (global) row of both streams
@@ -160,6 +224,18 @@ class _SDPAToUSP(TorchFunctionMode):
         if q_roots is None or k_roots is None:
             return query.shape[-2] != key.shape[-2]
         return not q_roots <= k_roots
+
+
+_EMBEDDINGS = {F.embedding, torch.embedding}
+_CONV1D = {F.conv1d, torch.conv1d}
+
+
+def _tensors(values):
+    for x in values:
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            yield from _tensors(x)
 
 
 def _in_place(name: str) -> bool:
