@@ -240,7 +240,9 @@ def test_positions_counted_along_the_row_are_refused_under_packed_documents():
         assert max_err(out[:, :, s : s + n], ref) <= 1e-12
         s += n
     # eager refuses the same model the same way, and runs it with the caller's positions
-    with pytest.raises(ValueError, match="counts or mixes tokens along the whole row.*embedding of positions"):
+    with pytest.raises(
+        ValueError, match="counts or mixes tokens along the whole row.*embedding of positions"
+    ):
         with usp_graph.attention_mode(meta):
             model(ids)
     with usp_graph.attention_mode(meta):
