@@ -11,12 +11,15 @@ document: a documented limitation; zeroed, the packed row checks usp's routing a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import usp_graph
+from tests.dist import run_ranks
 from tests.realmodels import compile_usp, grads, max_err, weighted_loss
 from usp_graph import AttentionMetadata
 from usp_graph.sites import find_sites
@@ -283,6 +286,51 @@ def test_a_convolution_along_the_sequence_is_refused_under_packed_documents():
             model(x)
     with usp_graph.attention_mode():  # one document per row
         assert torch.equal(model(x), fn(x))
+
+
+def _row_mixers_under_cp(rank: int, world: int) -> dict:
+    from usp_graph import ContextParallel
+
+    cp = ContextParallel("ulysses")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, 16, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for name, model, inp in (
+        ("positions", _RowPositions().double(), ids),
+        ("conv", _ShortConv().double(), x),
+    ):
+        local = cp.shard(inp, 1)
+        for how in ("eager", "compiled"):
+            try:
+                if how == "eager":
+                    with usp_graph.attention_mode(cp=cp):
+                        model(local)
+                else:
+                    compile_usp(model, cp=cp)(local)
+                out[f"{name}_{how}"] = "no error"
+            except ValueError as e:
+                out[f"{name}_{how}"] = str(e)
+    # positions the caller shards are the model's own: the same bits as one process
+    model = _RowPositions().double()
+    pos = torch.arange(16)[None]
+    with torch.no_grad():
+        full = model(ids, pos)
+        with usp_graph.attention_mode(cp=cp):
+            got = model(cp.shard(ids, 1), cp.shard(pos, 1))
+    out["sharded_positions_err"] = max_err(got, cp.shard(full, 2))
+    return out
+
+
+@pytest.mark.slow
+def test_row_positions_and_sequence_convolutions_are_refused_under_context_parallelism():
+    # Each rank holds a shard of the row: positions from arange restart at 0 on every rank and a
+    # convolution misses the previous rank's tokens. Silently wrong before (rank 1's output off by ~1).
+    for r in run_ranks(_row_mixers_under_cp, 2, timeout=300):
+        assert r.pop("sharded_positions_err") <= 1e-12, r
+        for key, msg in r.items():
+            what = "embedding of positions|embeds arange" if key.startswith("positions") else "convol"
+            assert re.search(f"context parallelism, but .*({what}).*shard", msg), (key, msg)
 
 
 class _KeysWrittenInPlace(nn.Module):

@@ -247,3 +247,24 @@ def static_metadata_values(
     if device is not None and cu.device != device:
         cu = cu.to(device)
     return metadata_values(fake_mode, max_seqlen=metadata.max_seqlen, cu_seqlens=cu)
+
+
+def row_mixers_error(who: str, found, *, cp: bool) -> ValueError:
+    """The refusal of what counts or mixes tokens along a whole row outside attention (positions
+    from arange, a convolution over the sequence: `found` describes each) when the row is not one
+    sequence: packed documents, or (`cp`) one rank's shard of it. Eager `attention_mode` and the
+    compiled backend both raise it."""
+    where = "; ".join(found)
+    if cp:
+        return ValueError(
+            f"context parallelism, but {who} counts or mixes tokens along the whole row outside attention ({where}): "
+            "each rank holds only its shard of the row, so positions from arange restart at 0 on every rank and a "
+            "convolution misses its neighbour's tokens; pass position_ids sharded with cp.shard (a model whose "
+            "forward takes them), or run the model without context parallelism"
+        )
+    return ValueError(
+        f"packed documents, but {who} counts or mixes tokens along the whole row outside attention ({where}), "
+        "which would not restart at each document: positions from arange rather than from the position ids, or a "
+        "convolution over the sequence; pass position_ids to a model whose forward takes them, or run it without "
+        "packed documents (outside documents(...), attention_mode without metadata), one document per batch row"
+    )

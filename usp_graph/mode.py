@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .graph_inputs import row_mixers_error
 from .metadata import AttentionMetadata
 from .sdpa import sdpa_to_usp
 
@@ -92,7 +93,7 @@ class _SDPAToUSP(TorchFunctionMode):
             self.calls += 1
             return self._attention(*args, **kwargs)
         out = func(*args, **kwargs)
-        if self.metadata is not None:
+        if self.metadata is not None or self.cp is not None:
             self._follow_rows(func, args, kwargs, out)
         if self.track:
             roots = self.streams.inputs(args) | self.streams.inputs(kwargs.values())
@@ -151,15 +152,10 @@ class _SDPAToUSP(TorchFunctionMode):
     def _check_rows(self) -> None:
         found = sorted({what for what, n in self._row_mixers if n in self._lengths})
         if found:
-            raise ValueError(
-                f"attention_mode(metadata): packed documents, but the model counts or mixes tokens along the whole "
-                f"row outside attention ({'; '.join(found)}), which would not restart at each document: positions "
-                "from arange rather than from the position ids, or a convolution over the sequence; pass position_ids "
-                "to a model whose forward takes them, or run it without metadata, one document per batch row"
-            )
+            raise row_mixers_error("the model", found, cp=self.cp is not None)
 
     def _attention(self, query, key, value, *args, **kwargs):
-        if self.metadata is not None:
+        if self.metadata is not None or self.cp is not None:
             self._lengths.update(
                 int(x.shape[-2]) for x in (query, key) if isinstance(x, torch.Tensor) and x.dim() >= 2
             )

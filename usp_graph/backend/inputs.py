@@ -28,7 +28,14 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_true
 
 from .. import graph_inputs
-from ..graph_inputs import MetadataInputs, call_tokens, check_token_count, metadata_values, per_row_cu_seqlens
+from ..graph_inputs import (
+    MetadataInputs,
+    call_tokens,
+    check_token_count,
+    metadata_values,
+    per_row_cu_seqlens,
+    row_mixers_error,
+)
 from ..metadata import AttentionMetadata
 from ..passes.base import PASS_META
 from ..sites import AttentionSite
@@ -245,15 +252,9 @@ class MetadataFeed:
                     "size or sequence length, so one packed token stream cannot describe them; call it outside "
                     "documents(...) (one document per batch row)"
                 )
-        if self.row_positions and (
-            meta is not None or (self.mode == "inputs" and self.positions is not None)
-        ):
-            raise ValueError(
-                f"packed documents, but compiled graph {self.graph} counts or mixes tokens along the whole row outside "
-                f"attention ({'; '.join(self.row_positions)}), which would not restart at each document: positions "
-                "from arange rather than from the position ids, or a convolution over the sequence; pass position_ids "
-                "to a model whose forward takes them, or call it outside documents(...) with one document per batch row"
-            )
+        packed = meta is not None or (self.mode == "inputs" and self.positions is not None)
+        if self.row_positions and (packed or self.cp is not None):
+            raise row_mixers_error(f"compiled graph {self.graph}", self.row_positions, cp=self.cp is not None)
         if self.mode != "inputs":
             return ()
         b, length = self.batch(args), self.length(args)
