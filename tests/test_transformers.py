@@ -338,11 +338,28 @@ def _llama_cp(rank: int, world: int, strategies: list[str]) -> list[dict]:
                 "usp_ops": reports[0].usp_ops["forward"],
             }
         )
-    return out
+    # Without position ids transformers counts rotary positions with arange over the rank's shard,
+    # restarting at 0 on every rank (silently wrong on rank 1 before): eager and compiled refuse.
+    refused = {}
+    for how in ("eager", "compiled"):
+        try:
+            with torch.no_grad():
+                if how == "eager":
+                    with usp_graph.attention_mode(cp=cp):
+                        model(input_ids=local_ids, use_cache=False)
+                else:
+                    compile_usp(model, cp=cp)(input_ids=local_ids, use_cache=False)
+            refused[how] = "no error"
+        except ValueError as e:
+            refused[how] = str(e)
+    return out, refused
 
 
 def test_llama_context_parallel_ulysses_and_ring_match_one_process():
-    for rank_results in run_ranks(_llama_cp, 2, ["ulysses", "ring"]):
+    for rank_results, refused in run_ranks(_llama_cp, 2, ["ulysses", "ring"]):
         for r in rank_results:
             assert r["loss"] <= 1e-10 and r["grads"] <= 1e-10, r
             assert any(op.startswith(CP_OP[r["strategy"]]) for op in r["usp_ops"]), r
+        for how, msg in refused.items():
+            assert "context parallelism, but" in msg and "reach the queries or keys" in msg, (how, msg)
+            assert "pass position_ids sharded with cp.shard" in msg, (how, msg)

@@ -155,6 +155,14 @@ class _SDPAToUSP(TorchFunctionMode):
             raise row_mixers_error("the model", found, cp=self.cp is not None)
 
     def _attention(self, query, key, value, *args, **kwargs):
+        if self.cp is not None and isinstance(query, torch.Tensor) and query.dim() >= 2:
+            made = (self._aranged.of(query) or frozenset()) | (self._aranged.of(key) or frozenset())
+            if query.shape[-2] in made:
+                raise row_mixers_error(
+                    "the model",
+                    ["positions made by arange over the rank's shard reach the queries or keys"],
+                    cp=True,
+                )
         if self.metadata is not None or self.cp is not None:
             self._lengths.update(
                 int(x.shape[-2]) for x in (query, key) if isinstance(x, torch.Tensor) and x.dim() >= 2

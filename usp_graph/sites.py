@@ -30,7 +30,15 @@ import torch.nn.functional as F
 
 from .masks import MaskForm, mask_form
 
-__all__ = ["AttentionSite", "find_sites", "source_location", "node_value", "SDPA_FORMS", "body_call"]
+__all__ = [
+    "AttentionSite",
+    "find_sites",
+    "source_location",
+    "node_value",
+    "SDPA_FORMS",
+    "body_call",
+    "ancestors",
+]
 
 _aten = torch.ops.aten
 
@@ -339,6 +347,24 @@ def is_weight(node: fx.Node) -> bool:
     text = getattr(source, "name", None)
     text = text() if callable(text) else (text or "")
     return not _ARGUMENT.match(text)
+
+
+def ancestors(nodes) -> list[fx.Node]:
+    """Every node the `nodes` are computed from (themselves included), through the bodies of
+    higher-order ops to the outer call's arguments (``meta["usp_outer"]``)."""
+    seen: dict[fx.Node, None] = {}
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen[n] = None
+        outer = n.meta.get("usp_outer") if n.op == "placeholder" else None
+        if isinstance(outer, fx.Node):
+            stack.append(outer)
+        stack.extend(n.all_input_nodes)
+        stack.extend(_writes_into(n))
+    return list(seen)
 
 
 def stream_inputs(node: fx.Node) -> frozenset[fx.Node]:

@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from ..passes.base import PipelineRun, tag_nodes
-from ..sites import find_sites, node_value, source_location, stream_inputs
+from ..sites import ancestors, find_sites, node_value, source_location, stream_inputs
 from .dump import AOT_GRAPHS, GraphDump, site_record, usp_op_counts
 from .inputs import MetadataFeed, check_not_guarded, metadata_hints, shared_rows
 from .joint import input_requires_grad
@@ -271,6 +271,7 @@ class _Compile:
             device=device,
             kept=kept,
             row_positions=_row_position_embeddings(gm, todo),
+            shard_positions=_arange_positions_in_attention(todo) if opts.cp is not None else (),
             positions=_placeholder_index(self.dynamo_gm, positions),
             positions_by=(
                 f"option documents={opts.documents!r}"
@@ -342,6 +343,36 @@ def _row_position_embeddings(gm: fx.GraphModule, sites: Sequence[Any]) -> list[s
     return found
 
 
+def _arange_positions_in_attention(sites: Sequence[Any]) -> list[str]:
+    """Aranges as long as an attention call's (local) sequence, made from no input of the call,
+    that its queries or keys are computed from: positions counted over the rank's shard (rotary
+    embeddings of a model called without position ids). Under context parallelism every rank's
+    shard would restart at 0: `MetadataFeed` refuses them. Described as ``name at file:line``."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    found: dict[fx.Node, str] = {}
+    for site in sites:
+        length = site.q_shape[-2]
+        for n in ancestors((site.query, site.key)):
+            if n in found or n.op != "call_function" or not _is_arange(n):
+                continue
+            val = node_value(n)
+            if not isinstance(val, torch.Tensor) or val.dim() != 1 or stream_inputs(n):
+                continue
+            if statically_known_true(val.shape[0] == length):
+                where = source_location(n)
+                found[n] = (
+                    f"{n.name}"
+                    + (f" at {where}" if where else "")
+                    + " counts positions that reach the queries or keys"
+                )
+    return list(found.values())
+
+
+def _is_arange(n: fx.Node) -> bool:
+    return n.target is torch.arange or getattr(n.target, "__name__", "").startswith("arange")
+
+
 def _made_by_arange(node: fx.Node) -> bool:
     seen, stack = set(), [node]
     while stack:
@@ -349,9 +380,7 @@ def _made_by_arange(node: fx.Node) -> bool:
         if n in seen:
             continue
         seen.add(n)
-        if n.op == "call_function" and (
-            n.target is torch.arange or getattr(n.target, "__name__", "").startswith("arange")
-        ):
+        if n.op == "call_function" and _is_arange(n):
             return True
         stack.extend(n.all_input_nodes)
     return False

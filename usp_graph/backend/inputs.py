@@ -207,6 +207,7 @@ class MetadataFeed:
         device: torch.device | None,
         kept: Sequence[AttentionSite],
         row_positions: Sequence[str] = (),
+        shard_positions: Sequence[str] = (),
         positions: int | None = None,
         positions_by: str = "mask",
         capacity: int | None = None,
@@ -220,6 +221,7 @@ class MetadataFeed:
         self.device = device
         self.kept = [f"{s.name} ({s.reason})" for s in kept]
         self.row_positions = list(row_positions)
+        self.shard_positions = list(shard_positions)
         self._per_row: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (b, span) -> (cu, span)
         self.batch = self.length = self.kv_length = None
         # positions: the index of the argument whose position ids define the documents outside
@@ -255,6 +257,8 @@ class MetadataFeed:
         packed = meta is not None or (self.mode == "inputs" and self.positions is not None)
         if self.row_positions and (packed or self.cp is not None):
             raise row_mixers_error(f"compiled graph {self.graph}", self.row_positions, cp=self.cp is not None)
+        if self.shard_positions and self.cp is not None:
+            raise row_mixers_error(f"compiled graph {self.graph}", self.shard_positions, cp=True)
         if self.mode != "inputs":
             return ()
         b, length = self.batch(args), self.length(args)
