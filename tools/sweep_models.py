@@ -2,6 +2,7 @@
 
     python tools/sweep_models.py                     # every family of tests/realmodels.SWEEP_SPECS
     python tools/sweep_models.py --families phi3,t5  # some
+    python tools/sweep_models.py --cp ulysses        # context parallelism on 2 gloo ranks
 
 Each family is built from a config (no download), fp64, SDPA attention, dropout zeroed, training
 mode, and runs on 2 rows x 16 tokens of packed documents (positions restart at 0 per document;
@@ -13,6 +14,9 @@ no document crosses a row). Checks, each printed as ok / FAIL / refused / ERR / 
 - bitwise: the same compiled call vs eager ``attention_mode(meta)``: output and grads equal.
 - ckpt: ``gradient_checkpointing_enable()``, compiled again: matches each document alone and
   rewrote as many attention calls as without checkpointing, keeping none as SDPA.
+
+``--cp ulysses`` (or any strategy) checks context parallelism instead, on 2 gloo ranks: the rows
+sharded over the ranks, eager and compiled, against every document alone in one process.
 
 "refused": the backend raised its own ValueError saying why packed documents cannot run (the
 message follows the table), never a wrong result; "ERR": any other exception.
@@ -213,6 +217,78 @@ def sweep_one(name: str) -> dict:
     return row
 
 
+def cp_rank(rank: int, world: int, names: list[str], strategy: str) -> dict:
+    """One rank of ``--cp``: each family's rows sharded over the ranks (documents cross the shard
+    boundary), eager ``attention_mode(meta, cp=cp)`` and compiled with option ``cp`` under
+    ``documents(meta)``, against every document run alone in one process: this rank's output
+    shard and every parameter grad (summed over the ranks). {family: {"eager"|"compiled": cell}}."""
+    from usp_graph import ContextParallel
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    cp = ContextParallel(strategy)
+    rows: dict = {}
+    for name in names:
+        spec = SWEEP_SPECS[name]
+        torch._dynamo.reset()
+        try:
+            model = make_sweep_model(name)
+            model.train()
+            takes = lambda n, m=model: _takes(m, n)  # noqa: E731
+            batch = Batch(spec.kind, seed=2)
+            ref_out, ref = alone(model, batch, takes)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            rows[name] = {"build": _short(exc)}
+            continue
+        weight = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(123), dtype=ref_out.dtype)
+        cells = {}
+        for how in ("eager", "compiled"):
+            model.zero_grad(set_to_none=True)
+            if how == "eager":
+                fn, block = model, usp_graph.attention_mode(batch.meta, cp=cp)
+            else:
+                options = {"inner": "aot_eager", "cp": cp}
+                fn, block = (
+                    torch.compile(model, backend="usp", options=options),
+                    usp_graph.documents(batch.meta),
+                )
+            try:
+                with block:
+                    out = forward(fn, spec.kind, cp.shard(batch.ids, 1), cp.shard(batch.pos, 1), takes=takes)
+                (out * cp.shard(weight, 1)).sum().backward()
+                cp.reduce_grads(model.parameters())
+                err = max(max_err(out.detach(), cp.shard(ref_out, 1)), max_err(grads(model), ref))
+                cells[how] = ("ok" if err <= spec.tol else "FAIL", err)
+            except Exception as exc:  # noqa: BLE001
+                # torch.compile wraps the backend's own error (BackendCompilerFailed)
+                cause = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
+                cells[how] = ("ERR", _short(cause))
+        rows[name] = cells
+    return rows
+
+
+def cp_table(strategy: str, ranks: list[dict]) -> str:
+    """The ``--cp`` table: a cell per family and path, the worse of the two ranks."""
+    lines = [f"| family | eager CP ({strategy}, 2 ranks) | compiled CP |", "| --- | --- | --- |"]
+    notes = []
+    for name in ranks[0]:
+        rows = [r[name] for r in ranks]
+        if any("build" in r for r in rows):
+            lines.append(f"| {name} | ERR | ERR |")
+            notes.append(f"{name}: build: {rows[0].get('build')}")
+            continue
+        cells = []
+        for how in ("eager", "compiled"):
+            values = [r[how] for r in rows]
+            bad = [v for v in values if v[0] != "ok"]
+            worst = bad[0] if bad else max(values, key=lambda v: v[1])
+            cells.append(_cell(worst))
+            if worst[0] == "ERR":
+                notes.append(f"{name}: {how}: {worst[1]}")
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines + [""] + sorted(set(notes)))
+
+
 def _cell(value) -> str:
     if value is None:
         return "-"
@@ -255,11 +331,27 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--families", default=None, help="comma-separated names (default: all)")
     parser.add_argument("--trace", action="store_true", help="print the traceback of each exception")
+    parser.add_argument(
+        "--cp", default=None, metavar="STRATEGY",
+        help="instead: context parallelism over 2 gloo ranks with this strategy (decoders and encoders)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     names = args.families.split(",") if args.families else list(SWEEP_SPECS)
     unknown = [n for n in names if n not in SWEEP_SPECS]
     if unknown:
         parser.error(f"unknown families {unknown}; one of {sorted(SWEEP_SPECS)}")
+    if args.cp is not None:
+        from usp_graph.cp import STRATEGIES
+        from usp_graph.launch import run_ranks
+
+        if args.cp not in STRATEGIES:
+            parser.error(f"--cp {args.cp!r}: one of {sorted(STRATEGIES)}")
+        names = [n for n in names if SWEEP_SPECS[n].kind != "seq2seq"]
+        from tools import sweep_models  # ranks unpickle the function by this module's name, not __main__
+
+        ranks = run_ranks(sweep_models.cp_rank, 2, names, args.cp, timeout=3600)
+        print(cp_table(args.cp, ranks))
+        return 0
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     import transformers
