@@ -270,9 +270,23 @@ class _ShortConv(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def test_a_convolution_along_the_sequence_is_refused_under_packed_documents():
+class _ShortConvCheckpointed(_ShortConv):
+    """The same block with the convolution inside a checkpointed region (transformers'
+    gradient_checkpointing_enable): Dynamo puts it in the region's body graph."""
+
+    def forward(self, x_BLD):
+        from torch.utils.checkpoint import checkpoint
+
+        conv = lambda x: self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)  # noqa: E731
+        x = checkpoint(conv, x_BLD, use_reentrant=False)
+        q, k, v = (t.unflatten(-1, (H, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("cls", [_ShortConv, _ShortConvCheckpointed])
+def test_a_convolution_along_the_sequence_is_refused_under_packed_documents(cls):
     torch.manual_seed(0)
-    model = _ShortConv().double()
+    model = cls().double()
     x = torch.randn(1, 16, D, dtype=torch.float64)
     fn = compile_usp(model)
     torch.testing.assert_close(fn(x), model(x), rtol=0, atol=0)  # one document per row: fine
@@ -299,6 +313,7 @@ def _row_mixers_under_cp(rank: int, world: int) -> dict:
     for name, model, inp in (
         ("positions", _RowPositions().double(), ids),
         ("conv", _ShortConv().double(), x),
+        ("conv_checkpointed", _ShortConvCheckpointed().double(), x),
     ):
         local = cp.shard(inp, 1)
         for how in ("eager", "compiled"):

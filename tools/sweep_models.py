@@ -16,7 +16,8 @@ no document crosses a row). Checks, each printed as ok / FAIL / refused / ERR / 
   rewrote as many attention calls as without checkpointing, keeping none as SDPA.
 
 ``--cp ulysses`` (or any strategy) checks context parallelism instead, on 2 gloo ranks: the rows
-sharded over the ranks, eager and compiled, against every document alone in one process.
+sharded over the ranks, eager, compiled, and compiled with gradient checkpointing, against every
+document alone in one process.
 
 "refused": the backend raised its own ValueError saying why packed documents cannot run (the
 message follows the table), never a wrong result; "ERR": any other exception.
@@ -221,7 +222,8 @@ def cp_rank(rank: int, world: int, names: list[str], strategy: str) -> dict:
     """One rank of ``--cp``: each family's rows sharded over the ranks (documents cross the shard
     boundary), eager ``attention_mode(meta, cp=cp)`` and compiled with option ``cp`` under
     ``documents(meta)``, against every document run alone in one process: this rank's output
-    shard and every parameter grad (summed over the ranks). {family: {"eager"|"compiled": cell}}."""
+    shard and every parameter grad (summed over the ranks); "ckpt": compiled again with gradient
+    checkpointing. {family: {"eager"|"compiled"|"ckpt": cell}}."""
     from usp_graph import ContextParallel
 
     torch.set_num_threads(1)
@@ -242,8 +244,14 @@ def cp_rank(rank: int, world: int, names: list[str], strategy: str) -> dict:
             continue
         weight = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(123), dtype=ref_out.dtype)
         cells = {}
-        for how in ("eager", "compiled"):
+        for how in ("eager", "compiled", "ckpt"):
             model.zero_grad(set_to_none=True)
+            if how == "ckpt":  # compiled again, with transformers' gradient checkpointing
+                if not model.supports_gradient_checkpointing:
+                    continue
+                torch._dynamo.reset()
+                model.gradient_checkpointing_enable()
+                model.train()
             if how == "eager":
                 fn, block = model, usp_graph.attention_mode(batch.meta, cp=cp)
             else:
@@ -269,23 +277,29 @@ def cp_rank(rank: int, world: int, names: list[str], strategy: str) -> dict:
 
 def cp_table(strategy: str, ranks: list[dict]) -> str:
     """The ``--cp`` table: a cell per family and path, the worse of the two ranks."""
-    lines = [f"| family | eager CP ({strategy}, 2 ranks) | compiled CP |", "| --- | --- | --- |"]
+    lines = [
+        f"| family | eager CP ({strategy}, 2 ranks) | compiled CP | compiled CP + ckpt |",
+        "| --- | --- | --- | --- |",
+    ]
     notes = []
     for name in ranks[0]:
         rows = [r[name] for r in ranks]
         if any("build" in r for r in rows):
-            lines.append(f"| {name} | ERR | ERR |")
+            lines.append(f"| {name} | ERR | ERR | ERR |")
             notes.append(f"{name}: build: {rows[0].get('build')}")
             continue
         cells = []
-        for how in ("eager", "compiled"):
-            values = [r[how] for r in rows]
+        for how in ("eager", "compiled", "ckpt"):
+            values = [r[how] for r in rows if how in r]
+            if not values:
+                cells.append("-")
+                continue
             bad = [v for v in values if v[0] != "ok"]
             worst = bad[0] if bad else max(values, key=lambda v: v[1])
             cells.append(_cell(worst))
             if worst[0] == "ERR":
                 notes.append(f"{name}: {how}: {worst[1]}")
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {name} | {' | '.join(cells)} |")
     return "\n".join(lines + [""] + sorted(set(notes)))
 
 

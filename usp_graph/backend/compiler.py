@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from ..passes.base import PipelineRun, tag_nodes
-from ..sites import ancestors, find_sites, node_value, source_location, stream_inputs
+from ..sites import ancestors, body_call, find_sites, node_value, source_location, stream_inputs
 from .dump import AOT_GRAPHS, GraphDump, site_record, usp_op_counts
 from .inputs import MetadataFeed, check_not_guarded, metadata_hints, shared_rows
 from .joint import input_requires_grad
@@ -315,8 +315,12 @@ def _row_position_embeddings(gm: fx.GraphModule, sites: Sequence[Any]) -> list[s
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     lengths = [s.q_shape[-2] for s in sites] + [s.k_shape[-2] for s in sites]
+    graphs = _graphs_with_bodies(gm.graph)  # a checkpointed region's body hides its ops
     found = []
-    for node in gm.graph.find_nodes(op="call_function", target=torch.nn.functional.embedding):
+    embeddings = [
+        n for g in graphs for n in g.find_nodes(op="call_function", target=torch.nn.functional.embedding)
+    ]
+    for node in embeddings:
         index = node.args[0] if node.args else node.kwargs.get("input")
         val = node_value(index)
         if not isinstance(index, fx.Node) or not isinstance(val, torch.Tensor) or val.is_floating_point():
@@ -328,7 +332,7 @@ def _row_position_embeddings(gm: fx.GraphModule, sites: Sequence[Any]) -> list[s
         where = source_location(node)
         found.append(f"{node.name}" + (f" at {where}" if where else "") + " embeds arange positions")
     convs = (torch.conv1d, torch.nn.functional.conv1d)
-    for node in gm.graph.nodes:
+    for node in (n for g in graphs for n in g.nodes):
         if node.op != "call_function" or node.target not in convs or not node.args:
             continue
         x = node_value(node.args[0])
@@ -341,6 +345,19 @@ def _row_position_embeddings(gm: fx.GraphModule, sites: Sequence[Any]) -> list[s
             where = source_location(node)
             found.append(f"{node.name}" + (f" at {where}" if where else "") + " convolves along the sequence")
     return found
+
+
+def _graphs_with_bodies(graph: fx.Graph) -> list[fx.Graph]:
+    """`graph` and the bodies of the higher-order ops it calls (checkpointed regions), nested."""
+    out, stack = [], [graph]
+    while stack:
+        g = stack.pop()
+        out.append(g)
+        for node in g.nodes:
+            body = body_call(node)
+            if body is not None:
+                stack.append(body.graph)
+    return out
 
 
 def _arange_positions_in_attention(sites: Sequence[Any]) -> list[str]:
