@@ -84,7 +84,7 @@ class _SDPAToUSP(TorchFunctionMode):
         # length), and the sequence lengths attention calls ran on. Eager's reading of the compiled
         # backend's refusal (backend/compiler.py `_row_position_embeddings`).
         self._aranged = _Streams()
-        self._row_mixers: list[tuple[str, int]] = []
+        self._row_mixers: set[tuple[str, int]] = set()  # a set: bounded however long the block
         self._lengths: set[int] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -146,7 +146,7 @@ class _SDPAToUSP(TorchFunctionMode):
                 self._mixes("a convolution along the sequence", x.shape[-1])
 
     def _mixes(self, what: str, length: int) -> None:
-        self._row_mixers.append((what, int(length)))
+        self._row_mixers.add((what, int(length)))
         self._check_rows()
 
     def _check_rows(self) -> None:
