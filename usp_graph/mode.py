@@ -79,10 +79,11 @@ class _SDPAToUSP(TorchFunctionMode):
         # differ: checked against the keys of each later cross-attention call (see _is_kv_stream).
         self._query_self: list[frozenset[int]] = []
         self._same = kv is None or metadata is None or _same_documents(metadata, kv)  # one check per block
-        # Under packed documents: tensors computed from `arange` (and from no outside tensor), what
-        # counts or mixes tokens along a whole row outside attention (described, with its sequence
-        # length), and the sequence lengths attention calls ran on. Eager's reading of the compiled
-        # backend's refusal (backend/compiler.py `_row_position_embeddings`).
+        # Under packed documents or CP: the lengths of the aranges each tensor is computed from,
+        # what counts or mixes tokens along a whole row outside attention (described, with its
+        # sequence length), and the sequence lengths attention calls ran on. Eager's reading of
+        # the compiled backend's refusals (backend/compiler.py `_row_position_embeddings`,
+        # `_arange_positions_in_attention`).
         self._aranged = _Streams()
         self._row_mixers: set[tuple[str, int]] = set()  # a set: bounded however long the block
         self._lengths: set[int] = set()
@@ -93,9 +94,8 @@ class _SDPAToUSP(TorchFunctionMode):
             self.calls += 1
             return self._attention(*args, **kwargs)
         out = func(*args, **kwargs)
-        if self.metadata is not None or self.cp is not None:
-            self._follow_rows(func, args, kwargs, out)
         if self.track:
+            self._follow_rows(func, args, kwargs, out)
             roots = self.streams.inputs(args) | self.streams.inputs(kwargs.values())
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 self.streams.note(t, roots)
@@ -163,7 +163,7 @@ class _SDPAToUSP(TorchFunctionMode):
                     ["positions made by arange over the rank's shard reach the queries or keys"],
                     cp=True,
                 )
-        if self.metadata is not None or self.cp is not None:
+        if self.track:
             self._lengths.update(
                 int(x.shape[-2]) for x in (query, key) if isinstance(x, torch.Tensor) and x.dim() >= 2
             )
