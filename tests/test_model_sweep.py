@@ -221,9 +221,24 @@ class _RowPositions(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def test_positions_counted_along_the_row_are_refused_under_packed_documents():
+class _RowPositionsCheckpointed(_RowPositions):
+    """The same positions counted outside a checkpointed region and embedded inside it: the
+    region's body sees them as an input."""
+
+    def forward(self, ids_BL, pos_BL=None):
+        from torch.utils.checkpoint import checkpoint
+
+        if pos_BL is None:
+            pos_BL = torch.arange(ids_BL.shape[-1])[None]
+        x = checkpoint(lambda i, p: self.tok(i) + self.pos(p), ids_BL, pos_BL, use_reentrant=False)
+        q, k, v = (t.unflatten(-1, (H, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("cls", [_RowPositions, _RowPositionsCheckpointed])
+def test_positions_counted_along_the_row_are_refused_under_packed_documents(cls):
     torch.manual_seed(0)
-    model = _RowPositions().double()
+    model = cls().double()
     lengths = (5, 1, 6, 4)
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
     pos = torch.cat([torch.arange(n) for n in lengths])[None]

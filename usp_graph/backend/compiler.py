@@ -367,23 +367,22 @@ def _arange_positions_in_attention(sites: Sequence[Any]) -> list[str]:
     shard would restart at 0: `MetadataFeed` refuses them. Described as ``name at file:line``."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    found: dict[fx.Node, str] = {}
-    for site in sites:
-        length = site.q_shape[-2]
-        for n in ancestors((site.query, site.key)):
-            if n in found or n.op != "call_function" or not _is_arange(n):
-                continue
-            val = node_value(n)
-            if not isinstance(val, torch.Tensor) or val.dim() != 1 or stream_inputs(n):
-                continue
-            if statically_known_true(val.shape[0] == length):
-                where = source_location(n)
-                found[n] = (
-                    f"{n.name}"
-                    + (f" at {where}" if where else "")
-                    + " counts positions that reach the queries or keys"
-                )
-    return list(found.values())
+    lengths = [site.q_shape[-2] for site in sites]  # a list: SymInts do not hash
+    found = []
+    for n in ancestors([x for site in sites for x in (site.query, site.key)]):  # one walk for all sites
+        if n.op != "call_function" or not _is_arange(n):
+            continue
+        val = node_value(n)
+        if not isinstance(val, torch.Tensor) or val.dim() != 1 or stream_inputs(n):
+            continue
+        if any(statically_known_true(val.shape[0] == length) for length in lengths):
+            where = source_location(n)
+            found.append(
+                f"{n.name}"
+                + (f" at {where}" if where else "")
+                + " counts positions that reach the queries or keys"
+            )
+    return found
 
 
 def _is_arange(n: fx.Node) -> bool:
@@ -391,16 +390,8 @@ def _is_arange(n: fx.Node) -> bool:
 
 
 def _made_by_arange(node: fx.Node) -> bool:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "call_function" and _is_arange(n):
-            return True
-        stack.extend(n.all_input_nodes)
-    return False
+    """Whether `node` is computed from an ``arange`` (through checkpoint bodies to their operands)."""
+    return any(n.op == "call_function" and _is_arange(n) for n in ancestors([node]))
 
 
 def _positions_input(gm: fx.GraphModule, sites: Sequence[Any], opts: UspOptions, name: str) -> fx.Node | None:
