@@ -53,9 +53,10 @@ def _is_type_checking(test: ast.expr) -> bool:
 class _Imports(ast.NodeVisitor):
     """Every import statement of a module, with whether it runs inside a function."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, type_checking: bool = False) -> None:
         self.found: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
         self.depth = 0
+        self.type_checking = type_checking
 
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         self.depth += 1
@@ -65,7 +66,7 @@ class _Imports(ast.NodeVisitor):
     visit_AsyncFunctionDef = visit_FunctionDef
 
     def visit_If(self, node: ast.If) -> None:
-        if _is_type_checking(node.test):
+        if _is_type_checking(node.test) and not self.type_checking:
             for stmt in node.orelse:
                 self.visit(stmt)
         else:
@@ -77,11 +78,11 @@ class _Imports(ast.NodeVisitor):
     visit_ImportFrom = visit_Import
 
 
-def import_graph(*, function_local: bool) -> Edges:
+def import_graph(*, function_local: bool, type_checking: bool = False) -> Edges:
     modules = _modules()
     graph: Edges = {m: {} for m in modules}
     for mod, (path, is_pkg) in modules.items():
-        finder = _Imports()
+        finder = _Imports(type_checking=type_checking)
         finder.visit(ast.parse(path.read_text(), str(path)))
         for node, local in finder.found:
             if local and not function_local:
@@ -165,6 +166,28 @@ def test_imports_including_function_local_ones_are_acyclic():
         graph[a].pop(b, None)
     cycle = find_cycle(graph)
     assert cycle is None, _describe(cycle, graph)
+
+
+def _subgraph(graph: Edges, package: str) -> Edges:
+    inside = {m for m in graph if m == package or m.startswith(package + ".")}
+    return {m: {t: w for t, w in graph[m].items() if t in inside} for m in inside}
+
+
+def test_cp_imports_are_acyclic_counting_every_import():
+    """usp_graph.cp with no exception at all: module-level, function-local and type-only imports
+    (issue 30: context -> strategies -> context under TYPE_CHECKING, table -> strategies, cost ->
+    strategies' private helpers, context -> auto -> cost; the shared pieces now live in cp.common)."""
+    graph = _subgraph(import_graph(function_local=True, type_checking=True), "usp_graph.cp")
+    assert "usp_graph.cp.common" in graph["usp_graph.cp.cost"]  # the graph sees the package
+    cycle = find_cycle(graph)
+    assert cycle is None, _describe(cycle, graph)
+    leaf = graph["usp_graph.cp.common"]  # every other cp module may import it: it imports none
+    assert set(leaf) <= {"usp_graph.cp.layout"}, leaf
+
+
+def test_type_only_imports_are_seen_when_asked():
+    with_types = import_graph(function_local=True, type_checking=True)
+    assert "usp_graph.cp.context" in with_types["usp_graph.cp.cross"]  # under TYPE_CHECKING
 
 
 def test_known_exceptions_still_exist():

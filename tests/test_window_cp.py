@@ -175,7 +175,7 @@ def test_halo_with_a_window_sends_what_the_cost_model_says():
 
 
 def test_halo_sends_only_the_window():
-    from usp_graph.cp.strategies import _halo_widths
+    from usp_graph.cp.common import halo_widths as _halo_widths
 
     assert _halo_widths(9, True, (-1, -1)) == (8, 0, True)  # windowless: as before
     assert _halo_widths(9, False, (-1, -1)) == (8, 8, True)

@@ -11,7 +11,7 @@ from torch import Tensor
 from ..distributed import all_reduce_sum_ordered, group_timeout
 from ..metadata import AttentionMetadata
 from ..ops.window import NO_WINDOW, check_window
-from . import strategies
+from .common import reorder_chunks
 from .layout import ChunkLayout
 from .table import STRATEGIES, STRATEGY_TABLE
 
@@ -286,7 +286,7 @@ class ContextParallel:
         """The global tensor from every rank's shard along `dim` (differentiable: ``usp::all_gather``)."""
         dim = dim % x.dim()
         gathered = torch.ops.usp.all_gather(x, dim, self.world, self.group_name)
-        return strategies._reorder_chunks(gathered, dim, self.layout.gather_order())
+        return reorder_chunks(gathered, dim, self.layout.gather_order())
 
     # ---- attention -------------------------------------------------------------------------------
 

@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.window import check_window
+from .common import halo_widths, kv_heads_after_split
 from .table import STRATEGY_TABLE
 
 __all__ = ["bytes_sent", "document_lower_bound"]
-
-
-def _kv_heads_after_split(h: int, g: int, degree: int) -> int:
-    # Mirrors strategies._ulysses_heads: KV heads are replicated to H unless the degree divides both.
-    if g == h or (h % degree == 0 and g % degree == 0):
-        return g
-    return h
 
 
 def bytes_sent(
@@ -57,13 +52,13 @@ def bytes_sent(
     if strategy == "allgather_kv":  # all-gather K, V; backward reduce-scatters dK, dV
         return passes * 2 * (p - 1) * tl * kv_heads * k * e
     if strategy == "ulysses":
-        g = _kv_heads_after_split(heads, kv_heads, p)
+        g = kv_heads_after_split(heads, kv_heads, p)
         return passes * (p - 1) * tl * (2 * heads + 2 * g) * k * e // p
     if strategy == "ring":
         return _ring(p, tl, kv_heads, k, e, acc, backward)
     if strategy == "usp":
         u = ulysses_degree
-        g = _kv_heads_after_split(heads, kv_heads, u)
+        g = kv_heads_after_split(heads, kv_heads, u)
         uly = passes * (u - 1) * tl * (2 * heads + 2 * g) * k * e // u
         if across == "halo":  # halos between the P/U Ulysses groups, G/U heads each
             member = None if rank is None else rank // u
@@ -95,10 +90,7 @@ def _halo(
         raise ValueError(f"{what} needs max_document_len")
     if p == 1:
         return 0
-    from ..ops.window import check_window
-    from .strategies import _halo_widths
-
-    before, after, _ = _halo_widths(max_document_len, is_causal, check_window(window))
+    before, after, _ = halo_widths(max_document_len, is_causal, check_window(window))
     ranks = range(p) if rank is None else [rank]
     total = 0
     for r in ranks:

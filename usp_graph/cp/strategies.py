@@ -15,12 +15,12 @@ document's query view then ends where its key view ends, and the dummy rows' out
 right-only one. Ulysses sees whole documents and passes the window through; ring pairs are planned
 in ``usp::ring_attn_fwd``.
 
-`usp_graph.cp.table` lists the strategies (one row each, with the facts other modules read).
+`usp_graph.cp.table` lists the strategies (one row each, with the facts other modules read);
+`usp_graph.cp.common` holds what they share with the cost model and `ContextParallel` (head
+splits, halo widths, chunk order, `RankPlan`: what a strategy reads of its plan).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -28,49 +28,28 @@ from torch import Tensor
 from ..ops import varlen
 from ..ops.window import NO_WINDOW, bounds
 from ..packing import pack, unpack
-
-if TYPE_CHECKING:
-    from .context import ContextParallel
+from .common import RankPlan, halo_widths, reorder_chunks, ulysses_head_split
 
 
-def _reorder_chunks(x: Tensor, dim: int, order: list[int]) -> Tensor:
-    """Permute the len(order) equal chunks of `x` along `dim` (identity orders cost nothing)."""
-    if order == list(range(len(order))):
-        return x
-    chunks = x.chunk(len(order), dim)
-    return torch.cat([chunks[i] for i in order], dim)
-
-
-def _rows_in_order(x_BHLK: Tensor, cp: ContextParallel) -> Tensor:
+def _rows_in_order(x_BHLK: Tensor, cp: RankPlan) -> Tensor:
     """(B, H, P*Ll, K) gathered rank-major -> global row order."""
-    return _reorder_chunks(x_BHLK, 2, cp.layout.gather_order())
+    return reorder_chunks(x_BHLK, 2, cp.layout.gather_order())
 
 
-def _rows_rank_major(x_BHLK: Tensor, cp: ContextParallel) -> Tensor:
-    return _reorder_chunks(x_BHLK, 2, cp.layout.scatter_order())
-
-
-def _split_sizes(n: int, parts: int, what: str) -> list[int]:
-    if n < parts:
-        raise ValueError(
-            f"{what}: {n} heads cannot be split over a Ulysses degree of {parts}; lower the degree"
-        )
-    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+def _rows_rank_major(x_BHLK: Tensor, cp: RankPlan) -> Tensor:
+    return reorder_chunks(x_BHLK, 2, cp.layout.scatter_order())
 
 
 def _ulysses_heads(
     q: Tensor, k: Tensor, v: Tensor, degree: int
 ) -> tuple[Tensor, Tensor, list[int], list[int]]:
-    """Head split for the all-to-all: q sizes, kv sizes, with KV heads replicated when the degree
-    does not divide them compatibly (the repeat's backward sums the replicas)."""
+    """K, V ready for the all-to-all (repeated to the query heads where `ulysses_head_split` says
+    so), query head sizes, key/value head sizes."""
     h, g = q.shape[1], k.shape[1]
-    q_sizes = _split_sizes(h, degree, "query")
-    if g == h:
-        return k, v, q_sizes, q_sizes
-    if h % degree == 0 and g % degree == 0:
-        return k, v, q_sizes, [g // degree] * degree
-    rep = h // g
-    return k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), q_sizes, q_sizes
+    q_sizes, kv_sizes, repeat = ulysses_head_split(h, g, degree)
+    if repeat:
+        k, v = k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1)
+    return k, v, q_sizes, kv_sizes
 
 
 def _a2a(
@@ -124,7 +103,7 @@ def _allgather_windowed(q_T, k_T, v_T, chunks, chunk, cu, max_seqlen, is_causal,
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
 
-def allgather_kv(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
+def allgather_kv(cp: RankPlan, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
     """Q stays sharded; K/V are all-gathered. One varlen call per local chunk, whose query view is
     the global boundaries clamped to the chunk and whose keys run from 0 to the chunk end (causal)
     or over the whole stream."""
@@ -165,7 +144,7 @@ def allgather_kv(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, windo
     return unpack(out_T, b)
 
 
-def ulysses(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
+def ulysses(cp: RankPlan, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
     """Sequence <-> heads all-to-all; the full sequence with a subset of heads runs varlen with the
     global boundaries, then the output goes back to sequence shards. With ``cp.head_groups`` > 1,
     group by group of heads (each head's attention unchanged), so one group's all-to-alls can
@@ -192,7 +171,7 @@ def ulysses(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_
     return torch.cat(outs, dim=1)
 
 
-def _ulysses(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
+def _ulysses(cp: RankPlan, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
     b, _, ll, _ = q.shape
     k, v, q_sizes, kv_sizes = _ulysses_heads(q, k, v, cp.world)
     seq = [ll] * cp.world
@@ -227,7 +206,7 @@ def _ring_call(q_T, k_T, v_T, chunk_ids, per_rank, group, cu_seqlens, max_seqlen
     return out
 
 
-def ring(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
+def ring(cp: RankPlan, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
     """K/V rotate around the ring; partial outputs merged by log-sum-exp (``usp::ring_attn_fwd``)."""
     b = q.shape[0]
     ids = [c for r in range(cp.world) for c in cp.layout.global_chunks(r, b)]
@@ -248,7 +227,7 @@ def ring(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WIN
     return unpack(out_T, b)
 
 
-def usp(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
+def usp(cp: RankPlan, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
     """2-D: Ulysses all-to-all inside groups of `ulysses_degree` ranks, ring (or, with
     ``across="halo"``, halo exchange) across the groups."""
     b, _, ll, _ = q.shape
@@ -294,23 +273,12 @@ def usp(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WIND
     return _a2a(unpack(out_T, b), 2, 1, seq, q_sizes, cp.ulysses_group_name)
 
 
-def _halo_widths(max_document_len: int, is_causal: bool, window: tuple[int, int]) -> tuple[int, int, bool]:
-    """(before, after, must_fit): each side's halo is the longest reach a document allows
-    (max_document_len - 1) or, shorter, the window's bound on that side; documents must fit the
-    halo (max_seqlen <= max_document_len) unless the window bounds both sides within it."""
-    w = max_document_len - 1
-    left, right = bounds(window, is_causal)
-    before = w if left == -1 else min(w, left)
-    after = w if right == -1 else min(w, right)
-    return before, after, left == -1 or left > w or right == -1 or right > w
-
-
 def _halo_attention(q, k, v, *, chunk_ids, group, max_document_len, cu_seqlens, max_seqlen, is_causal, scale,
                     window=NO_WINDOW):  # fmt: skip
     """Varlen attention of q (B, H, Lc, K), whose row b is global chunk `chunk_ids[b]` of length Lc,
     over K/V windows extended by halos exchanged with the neighbouring chunks' owners in `group`."""
     b, _, ll, _ = q.shape
-    before, after, must_fit = _halo_widths(max_document_len, is_causal, window)
+    before, after, must_fit = halo_widths(max_document_len, is_causal, window)
     # usp::halo_exchange refuses documents longer than the halo allows; with both sides bounded by
     # the window any document length is fine (max_seqlen 0: nothing to check).
     check = max_seqlen if must_fit else 0
@@ -368,7 +336,7 @@ def _halo_attention(q, k, v, *, chunk_ids, group, max_document_len, cu_seqlens, 
     return unpack(out_T, b)
 
 
-def halo(cp, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
+def halo(cp: RankPlan, q, k, v, *, cu_seqlens, max_seqlen, is_causal, scale, window=NO_WINDOW):
     """Q stays sharded; each rank takes from its neighbours only the K/V that a document crossing
     its shard boundary can need: the last ``max_document_len - 1`` tokens of the preceding chunk
     (and, bidirectional, the first ones of the following chunk), or fewer where a sliding window
