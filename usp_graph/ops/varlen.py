@@ -251,9 +251,11 @@ def varlen_attn(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-    if torch.is_autocast_enabled(q.device.type) and q.is_floating_point():
+    dev = q.device.type
+    # Autocast exists for some device types only (not meta, where shapes are propagated).
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev) and q.is_floating_point():
         # Custom ops get no autocast rule of their own; follow SDPA's (run in the autocast dtype).
-        dtype = torch.get_autocast_dtype(q.device.type)
+        dtype = torch.get_autocast_dtype(dev)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
