@@ -41,6 +41,8 @@ __all__ = [
     "MaskForm",
     "mask_form",
     "keep_of",
+    "Rows",
+    "read_rows",
     "band_of",
     "is_band",
     "segments_of_positions",
@@ -83,8 +85,14 @@ class MaskForm:
 # Masks as tensors: bands inside documents.
 
 
-def keep_of(mask: Tensor) -> Tensor | None:
-    """The boolean "may attend" of an SDPA mask, or None when it is not a pure mask.
+# Masks are read in blocks of query rows: a (B, L, L) mask at 128K tokens is 16 GiB of bytes, and
+# any whole-mask temporary (a bool copy of a float mask, an int64 row sum) multiplies that. One
+# block holds about this many elements, whatever L is: O(L) extra memory for L up to 4M.
+_BLOCK_ELEMS = 1 << 22
+
+
+def _keep_block(mask: Tensor) -> Tensor | None:
+    """The boolean "may attend" of a block of an SDPA mask, or None when it is not a pure mask.
 
     A float mask qualifies when every entry is 0 (attend) or -inf / the dtype's lowest value
     (transformers' eager masks): such a bias removes the key exactly, as long as every query row
@@ -100,6 +108,67 @@ def keep_of(mask: Tensor) -> Tensor | None:
     return zero
 
 
+def keep_of(mask: Tensor) -> Tensor | None:
+    """The boolean "may attend" of an SDPA mask (the mask itself when it is boolean), or None when
+    it is not a pure mask (see `_keep_block`). A float mask is checked in blocks of rows, but the
+    result is a whole boolean mask: readers of large masks use `read_rows`, which never makes one."""
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        return None
+    if mask.dim() == 0 or mask.numel() == 0:
+        return _keep_block(mask)
+    rows = mask.reshape(-1, mask.shape[-1]) if mask.dim() > 1 else mask.reshape(1, -1)
+    step = max(1, _BLOCK_ELEMS // max(1, rows.shape[-1]))
+    for r0 in range(0, rows.shape[0], step):
+        if _keep_block(rows[r0 : r0 + step]) is None:
+            return None
+    return mask == 0
+
+
+@dataclass(frozen=True)
+class Rows:
+    """What a (B, L, L) mask keeps, per query row, in O(B L) memory: the first and last key it
+    keeps, and whether its keys are exactly that run (at least one key, no holes)."""
+
+    first: Tensor
+    last: Tensor
+    run: Tensor
+
+    @property
+    def length(self) -> int:
+        return self.first.shape[-1]
+
+
+def read_rows(mask_BLL: Tensor) -> Rows | None:
+    """`Rows` of a boolean or 0/-inf mask (any strides, e.g. broadcast), or None when it is not a
+    pure mask. Reads the mask once, in blocks of query rows: extra memory is one block
+    (`_BLOCK_ELEMS` elements), never a whole-mask copy (an int64 row sum of a 128K-token mask
+    would be 128 GiB)."""
+    b, lq, lk = mask_BLL.shape
+    step = max(1, _BLOCK_ELEMS // max(1, b * lk))
+    firsts, lasts, runs = [], [], []
+    for r0 in range(0, lq, step):
+        keep = _keep_block(mask_BLL[:, r0 : r0 + step])
+        if keep is None:
+            return None
+        k8 = keep.view(torch.uint8) if keep.dtype == torch.bool else keep.to(torch.uint8)
+        first = k8.argmax(-1)  # the first maximal value: the first kept key
+        last = lk - 1 - k8.flip(-1).argmax(-1)
+        count = k8.sum(-1, dtype=torch.int32)
+        firsts.append(first)
+        lasts.append(last)
+        runs.append((count > 0) & (count == last - first + 1))
+    if lq == 0:
+        empty = torch.zeros(b, 0, dtype=torch.int64, device=mask_BLL.device)
+        return Rows(empty, empty, empty.bool())
+    return Rows(torch.cat(firsts, 1), torch.cat(lasts, 1), torch.cat(runs, 1))
+
+
+def _rows_of(mask: Tensor | Rows) -> Rows | None:
+    return mask if isinstance(mask, Rows) else read_rows(mask)
+
+
 def segments_of_positions(pos_BL: Tensor) -> Tensor:
     """Document index of every token, (B, L): a document starts at each row start and wherever a
     position is not its predecessor + 1 (transformers' `find_packed_sequence_indices` rule)."""
@@ -109,20 +178,6 @@ def segments_of_positions(pos_BL: Tensor) -> Tensor:
     step = pos_BL[:, 1:] != pos_BL[:, :-1] + 1
     start = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=pos_BL.device), step], 1)
     return start.long().cumsum(1) - 1
-
-
-def _intervals(keep_BLL: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per query: first and last key it keeps, and whether its keys are exactly that run.
-
-    O(B L^2) reads of the mask and O(B L) memory beyond one byte-sized copy: masks at 32K tokens
-    are a gigabyte, and a (L, L) index tensor would be eight."""
-    length = keep_BLL.shape[-1]
-    k8 = keep_BLL.to(torch.uint8)
-    first = k8.argmax(-1)  # the first maximal value: the first kept key
-    last = length - 1 - k8.flip(-1).argmax(-1)
-    count = k8.sum(-1, dtype=torch.int64)
-    run = (count > 0) & (count == last - first + 1)
-    return first, last, run
 
 
 def _document_bounds(doc_BL: Tensor) -> tuple[Tensor, Tensor]:
@@ -138,53 +193,61 @@ def _document_bounds(doc_BL: Tensor) -> tuple[Tensor, Tensor]:
     return start, end
 
 
-def is_band(keep_BLL: Tensor, doc_BL: Tensor, window: tuple[int, int]) -> bool:
-    """Whether the keep-mask is exactly the band `window` inside the documents `doc_BL`."""
-    if keep_BLL.numel() == 0:
+def is_band(keep_BLL: Tensor | Rows, doc_BL: Tensor, window: tuple[int, int]) -> bool:
+    """Whether the mask (or its `Rows`) is exactly the band `window` inside the documents `doc_BL`."""
+    rows = _rows_of(keep_BLL)
+    if rows is None:
+        return False
+    if rows.first.numel() == 0:
         return True
-    first, last, run = _intervals(keep_BLL)
-    start, end = _document_bounds(doc_BL.expand(keep_BLL.shape[:-1]))
-    q = torch.arange(keep_BLL.shape[-1], device=keep_BLL.device)
+    start, end = _document_bounds(doc_BL.expand(rows.first.shape))
+    q = torch.arange(rows.length, device=rows.first.device)
     left, right = window
     want_first = start if left == UNBOUNDED else torch.maximum(start, q - left)
     want_last = end if right == UNBOUNDED else torch.minimum(end, q + right)
-    return bool((run & (first == want_first) & (last == want_last)).all())
+    return bool((rows.run & (rows.first == want_first) & (rows.last == want_last)).all())
 
 
-def band_of(keep_BLL: Tensor, doc_BL: Tensor | None = None) -> tuple[int, int] | None:
-    """The window of a keep-mask inside the documents `doc_BL` (default: one per row), or None
-    when the mask is no band inside them.
+def band_of(keep_BLL: Tensor | Rows, doc_BL: Tensor | None = None) -> tuple[int, int] | None:
+    """The window of a mask (or its `Rows`) inside the documents `doc_BL` (default: one per row),
+    or None when the mask is no band inside them.
 
     Bounds that reach every document's ends are unbounded: in a document of n tokens a window of
     n - 1 or more cannot be told from none, and attends the same keys."""
-    length = keep_BLL.shape[-1]
+    rows = _rows_of(keep_BLL)
+    if rows is None:
+        return None
+    length = rows.length
     if doc_BL is None:
-        doc_BL = torch.zeros(keep_BLL.shape[:-1], dtype=torch.long, device=keep_BLL.device)
-    doc_BL = doc_BL.expand(keep_BLL.shape[:-1])
-    if length == 0 or keep_BLL.numel() == 0:
+        doc_BL = torch.zeros(rows.first.shape, dtype=torch.long, device=rows.first.device)
+    doc_BL = doc_BL.expand(rows.first.shape)
+    if length == 0 or rows.first.numel() == 0:
         return (UNBOUNDED, UNBOUNDED)
-    first, last, run = _intervals(keep_BLL)
-    q = torch.arange(length, device=keep_BLL.device)
-    if not bool((run & (first <= q) & (last >= q)).all()):
+    q = torch.arange(length, device=rows.first.device)
+    if not bool((rows.run & (rows.first <= q) & (rows.last >= q)).all()):
         return None  # a band is one run of keys holding the diagonal; this is some other mask
-    left, right = int((q - first).max()), int((last - q).max())
+    left, right = int((q - rows.first).max()), int((rows.last - q).max())
     start, end = _document_bounds(doc_BL)
     longest = int((end - start).max())  # the longest document, minus one
     window = (UNBOUNDED if left >= longest else left, UNBOUNDED if right >= longest else right)
-    return window if is_band(keep_BLL, doc_BL, window) else None
+    return window if is_band(rows, doc_BL, window) else None
 
 
-def documents_of_mask(keep_BLL: Tensor) -> Tensor:
-    """The finest contiguous documents a (B, L, L) band keep-mask respects: token t starts one when
-    no query before t sees a key from t on and no query from t on sees a key before t. (For a mask
-    that is no band the result is some split that `band_of` then refuses.)"""
-    b, length, _ = keep_BLL.shape
+def documents_of_mask(keep_BLL: Tensor | Rows) -> Tensor:
+    """The finest contiguous documents a (B, L, L) band mask (or its `Rows`) respects: token t
+    starts one when no query before t sees a key from t on and no query from t on sees a key before
+    t. (For a mask that is no band the result is some split that `band_of` then refuses.)"""
+    rows = _rows_of(keep_BLL)
+    if rows is None:
+        raise ValueError("documents_of_mask: the mask is neither boolean nor 0/-inf")
+    b, length = rows.first.shape
     if length == 0:
-        return torch.zeros(b, 0, dtype=torch.long, device=keep_BLL.device)
-    first, last, _ = _intervals(keep_BLL)
-    t = torch.arange(length, device=keep_BLL.device)
-    reach_before = torch.cat([torch.full((b, 1), -1, device=t.device), last.cummax(-1).values[:, :-1]], 1)
-    reach_after = first.flip(-1).cummin(-1).values.flip(-1)
+        return torch.zeros(b, 0, dtype=torch.long, device=rows.first.device)
+    t = torch.arange(length, device=rows.first.device)
+    reach_before = torch.cat(
+        [torch.full((b, 1), -1, device=t.device), rows.last.cummax(-1).values[:, :-1]], 1
+    )
+    reach_after = rows.first.flip(-1).cummin(-1).values.flip(-1)
     start = (reach_before < t) & (reach_after >= t)
     start[:, :1] = True
     return start.long().cumsum(1) - 1
@@ -269,7 +332,17 @@ def _slice(out: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | str:
     return order, [n for n in order if n.op == "placeholder"]
 
 
-def _evaluator(gm: fx.GraphModule, nodes: list[fx.Node], leaves: list[fx.Node], out: fx.Node):
+def _evaluator(gm: fx.GraphModule, nodes: list[fx.Node], leaves: list[fx.Node], out: fx.Node, sizes=None):
+    """A GraphModule computing `out` from `leaves`; `sizes` maps integer constants of the nodes'
+    arguments to others (the step's length to a probe length)."""
+
+    def resize(a: Any) -> Any:
+        if isinstance(a, (list, tuple)):
+            return type(a)(resize(x) for x in a)
+        if sizes and type(a) is int and a in sizes:
+            return sizes[a]
+        return a
+
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for leaf in leaves:
@@ -277,9 +350,52 @@ def _evaluator(gm: fx.GraphModule, nodes: list[fx.Node], leaves: list[fx.Node], 
     for node in nodes:
         if node.op == "placeholder":
             continue
-        env[node] = graph.node_copy(node, lambda n: env[n])
+        copy = graph.node_copy(node, lambda n: env[n])
+        if sizes:
+            copy.args, copy.kwargs = resize(copy.args), {k: resize(v) for k, v in copy.kwargs.items()}
+        env[node] = copy
     graph.output(env[out])
     return fx.GraphModule(gm, graph)
+
+
+# Masks are read at a probe length, never at the step's: the mask subgraph makes a (B, 1, L, L)
+# tensor, 16 GiB at 128K tokens. The probe must exceed every window the subgraph can encode, so
+# it is longer than every integer constant in it (transformers' sliding windows are constants);
+# a mask needing a probe beyond `_PROBE_ELEMS` elements is evaluated at its own length only when
+# that is as small.
+_PROBE_MIN = 64
+_PROBE_ELEMS = 1 << 26
+
+
+def _int_constants(nodes: list[fx.Node]) -> set[int]:
+    found: set[int] = set()
+
+    def walk(a: Any) -> None:
+        if type(a) is int:
+            found.add(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                walk(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                walk(x)
+
+    for node in nodes:
+        if node.op == "call_function" or node.op == "call_method":
+            walk(node.args)
+            walk(node.kwargs)
+    return found
+
+
+def probe_length(nodes: list[fx.Node], batch: int, length: int) -> int | None:
+    """The length to evaluate a mask subgraph at: `length` itself when small, else a probe longer
+    than every other integer constant of the subgraph (so a window it encodes shows as a window);
+    None when no probe within `_PROBE_ELEMS` elements is both."""
+    consts = {abs(c) for c in _int_constants(nodes) if c != length}
+    need = max(_PROBE_MIN, max(consts, default=0) + 3)
+    if need >= length or batch * length * length <= _PROBE_ELEMS // 16:
+        return length if batch * length * length <= _PROBE_ELEMS else None
+    return need if batch * need * need <= _PROBE_ELEMS else None
 
 
 def _probe_positions(b: int, length: int, device: torch.device, dtype: torch.dtype, seed: int) -> Tensor:
@@ -307,7 +423,7 @@ def _as_keep_BLL(value: Any, b: int, length: int) -> Tensor | None:
     if keep.dim() == 2:
         keep = keep.unsqueeze(0)
     if keep.dim() == 4:
-        if not bool((keep == keep[:, :1]).all()):
+        if keep.shape[1] != 1 and keep.stride(1) != 0 and not bool((keep == keep[:, :1]).all()):
             return None  # differs per head: not a document mask
         keep = keep[:, 0]
     if keep.dim() != 3 or keep.shape[-2:] != (length, length):
@@ -373,7 +489,18 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
             positions = leaf
         else:
             return f"the mask depends on input {leaf.name}, which has no example value"
-    evaluate = _evaluator(gm, nodes, leaves, mask)
+    probe = probe_length(nodes, batch, length)
+    if probe is None:
+        return (
+            f"the mask holds a constant so large that no probe of at most {_PROBE_ELEMS} elements shows the window "
+            f"it encodes (reading the mask at its {length} tokens would take {batch * length * length} bytes)"
+        )
+    sizes = {length: probe} if probe != length else None
+    for leaf, value in fixed.items():
+        if type(value) is int and value == length and not isinstance(value, bool):
+            fixed[leaf] = probe
+    evaluate = _evaluator(gm, nodes, leaves, mask, sizes)
+    length = probe
 
     def run(pos: Tensor | None) -> Tensor | None:
         args = [pos if leaf is positions else fixed[leaf] for leaf in leaves]
@@ -390,22 +517,23 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
     base = torch.arange(length, dtype=dtype).expand(rows, length).to(device)
     keep = run(base if positions is not None else None)
     if keep is None:
-        return "the mask could not be evaluated as a 0/-inf or boolean (B, 1, L, L) mask"
+        at = "" if sizes is None else f" (evaluated at a probe length of {probe} tokens)"
+        return f"the mask could not be evaluated as a 0/-inf or boolean (B, 1, L, L) mask{at}"
     window = band_of(keep)
     if window is None:
         return "the mask is not causal, bidirectional or a sliding window within each row"
     if positions is None:
         return MaskForm("rows", window)
-    probes = 4 if batch * length * length <= 1 << 26 else 2
     as_rows = as_docs = True
     one_row = torch.zeros(batch, length, dtype=torch.long, device=device)
-    for seed in range(probes):
+    for seed in range(4):
         pos = _probe_positions(rows, length, device, dtype, seed)
         keep = run(pos)
         if keep is None:
             return "the mask could not be evaluated on probe position ids"
-        as_rows = as_rows and is_band(keep, one_row, window)
-        as_docs = as_docs and is_band(keep, segments_of_positions(pos.expand(batch, length)), window)
+        rows_read = read_rows(keep)
+        as_rows = as_rows and is_band(rows_read, one_row, window)
+        as_docs = as_docs and is_band(rows_read, segments_of_positions(pos.expand(batch, length)), window)
     if as_rows:
         return MaskForm("rows", window)
     if as_docs:

@@ -10,6 +10,7 @@ construction rather than by luck.
 from __future__ import annotations
 
 import math
+import weakref
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,12 @@ def _document_ids(metadata: AttentionMetadata | None, batch: int, seq: int, devi
     return (torch.searchsorted(cu, tokens, right=True) - 1).reshape(batch, seq)
 
 
+# Concrete masks already read, by identity: transformers builds one mask per forward and hands it to
+# every layer (and to every recompute of a checkpointed layer). An entry holds a weak reference, so
+# a freed mask's reused id is never mistaken for it; a write to the mask changes its version.
+_READ: dict[tuple, tuple[weakref.ref, tuple]] = {}
+
+
 def _read_mask(
     attn_mask: Tensor, metadata: AttentionMetadata | None, batch: int, heads: int, seq_q: int, seq_k: int
 ) -> tuple[bool, tuple[int, int] | None, AttentionMetadata | None]:
@@ -63,34 +70,53 @@ def _read_mask(
     finest runs it keeps apart, e.g. the packed sequences transformers finds in position ids), and
     the metadata returned describes them (None when each row is one document). Raises ValueError
     for any other mask: a varlen kernel cannot express it, and dropping it would change the result.
-    """
+
+    The mask is read once, in blocks of rows (O(L) extra memory, `masks.read_rows`); a mask
+    already read (the same tensor, unchanged, with the same metadata) is not read again."""
     if _is_tracing(attn_mask):
         raise ValueError(
             "attn_mask cannot be evaluated while tracing outside the usp rewrite; drop the mask and pass the "
             "document boundaries as usp_graph.AttentionMetadata instead"
         )
+    meta_key = None if metadata is None else (id(metadata.cu_seqlens), metadata.cu_seqlens._version)
+    key = (id(attn_mask), attn_mask._version, meta_key, batch, heads, seq_q, seq_k)
+    hit = _READ.get(key)
+    if hit is not None and hit[0]() is attn_mask:
+        return hit[1]
+    read = _read_mask_once(attn_mask, metadata, batch, heads, seq_q, seq_k)
+    if len(_READ) >= 16:
+        for k in [k for k, (ref, _) in _READ.items() if ref() is None] or list(_READ)[:8]:
+            del _READ[k]
+    _READ[key] = (weakref.ref(attn_mask), read)
+    return read
+
+
+def _read_mask_once(
+    attn_mask: Tensor, metadata: AttentionMetadata | None, batch: int, heads: int, seq_q: int, seq_k: int
+) -> tuple[bool, tuple[int, int] | None, AttentionMetadata | None]:
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise ValueError(f"attn_mask must be bool or float, got {attn_mask.dtype}")
-    keep = masks.keep_of(attn_mask)
-    if keep is None:
-        raise ValueError(
-            "attn_mask: a float mask is only rewritten when every entry is 0 or -inf (a document mask); "
-            "pass document boundaries as AttentionMetadata instead of an additive bias"
-        )
     if seq_q != seq_k:
         raise ValueError(
             f"attn_mask with query length {seq_q} != key length {seq_k} cannot be rewritten to varlen attention"
         )
     try:
-        keep_BHLL = torch.broadcast_to(keep, (batch, heads, seq_q, seq_k))
+        mask_BHLL = torch.broadcast_to(attn_mask, (batch, heads, seq_q, seq_k))
     except RuntimeError:
         raise ValueError(
             f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, L, L) = "
             f"({batch}, {heads}, {seq_q}, {seq_k})"
         ) from None
-    if heads > 1 and not torch.equal(keep_BHLL, keep_BHLL[:, :1].expand_as(keep_BHLL)):
+    if heads == 0:
+        mask_BHLL = torch.ones(batch, 1, seq_q, seq_k, dtype=torch.bool, device=attn_mask.device)
+    elif heads > 1 and mask_BHLL.stride(1) != 0 and not _same_over_heads(mask_BHLL):
         raise ValueError("attn_mask differs between heads; usp_graph rewrites only document masks")
-    keep_BLL = keep_BHLL[:, 0] if heads else keep_BHLL.new_ones(batch, seq_q, seq_k)
+    rows = masks.read_rows(mask_BHLL[:, 0])
+    if rows is None:
+        raise ValueError(
+            "attn_mask: a float mask is only rewritten when every entry is 0 or -inf (a document mask); "
+            "pass document boundaries as AttentionMetadata instead of an additive bias"
+        )
     derived = None
     if metadata is not None:
         doc_BL = _document_ids(metadata, batch, seq_q, attn_mask.device)
@@ -100,16 +126,16 @@ def _read_mask(
                 "express; drop the mask (the metadata alone defines the documents) or split documents at rows"
             )
     else:
-        doc_BL = masks.documents_of_mask(keep_BLL)
+        doc_BL = masks.documents_of_mask(rows)
         if seq_q > 0 and bool((doc_BL[:, -1] > 0).any()):  # more than one document in some row
-            rows = doc_BL + (doc_BL[:, -1:] + 1).cumsum(0) - (doc_BL[:, -1:] + 1)
-            derived = AttentionMetadata.from_document_ids(rows.reshape(-1), max_seqlen=seq_q)
-    window = masks.band_of(keep_BLL, doc_BL)
+            docs = doc_BL + (doc_BL[:, -1:] + 1).cumsum(0) - (doc_BL[:, -1:] + 1)
+            derived = AttentionMetadata.from_document_ids(docs.reshape(-1), max_seqlen=seq_q)
+    window = masks.band_of(rows, doc_BL)
     if window is None and metadata is not None:
         # A band over whole rows (a causal or sliding-window mask built without the documents, as
         # transformers does with a cache): the metadata's documents replace the rows, as they do
         # for is_causal=True.
-        window = masks.band_of(keep_BLL)
+        window = masks.band_of(rows)
     if window is None:
         what = "the documents of the metadata" if metadata is not None else "its own documents"
         raise ValueError(
@@ -125,6 +151,18 @@ def _read_mask(
         else (left, -1 if is_causal else right)
     )
     return is_causal, extra, derived
+
+
+def _same_over_heads(mask_BHLL: Tensor) -> bool:
+    """Every head's mask equals head 0's, compared in blocks of rows (no whole-mask temporary)."""
+    b, h, lq, lk = mask_BHLL.shape
+    step = max(1, masks._BLOCK_ELEMS // max(1, b * lk))
+    for r0 in range(0, lq, step):
+        first = mask_BHLL[:, :1, r0 : r0 + step]
+        for i in range(1, h):
+            if not torch.equal(mask_BHLL[:, i : i + 1, r0 : r0 + step], first):
+                return False
+    return True
 
 
 def _token_mismatch(
