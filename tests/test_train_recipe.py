@@ -126,7 +126,7 @@ def test_recipe_on_4_cpu_ranks_saves_resumes_bitwise_and_matches_one_process(tmp
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-6000:]
     assert "dp 2 x cp 2 (ulysses), FSDP2, checkpoint full" in full.stdout, full.stdout
     assert "tok/s" in full.stdout and "step 2/2" in full.stdout, full.stdout
-    assert (ckpt / "step_1" / ".metadata").is_file() and (ckpt / "step_2" / ".metadata").is_file()
+    assert (ckpt / "step_1" / "checkpoint.json").is_file() and (ckpt / "step_2" / "tensors.bin").is_file()
 
     resumed = _torchrun("-m", "usp_graph.train", *common, "--resume", str(ckpt / "step_1"),
                         "--metrics", str(tmp_path / "resumed.jsonl"))  # fmt: skip

@@ -16,9 +16,17 @@ so the step is the single-process step on the global batch.
 Data: synthetic documents with log-normal lengths (`usp_graph.testing.lognormal_lengths`) and
 random tokens, a pure function of (seed, step, replica); or `--text FILE`, byte-level tokens
 (ids 0-255), documents separated by blank lines, packed back to back into rows (a document cut
-by a row end continues, from position 0, in the next). The data position (the next step) is
-saved with the model and optimizer (`torch.distributed.checkpoint`), so `--resume` continues with
-the batches the uninterrupted run would have seen.
+by a row end continues, from position 0, in the next). A one-byte document has no next byte to
+predict: a text whose documents are all that short is refused, and a step whose rows hold no
+target at all (tiny --seq-len) has loss 0 and zero gradients, not 0/0.
+
+Checkpoints (`usp_graph.train_checkpoint`): the full model and optimizer state as raw tensor bytes
+and a JSON index, written atomically by rank 0, read by every rank without pickle (resuming a
+checkpoint cannot run code). The step saved is the data position too, so `--resume` continues with
+the batches the uninterrupted run would have seen; a resume must train past the checkpoint's step.
+
+Every flag and file is checked before the process group starts (`check_args`): a bad one is a
+one-line error and exit status 2, before any step runs.
 
 Nothing but the standard library is imported at module load: ``usp-graph --help`` stays fast.
 """
@@ -29,15 +37,19 @@ import argparse
 import json
 import math
 import os
+import stat
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["add_arguments", "main", "run"]
+__all__ = ["add_arguments", "check_args", "main", "run"]
 
 CHECKPOINT_POLICIES = ("full", "save_attention", "recompute_attention")
 DTYPES = ("float32", "bfloat16", "float64")
+# --text is read whole (and marked per byte): bounded, so /dev/zero or a huge file is an error.
+MAX_TEXT_BYTES = 1 << 30
+MAX_CONFIG_BYTES = 16 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -109,6 +121,120 @@ class UsageError(ValueError):
     """A bad flag combination; the message says what to change."""
 
 
+# ---- flags and files, checked before anything starts ----------------------------------------------
+
+
+def _world() -> int:
+    """The number of ranks this run will have: torchrun's WORLD_SIZE, else 1 (as `_init_distributed`)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if "RANK" not in os.environ:
+        return 1
+    try:
+        return int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        raise UsageError("RANK is set but WORLD_SIZE is not an int: launch with torchrun") from None
+
+
+def _writable_dir_for(path: str, flag: str) -> None:
+    """`path` can become (or is) a directory this process can write in; else UsageError."""
+    full = os.path.abspath(path)
+    if os.path.lexists(full) and not os.path.isdir(full):
+        raise UsageError(f"{flag} {path}: exists and is not a directory")
+    probe = full
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UsageError(f"{flag} {path}: {probe} is not a directory, so {path} cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: no permission to write in {probe}")
+
+
+def check_args(args: argparse.Namespace):
+    """Check every flag and file that can be checked before the process group starts.
+
+    Returns ``(dp, cp, resume index or None)``; raises `UsageError` with what to change. Runs on
+    every rank, reads at most the checkpoint's JSON index (bounded), and starts nothing."""
+    from .cp.table import STRATEGIES
+    from .train_checkpoint import CheckpointError, find, read_index
+
+    if args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if args.save_every < 0:
+        raise UsageError(f"--save-every must be >= 0, got {args.save_every}")
+    if args.save_every and not args.save:
+        raise UsageError("--save-every needs --save DIR")
+    if not (math.isfinite(args.lr) and args.lr >= 0):
+        raise UsageError(f"--lr must be a finite number >= 0, got {args.lr}")
+    if args.mean_doc_len is not None and not (math.isfinite(args.mean_doc_len) and args.mean_doc_len >= 1):
+        raise UsageError(f"--mean-doc-len must be a finite number >= 1 (tokens), got {args.mean_doc_len}")
+    if not 0 <= args.seed < 2**32:
+        raise UsageError(f"--seed must be in [0, 2**32), got {args.seed}")
+    if args.cp_strategy not in STRATEGIES:
+        raise UsageError(f"--cp-strategy must be one of {', '.join(STRATEGIES)}; got {args.cp_strategy!r}")
+    if args.cp_strategy == "halo":
+        raise UsageError(
+            "--cp-strategy halo needs a document length cap; the recipe runs allgather_kv, ulysses, ring, usp"
+        )
+    world = _world()
+    dp, cp = _degrees(args, world)
+    if args.seq_len % cp or args.seq_len < 2 * cp:
+        raise UsageError(f"--seq-len {args.seq_len} must be a multiple of --cp {cp} (and >= 2 x it)")
+    if args.ulysses_degree is not None:
+        if args.cp_strategy != "usp":
+            raise UsageError(f"--ulysses-degree applies to --cp-strategy usp only (got {args.cp_strategy})")
+        if args.ulysses_degree < 1 or cp % args.ulysses_degree:
+            raise UsageError(f"--ulysses-degree {args.ulysses_degree} must divide --cp {cp}")
+    if args.model is not None:
+        config = os.path.join(args.model, "config.json")
+        if not os.path.isdir(args.model):
+            raise UsageError(
+                f"--model {args.model}: not a directory (give a local transformers model directory)"
+            )
+        if not os.path.isfile(config):
+            raise UsageError(
+                f"--model {args.model}: no config.json there (give a transformers model directory)"
+            )
+        if os.path.getsize(config) > MAX_CONFIG_BYTES:
+            raise UsageError(f"--model {args.model}: config.json is larger than {MAX_CONFIG_BYTES:,} bytes")
+    if args.text is not None:
+        try:
+            st = os.stat(args.text)
+        except OSError as e:
+            raise UsageError(f"--text {args.text}: {e.strerror or e}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"--text {args.text}: not a regular file (give a text file)")
+        if st.st_size > MAX_TEXT_BYTES:
+            raise UsageError(
+                f"--text {args.text}: {st.st_size:,} bytes, over the recipe's {MAX_TEXT_BYTES:,}"
+            )
+    if args.metrics is not None:
+        if os.path.isdir(args.metrics):
+            raise UsageError(f"--metrics {args.metrics}: a directory; give a file to append JSON lines to")
+        parent = os.path.dirname(os.path.abspath(args.metrics))
+        if not os.path.isdir(parent):
+            raise UsageError(f"--metrics {args.metrics}: {parent} is not a directory")
+    if args.save is not None:
+        _writable_dir_for(args.save, "--save")
+        final = os.path.join(args.save, f"step_{args.steps}")
+        if os.path.lexists(final) and not os.path.isdir(final):
+            raise UsageError(f"--save {args.save}: {final} exists and is not a directory")
+    index = None
+    if args.resume is not None:
+        try:
+            index = read_index(find(args.resume))
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
+        if index.step >= args.steps:
+            raise UsageError(
+                f"--resume {args.resume} holds step {index.step}; --steps {args.steps} must be greater "
+                "(it is the step to train until, counted from the start)"
+            )
+    return dp, cp, index
+
+
 # ---- distributed setup ----------------------------------------------------------------------------
 
 
@@ -144,15 +270,9 @@ def _degrees(args, world: int) -> tuple[int, int]:
 
 
 def _context_parallel(args, mesh):
+    """The CP plan over the mesh's ``cp`` dimension (flags already checked by `check_args`)."""
     from .cp import ContextParallel
-    from .cp.table import STRATEGIES
 
-    if args.cp_strategy not in STRATEGIES:
-        raise UsageError(f"--cp-strategy must be one of {', '.join(STRATEGIES)}; got {args.cp_strategy!r}")
-    if args.cp_strategy == "halo":
-        raise UsageError(
-            "--cp-strategy halo needs a document length cap; the recipe runs allgather_kv, ulysses, ring, usp"
-        )
     extra: dict[str, Any] = {}
     if args.cp_strategy == "usp":
         u = args.ulysses_degree or (2 if mesh["cp"].size() % 2 == 0 else 1)
@@ -262,20 +382,24 @@ class _Data:
         self.mean = args.mean_doc_len or max(2.0, args.seq_len / 8)
         self.docs: list[bytes] | None = None
         if args.text:
-            try:
-                with open(args.text, "rb") as f:
-                    raw = f.read()
-            except OSError as e:
-                raise UsageError(f"--text {args.text}: {e.strerror or e}") from None
+            from .train_checkpoint import CheckpointError, read_regular_file
+
+            try:  # non-blocking, regular files only, bounded: a FIFO or /dev/zero is an error
+                raw = read_regular_file(args.text, MAX_TEXT_BYTES, "--text")
+            except CheckpointError as e:
+                raise UsageError(str(e)) from None
             docs = [d.strip() for d in raw.replace(b"\r\n", b"\n").split(b"\n\n")]
             self.docs = [d for d in docs if d]
             if not self.docs:
                 raise UsageError(f"--text {args.text}: no text in the file")
+            if max(len(d) for d in self.docs) < 2:
+                raise UsageError(f"--text {args.text}: every document is one byte long, so nothing is "
+                                 "predicted (a token's target is the next byte of its document)")  # fmt: skip
             self.stream = b"".join(self.docs)
-            self.starts = set()
+            self.starts = bytearray(len(self.stream))  # 1 where a document starts (bounded: a byte per byte)
             at = 0
             for d in self.docs:
-                self.starts.add(at)
+                self.starts[at] = 1
                 at += len(d)
 
     def row(self, step: int, replica: int):
@@ -294,7 +418,7 @@ class _Data:
             ids_list, lengths, cur = [], [], 0
             for i in range(n):
                 at = (start + i) % total
-                if i > 0 and at in self.starts:
+                if i > 0 and self.starts[at]:
                     lengths.append(cur)
                     cur = 0
                 ids_list.append(self.stream[at])
@@ -310,55 +434,64 @@ class _Data:
         return ids[None], pos[None], labels[None], lengths
 
 
-# ---- checkpoints ----------------------------------------------------------------------------------
+# ---- checkpoints (format and atomic writes: usp_graph.train_checkpoint) ----------------------------
 
 
-def _step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step}")
-
-
-def _resume_dir(path: str) -> str:
-    """`path` itself when it holds a checkpoint, else its newest ``step_N`` subdirectory."""
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        return path
-    steps = []
-    if os.path.isdir(path):
-        for name in os.listdir(path):
-            if (
-                name.startswith("step_")
-                and name[5:].isdigit()
-                and os.path.isfile(os.path.join(path, name, ".metadata"))
-            ):
-                steps.append(int(name[5:]))
-    if not steps:
-        raise UsageError(
-            f"--resume {path}: no checkpoint there (give a --save DIR or one of its step_N directories)"
-        )
-    return _step_dir(path, max(steps))
-
-
-def _save(root: str, model, opt, step: int) -> str:
+def _agree(ok: bool, device) -> bool:
+    """True on every rank when `ok` is True on every rank (so a failure on one stops them all)."""
     import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    import torch.distributed as dist
 
-    path = _step_dir(root, step)
-    msd, osd = get_state_dict(model, opt)
-    # The step is the data position too: every batch is a function of (seed, step, replica).
-    dcp.save({"model": msd, "optim": osd, "train": {"step": torch.tensor(step)}}, checkpoint_id=path)
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _save(root: str, model, opt, step: int, device) -> str:
+    """Every rank gathers the full state (FSDP2 shards it); rank 0 writes ``root/step_{step}``."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from .train_checkpoint import CheckpointError, save_state
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    error, path = None, os.path.join(root, f"step_{step}")
+    if dist.get_rank() == 0:
+        try:
+            path = save_state(root, step, msd, osd)
+        except CheckpointError as e:
+            error = str(e)
+    if not _agree(error is None, device):
+        raise UsageError(error or f"--save {root}: rank 0 could not write step_{step} (its message says why)")
     return path
 
 
-def _load(path: str, model, opt) -> int:
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+def _load(index, model, opt) -> int:
+    """Every rank reads the full state of `index` and keeps its own shard; returns the step."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_state_dict
 
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd, "train": {"step": torch.tensor(-1)}}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(state["train"]["step"])
+    from .train_checkpoint import CheckpointError, read_state
+
+    # Names, dtypes and global shapes from the (possibly sharded) model: nothing is gathered.
+    expect = {k: (v.dtype, tuple(v.shape)) for k, v in get_model_state_dict(model).items()}
+    try:
+        msd, osd = read_state(index, expect)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    options = StateDictOptions(full_state_dict=True)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+    return index.step
+
+
+def _open_metrics(path: str):
+    """Open for appending without blocking (a FIFO with no reader is an error, not a hang)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        why = "a FIFO with no reader" if e.errno == 6 else (e.strerror or str(e))  # ENXIO
+        raise UsageError(f"--metrics {path}: {why}") from None
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a")
 
 
 # ---- the loop -------------------------------------------------------------------------------------
@@ -408,24 +541,22 @@ def run(args: argparse.Namespace) -> int:
     from .checkpointing import checkpoint_blocks
     from .fsdp import prepare
 
-    if args.steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {args.steps}")
-    if args.save_every and not args.save:
-        raise UsageError("--save-every needs --save DIR")
+    dp, cp_degree, index = check_args(args)
+    data = _Data(args, 256, dp)  # reads --text now (its vocabulary is set once the model is built)
     device, owns_group = _init_distributed()
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
-        dp, cp_degree = _degrees(args, world)
-        row_chunks = cp_degree
-        if args.seq_len % row_chunks or args.seq_len < 2 * cp_degree:
-            raise UsageError(
-                f"--seq-len {args.seq_len} must be a multiple of --cp {cp_degree} (and >= 2 x it)"
-            )
         dims = ("dp_shard" if args.fsdp else "dp_replicate", "cp")
         mesh = init_device_mesh(device.type, (dp, cp_degree), mesh_dim_names=dims)
         cp = _context_parallel(args, mesh)
         dtype = getattr(torch, args.dtype)
-        model = _model(args, dtype, device)
+        try:
+            model = _model(args, dtype, device)
+        except (OSError, ValueError) as e:  # transformers' errors for a malformed model directory
+            if not args.model or isinstance(e, UsageError):
+                raise
+            raise UsageError(f"--model {args.model}: {str(e).strip().splitlines()[0][:300]}") from None
+        data.vocab = model.config.vocab_size
         if args.checkpoint:
             checkpoint_blocks(model, policy=args.checkpoint)
         if args.fsdp:
@@ -436,10 +567,8 @@ def run(args: argparse.Namespace) -> int:
             )
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         run_model = torch.compile(model, backend="usp", options={"cp": cp}) if args.compile else model
-        resume = _resume_dir(args.resume) if args.resume else None
-        start = _load(resume, model, opt) if resume else 0
+        start = _load(index, model, opt) if index is not None else 0
         replica = mesh.get_coordinate()[0]
-        data = _Data(args, model.config.vocab_size, dp)
         if rank == 0:
             print(
                 f"usp_graph.train: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} params, "
@@ -450,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
         progress = _Progress(args.steps, start, rank == 0, args.no_progress)
-        log = open(args.metrics, "a") if args.metrics and rank == 0 else None  # noqa: SIM115 (closed below)
+        log = _open_metrics(args.metrics) if args.metrics and rank == 0 else None
         loss_value = math.nan
         for step in range(start, args.steps):
             t0 = time.perf_counter()
@@ -468,7 +597,11 @@ def run(args: argparse.Namespace) -> int:
                 ignore_index=-100,
                 reduction="sum",
             )
-            loss = plan.token_mean(loss_sum, (flat != -100).sum())
+            # The token mean over every rank's targets (`plan.token_mean`'s value, bitwise: integer
+            # counts sum exactly), with at least one target: a step whose rows hold none (only
+            # one-token documents) has loss 0 and zero gradients, not 0/0 = nan.
+            targets = plan.global_sum((flat != -100).sum().to(torch.float64))
+            loss = loss_sum / targets.clamp_min(1).to(loss_sum.dtype)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             plan.reduce_grads(model.parameters())
@@ -480,12 +613,12 @@ def run(args: argparse.Namespace) -> int:
                 log.write(json.dumps({"step": step + 1, "loss": loss_value, "tokens_per_s": tps}) + "\n")
                 log.flush()
             if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-                _save(args.save, model, opt, step + 1)
+                _save(args.save, model, opt, step + 1, device)
         progress.close()
         if log is not None:
             log.close()
         if args.save:
-            where = _save(args.save, model, opt, args.steps)
+            where = _save(args.save, model, opt, args.steps, device)
             if rank == 0:
                 print(f"saved step {args.steps} to {where}", flush=True)
         if rank == 0:

@@ -1,0 +1,385 @@
+"""The training recipe's checkpoints: raw tensor bytes and a JSON index, read without pickle.
+
+    ROOT/step_N/
+      tensors.bin        every tensor's bytes back to back (C order, little-endian), nothing else
+      checkpoint.json    {"format": "usp_graph.train", "version": 1, "step": N,
+                          "model": {fqn: REF}, "optim": {fqn: {key: REF}}, "param_groups": [...]}
+    REF = {"dtype": "float32", "shape": [4, 8], "offset": 0}   (its bytes: tensors.bin[offset:offset + nbytes])
+
+Why not `torch.distributed.checkpoint`: its reader unpickles ``.metadata`` and loads non-tensor
+items with ``torch.load(weights_only=False)``, so resuming a checkpoint someone else wrote could run
+their code (issue 31). Nothing here unpickles, imports or evaluates file content: the index is JSON
+decoded against a schema (`read_index`), every tensor is `torch.frombuffer` of a byte range whose
+dtype and shape the model itself expects (`expect`), so a checkpoint can be wrong but not hostile,
+and reading one costs at most the model's and optimizer's own size.
+
+Layout: the *full* (unsharded) state. Every rank takes part in gathering it (FSDP2 shards it);
+rank 0 writes it; every rank reads it on resume and keeps its own shard (`set_state_dict`), so a
+checkpoint resumes on any ``--dp``/``--cp``/``--fsdp`` layout. The directory must be on a file
+system that every rank sees (as it had to be for `torch.distributed.checkpoint`).
+
+Saves are atomic: the files go to a sibling ``.step_N.tmp.<pid>`` directory, fsynced, which is
+then renamed to ``step_N``; an existing ``step_N`` is moved aside first and removed only after the
+rename. An interrupted save leaves at most a dot-directory that resume never looks at, and every
+earlier checkpoint as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import stat
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "CheckpointError",
+    "Index",
+    "find",
+    "read_index",
+    "read_regular_file",
+    "read_state",
+    "save_state",
+]
+
+FORMAT, VERSION = "usp_graph.train", 1
+INDEX, DATA = "checkpoint.json", "tensors.bin"
+MAX_INDEX_BYTES = 16 << 20
+# Names in the file, mapped to torch dtypes only when tensors are built (stdlib-only decoding).
+DTYPES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}  # fmt: skip
+SCALAR_KEYS = (str, int, float, bool, type(None))
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or written; the message names the path and what is wrong."""
+
+
+def read_regular_file(path: str, cap: int, what: str) -> bytes:
+    """The bytes of a regular file of at most `cap` bytes, else `CheckpointError`.
+
+    Opened non-blocking and checked on the open descriptor: a FIFO, a device (``/dev/zero``) or a
+    directory is refused before any read, so nothing hangs or reads without bound."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise CheckpointError(f"{what} {path}: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{what} {path}: not a regular file")
+        # Bounded even when st_size lies (a file still growing, /proc): read one byte past the cap.
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise CheckpointError(f"{what} {path}: larger than {cap:,} bytes")
+    return data
+
+
+# ---- the index: a schema, decoded in one pass ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ref:
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Index:
+    """A decoded ``checkpoint.json``: where each tensor's bytes are; nothing read from tensors.bin yet."""
+
+    path: str
+    step: int
+    model: dict[str, Ref]
+    optim: dict[str, dict[str, Ref | int | float | bool]]
+    param_groups: list[dict[str, Any]]
+    data_bytes: int
+
+
+def _fail(path: str, why: str) -> CheckpointError:
+    return CheckpointError(f"--resume {path}: {why}")
+
+
+def _no_constants(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _int(x: Any, lo: int = 0) -> bool:
+    return type(x) is int and x >= lo
+
+
+def _ref(path: str, where: str, r: Any) -> Ref:
+    if not (isinstance(r, dict) and set(r) == {"dtype", "shape", "offset"}):
+        raise _fail(path, f"{where}: a tensor entry is {{dtype, shape, offset}}")
+    dtype, shape, offset = r["dtype"], r["shape"], r["offset"]
+    if dtype not in DTYPES:
+        raise _fail(path, f"{where}: dtype {str(dtype)[:40]!r} is not one of {', '.join(DTYPES)}")
+    if not (isinstance(shape, list) and len(shape) <= 8 and all(_int(n) for n in shape) and _int(offset)):
+        raise _fail(path, f"{where}: shape must be a list of at most 8 ints >= 0, offset an int >= 0")
+    return Ref(dtype, tuple(shape), offset, math.prod(shape) * DTYPES[dtype])
+
+
+def _param_groups(path: str, groups: Any) -> list[dict[str, Any]]:
+    if not (isinstance(groups, list) and groups and all(isinstance(g, dict) for g in groups)):
+        raise _fail(path, "param_groups must be a non-empty list of objects")
+    out = []
+    for g in groups:
+        params = g.get("params")
+        if not (isinstance(params, list) and all(isinstance(p, str) for p in params)):
+            raise _fail(path, "each param group needs params: a list of parameter names")
+        group: dict[str, Any] = {"params": list(params)}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
+                v = tuple(v)  # betas: torch's optimizers keep tuples
+            elif not isinstance(v, SCALAR_KEYS):
+                raise _fail(
+                    path, f"param group option {k[:40]!r} must be a number, string, bool, null or list"
+                )
+            group[k] = v
+        out.append(group)
+    return out
+
+
+def read_index(path: str) -> Index:
+    """Decode ``path/checkpoint.json`` and check it against ``path/tensors.bin``'s size.
+
+    Raises `CheckpointError` for anything malformed, a tensor range outside the data file, two
+    ranges that overlap, or a data file longer or shorter than the ranges (a truncated save)."""
+    raw = read_regular_file(os.path.join(path, INDEX), MAX_INDEX_BYTES, "--resume")
+    try:
+        doc = json.loads(raw, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as e:
+        raise _fail(path, f"{INDEX} is not valid JSON ({str(e)[:120]})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise _fail(path, f"{INDEX} is not a usp_graph.train checkpoint index")
+    if doc.get("version") != VERSION:
+        raise _fail(
+            path, f"checkpoint version {str(doc.get('version'))[:20]}; this usp_graph reads {VERSION}"
+        )
+    if doc.get("byteorder", "little") != sys.byteorder:
+        raise _fail(
+            path, f"written on a {str(doc.get('byteorder'))[:10]}-endian machine; this one is {sys.byteorder}"
+        )
+    step = doc.get("step")
+    if not _int(step, 1):
+        raise _fail(path, "step must be an int >= 1")
+    model, optim = doc.get("model"), doc.get("optim")
+    if not (isinstance(model, dict) and model and isinstance(optim, dict)):
+        raise _fail(path, "model (non-empty) and optim must be objects")
+    refs: list[Ref] = []
+    model_refs = {str(k): _ref(path, f"model {k[:80]!r}", r) for k, r in model.items()}
+    refs += model_refs.values()
+    optim_refs: dict[str, dict[str, Ref | int | float | bool]] = {}
+    for fqn, state in optim.items():
+        if not isinstance(state, dict):
+            raise _fail(path, f"optim {fqn[:80]!r} must be an object")
+        entry: dict[str, Ref | int | float | bool] = {}
+        for k, v in state.items():
+            if isinstance(v, (int, float, bool)):
+                entry[k] = v
+            else:
+                entry[k] = r = _ref(path, f"optim {fqn[:80]!r} {k[:40]!r}", v)
+                refs.append(r)
+        optim_refs[fqn] = entry
+    groups = _param_groups(path, doc.get("param_groups"))
+    try:
+        size = os.stat(os.path.join(path, DATA)).st_size
+    except OSError as e:
+        raise _fail(path, f"{DATA}: {e.strerror or e}") from None
+    at = 0
+    for r in sorted(refs, key=lambda r: r.offset):  # the ranges tile the data file exactly
+        if r.offset != at:
+            raise _fail(path, f"tensor byte ranges overlap or leave a gap at byte {min(r.offset, at)}")
+        at += r.nbytes
+    if at != size:
+        raise _fail(
+            path, f"{DATA} is {size:,} bytes, its index describes {at:,} (truncated or not this index's file)"
+        )
+    return Index(path, step, model_refs, optim_refs, groups, size)
+
+
+def find(path: str) -> str:
+    """The checkpoint `path` names: `path` itself, or its newest ``step_N`` that holds an index."""
+    if os.path.isfile(os.path.join(path, INDEX)):
+        return path
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--resume {path}: no such directory")
+    steps, pickled = [], os.path.isfile(os.path.join(path, ".metadata"))
+    for name in os.listdir(path):
+        if name.startswith("step_") and name[5:].isdigit():
+            if os.path.isfile(os.path.join(path, name, INDEX)):
+                steps.append(int(name[5:]))
+            pickled = pickled or os.path.isfile(os.path.join(path, name, ".metadata"))
+    if steps:
+        return os.path.join(path, f"step_{max(steps)}")
+    if pickled:
+        raise CheckpointError(
+            f"--resume {path}: a torch.distributed.checkpoint directory; its .metadata is a pickle, which can "
+            "run code when loaded, so the recipe reads only checkpoints it wrote itself (checkpoint.json + tensors.bin)"
+        )
+    raise CheckpointError(
+        f"--resume {path}: no checkpoint there (give a --save DIR or one of its step_N directories)"
+    )
+
+
+# ---- reading tensors ------------------------------------------------------------------------------
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def read_state(index: Index, model_expect: dict[str, tuple[Any, tuple[int, ...]]]) -> tuple[dict, dict]:
+    """The full model and optimizer state dicts of `index`, checked against the model first.
+
+    `model_expect` maps each parameter/buffer name to (torch dtype, global shape). Every model
+    tensor must match it; every optimizer tensor must have the shape () or its parameter's, and the
+    optimizer may name only the model's parameters: nothing is read before that holds, so the bytes
+    read are bounded by the model's own size."""
+    path = index.path
+    names = set(model_expect)
+    if set(index.model) != names:
+        missing, extra = sorted(names - set(index.model)), sorted(set(index.model) - names)
+        raise _fail(
+            path,
+            f"not this model's checkpoint (missing {missing[:3]}, unexpected {[n[:80] for n in extra[:3]]})",
+        )
+    for name, r in index.model.items():
+        dtype, shape = model_expect[name]
+        if r.shape != tuple(shape):
+            raise _fail(path, f"{name} has shape {list(r.shape)}, the model's is {list(shape)}")
+        if _torch_dtype(r.dtype) != dtype:
+            raise _fail(
+                path, f"{name} is {r.dtype}, the model's is {str(dtype).removeprefix('torch.')} (--dtype)"
+            )
+    for fqn, state in index.optim.items():
+        if fqn not in names:
+            raise _fail(path, f"optimizer state for {fqn[:80]!r}, which is not a model parameter")
+        for k, r in state.items():
+            if isinstance(r, Ref) and r.shape not in ((), tuple(model_expect[fqn][1])):
+                raise _fail(path, f"optimizer {k[:40]!r} of {fqn} has shape {list(r.shape)}")
+    grouped = [p for g in index.param_groups for p in g["params"]]
+    if len(grouped) != len(set(grouped)) or not set(grouped) <= names:
+        raise _fail(path, "param_groups name a parameter twice or one the model does not have")
+
+    import torch
+
+    def load(f, r: Ref):
+        if r.nbytes == 0:
+            return torch.empty(r.shape, dtype=_torch_dtype(r.dtype))
+        f.seek(r.offset)
+        buf = bytearray(r.nbytes)
+        if f.readinto(buf) != r.nbytes:
+            raise _fail(path, f"{DATA} ended early (changed while reading?)")
+        return torch.frombuffer(buf, dtype=_torch_dtype(r.dtype)).reshape(r.shape)
+
+    try:
+        with open(os.path.join(path, DATA), "rb") as f:
+            msd = {name: load(f, r) for name, r in index.model.items()}
+            state = {
+                fqn: {k: load(f, v) if isinstance(v, Ref) else v for k, v in entry.items()}
+                for fqn, entry in index.optim.items()
+            }
+    except OSError as e:
+        raise _fail(path, f"{DATA}: {e.strerror or e}") from None
+    groups = [dict(g, params=list(g["params"])) for g in index.param_groups]
+    return msd, {"state": state, "param_groups": groups}
+
+
+# ---- writing --------------------------------------------------------------------------------------
+
+
+def _write_item(f, t) -> int:
+    """Append one tensor's bytes to `f`; returns how many (a seam for the interrupted-save test)."""
+    import torch
+
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel():
+        f.write(memoryview(flat.view(torch.uint8).numpy()))
+    return flat.numel() * flat.element_size()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_state(root: str, step: int, msd: dict, osd: dict) -> str:
+    """Write ``root/step_{step}`` atomically from full state dicts; returns its path.
+
+    The previous ``step_{step}`` (if any) and every other checkpoint stay whole until the new
+    one is: an exception at any point leaves them as they were and removes the partial copy."""
+    import torch
+
+    final = os.path.join(root, f"step_{step}")
+    tmp = os.path.join(root, f".step_{step}.tmp.{os.getpid()}")
+    old = os.path.join(root, f".step_{step}.old.{os.getpid()}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        if os.path.lexists(final) and not os.path.isdir(final):
+            raise CheckpointError(f"--save {root}: {final} exists and is not a directory")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.mkdir(tmp)
+    except OSError as e:
+        raise CheckpointError(f"--save {root}: {e.strerror or e}") from None
+
+    def ref(t, at: int) -> dict:
+        return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": at}
+
+    try:
+        at = 0
+        index: dict[str, Any] = {
+            "format": FORMAT,
+            "version": VERSION,
+            "byteorder": sys.byteorder,
+            "step": step,
+        }
+        index["model"], index["optim"] = {}, {}
+        with open(os.path.join(tmp, DATA), "wb") as f:
+            for name, t in msd.items():
+                index["model"][name] = ref(t, at)
+                at += _write_item(f, t)
+            for fqn, state in osd["state"].items():
+                entry = index["optim"][fqn] = {}
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor):
+                        entry[k] = ref(v, at)
+                        at += _write_item(f, v)
+                    else:
+                        entry[k] = v
+            f.flush()
+            os.fsync(f.fileno())
+        index["param_groups"] = osd["param_groups"]
+        with open(os.path.join(tmp, INDEX), "w") as f:
+            json.dump(index, f, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        # Rename into place; a same-named old checkpoint is moved aside first (a directory cannot
+        # be renamed over a non-empty one) and deleted only once the new one has its name.
+        if os.path.isdir(final):
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.isdir(old) and not os.path.exists(final):
+            os.rename(old, final)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"--save {root}: {e.strerror or e}") from None
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return final
