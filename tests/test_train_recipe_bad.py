@@ -1,0 +1,321 @@
+"""The recipe's checkpoints and bad input (issue 31): a checkpoint is read without pickle (a crafted
+one runs nothing), saves are atomic (an interrupted save leaves the previous checkpoint loadable),
+a resume never relabels weights, and every bad flag or file is a one-line error with exit status 2
+before any step runs. Most checks call the recipe in-process; two subprocesses check the exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from usp_graph import train_checkpoint as tc
+from usp_graph.train import UsageError, _Data, build_parser, check_args, main
+
+
+def _args(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+class _RunsCommand:
+    """Unpickling this runs a shell command that creates `marker` (what a hostile .metadata does)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _state(scale: float = 1.0):
+    """A small full state dict pair in the shape `get_state_dict(..., full_state_dict=True)` gives."""
+    w, b = torch.arange(6, dtype=torch.float32).reshape(2, 3) * scale, torch.ones(2, dtype=torch.float64)
+    msd = {"lin.weight": w, "lin.bias": b}
+    osd = {
+        "state": {"lin.weight": {"step": torch.tensor(3.0), "exp_avg": w * 0.5, "exp_avg_sq": w * w}},
+        "param_groups": [
+            {"lr": 1e-3, "betas": (0.9, 0.999), "foreach": None, "params": ["lin.weight", "lin.bias"]}
+        ],
+    }
+    return msd, osd
+
+
+EXPECT = {"lin.weight": (torch.float32, (2, 3)), "lin.bias": (torch.float64, (2,))}
+
+
+def _read(path: str):
+    return tc.read_state(tc.read_index(path), EXPECT)
+
+
+# ---- bad flags and files: one line, exit 2, before anything starts ------------------------------------
+
+
+@pytest.fixture
+def files(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty_model").mkdir()
+    (tmp_path / "dir").mkdir()
+    return tmp_path
+
+
+BAD = [
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--lr", "inf"], "--lr must be a finite number"),
+    (["--lr", "-1"], "--lr must be a finite number >= 0"),
+    (["--mean-doc-len", "nan"], "--mean-doc-len must be a finite number"),
+    (["--mean-doc-len", "0.5"], "--mean-doc-len must be a finite number >= 1"),
+    (["--cp-strategy", "usp", "--ulysses-degree", "3"], "--ulysses-degree 3 must divide --cp 1"),
+    (["--ulysses-degree", "2"], "--ulysses-degree applies to --cp-strategy usp only"),
+    (["--seed", "-1"], "--seed must be in"),
+    (["--save-every", "-1"], "--save-every must be >= 0"),
+    (["--save", "{t}/file"], "exists and is not a directory"),
+    (["--save", "{t}/file/sub"], "is not a directory, so"),
+    (["--metrics", "{t}/dir"], "a directory; give a file"),
+    (["--metrics", "{t}/nowhere/m.jsonl"], "is not a directory"),
+    (["--text", "{t}/fifo"], "not a regular file"),
+    (["--text", "/dev/zero"], "not a regular file"),
+    (["--text", "{t}/dir"], "not a regular file"),
+    (["--text", "{t}/missing"], "No such file"),
+    (["--model", "{t}/empty_model"], "no config.json there"),
+    (["--model", "{t}/file"], "not a directory"),
+    (["--resume", "{t}/missing"], "no such directory"),
+    (["--resume", "{t}/dir"], "no checkpoint there"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_a_bad_flag_or_file_is_one_line_and_exit_2_before_anything_runs(argv, message, files, capsys):
+    argv = [a.replace("{t}", str(files)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_text_larger_than_the_cap_is_refused_without_reading_it(tmp_path, monkeypatch):
+    import usp_graph.train as train
+
+    path = tmp_path / "big.txt"
+    path.write_bytes(b"ab" * 64)
+    monkeypatch.setattr(train, "MAX_TEXT_BYTES", 100)
+    with pytest.raises(UsageError, match="over the recipe's 100"):
+        check_args(_args("--text", str(path)))
+    with pytest.raises(UsageError, match="larger than 100 bytes"):  # the read itself is bounded too
+        _Data(_args("--text", str(path)), vocab=256, replicas=1)
+
+
+def test_text_of_only_one_byte_documents_is_refused(tmp_path):
+    path = tmp_path / "ones.txt"
+    path.write_text("a\n\nb\n\nc")
+    with pytest.raises(UsageError, match="every document is one byte long"):
+        _Data(_args("--text", str(path)), vocab=256, replicas=1)
+
+
+def test_a_metrics_fifo_without_reader_is_an_error_not_a_hang(tmp_path):
+    from usp_graph.train import _open_metrics
+
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UsageError, match="a FIFO with no reader"):
+        _open_metrics(str(tmp_path / "fifo"))
+
+
+# ---- checkpoints never run code -----------------------------------------------------------------------
+
+
+def test_a_pickled_dcp_checkpoint_is_refused_and_runs_nothing(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    for where in (tmp_path / "ck", tmp_path / "root" / "step_4"):
+        where.mkdir(parents=True)
+        (where / ".metadata").write_bytes(pickle.dumps(_RunsCommand(str(marker))))
+        (where / "__0_0.distcp").write_bytes(b"\0" * 16)
+    for ck in ("ck", "root"):
+        assert main(["--resume", str(tmp_path / ck), "--steps", "9"]) == 2
+        err = capsys.readouterr().err
+        assert "its .metadata is a pickle" in err and err.count("\n") == 1, err
+    assert not marker.exists()
+
+
+def test_checkpoint_bytes_are_never_unpickled(tmp_path):
+    """A checkpoint whose tensor bytes are a pickle that runs a command loads as numbers."""
+    marker = tmp_path / "pwned"
+    osd = {"state": {}, "param_groups": [{"lr": 1e-3, "params": ["w"]}]}
+    path = tc.save_state(str(tmp_path), 1, {"w": torch.zeros(256, dtype=torch.uint8)}, osd)
+    with open(os.path.join(path, tc.DATA), "r+b") as f:
+        f.write(pickle.dumps(_RunsCommand(str(marker))).ljust(256, b"."))
+    msd, _ = tc.read_state(tc.read_index(path), {"w": (torch.uint8, (256,))})
+    assert bytes(msd["w"].tolist()).startswith(b"\x80") and not marker.exists()
+
+
+# ---- saves are atomic ---------------------------------------------------------------------------------
+
+
+def _interrupt_after_first_item(monkeypatch, exc=RuntimeError):
+    calls = []
+    real = tc._write_item
+
+    def write(f, t):
+        if calls:
+            raise exc("interrupted")
+        calls.append(1)
+        return real(f, t)
+
+    monkeypatch.setattr(tc, "_write_item", write)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_an_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch, exc):
+    tc.save_state(str(tmp_path), 2, *_state(1.0))
+    tc.save_state(str(tmp_path), 4, *_state(2.0))
+    _interrupt_after_first_item(monkeypatch, exc)
+    for step in (4, 6):  # rewriting step_4 in place, and a new step_6
+        with pytest.raises(exc, match="interrupted"):
+            tc.save_state(str(tmp_path), step, *_state(3.0))
+    assert sorted(os.listdir(tmp_path)) == ["step_2", "step_4"]  # no partial copy left behind
+    assert tc.find(str(tmp_path)).endswith("step_4")
+    msd, osd = _read(str(tmp_path / "step_4"))
+    ref_msd, ref_osd = _state(2.0)
+    assert torch.equal(msd["lin.weight"], ref_msd["lin.weight"]) and msd["lin.bias"].dtype == torch.float64
+    assert torch.equal(osd["state"]["lin.weight"]["exp_avg_sq"], ref_osd["state"]["lin.weight"]["exp_avg_sq"])
+    assert osd["param_groups"][0]["betas"] == (0.9, 0.999)
+
+
+def test_a_save_replaces_a_checkpoint_of_the_same_step_whole(tmp_path):
+    tc.save_state(str(tmp_path), 4, *_state(1.0))
+    tc.save_state(str(tmp_path), 4, *_state(5.0))
+    assert os.listdir(tmp_path) == ["step_4"]
+    assert torch.equal(_read(str(tmp_path / "step_4"))[0]["lin.weight"], _state(5.0)[0]["lin.weight"])
+
+
+# ---- a checkpoint is decoded against a schema, then against the model ---------------------------------
+
+
+def test_a_truncated_checkpoint_is_one_line_exit_2(tmp_path, capsys):
+    path = tc.save_state(str(tmp_path), 1, *_state())
+    data = os.path.join(path, tc.DATA)
+    os.truncate(data, os.path.getsize(data) - 1)
+    assert main(["--resume", str(tmp_path), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "truncated" in err and err.count("\n") == 1, err
+
+
+def _mutated(tmp_path, mutate) -> str:
+    path = tc.save_state(str(tmp_path), 1, *_state())
+    with open(os.path.join(path, tc.INDEX)) as f:
+        doc = json.load(f)
+    mutate(doc)
+    with open(os.path.join(path, tc.INDEX), "w") as f:
+        f.write(doc if isinstance(doc, str) else json.dumps(doc))
+    return path
+
+
+MALFORMED = {
+    "not an index": lambda d: d.clear() or d.update(x=1),
+    "bad dtype": lambda d: d["model"]["lin.bias"].update(dtype="object"),
+    "negative dim": lambda d: d["model"]["lin.bias"].update(shape=[-2]),
+    "bool offset": lambda d: d["model"]["lin.bias"].update(offset=True),
+    "huge shape": lambda d: d["model"]["lin.bias"].update(shape=[2**40]),
+    "overlap": lambda d: d["model"]["lin.bias"].update(offset=0),
+    "step 0": lambda d: d.update(step=0),
+    "step float": lambda d: d.update(step=4.0),
+    "version": lambda d: d.update(version=2),
+    "groups": lambda d: d.update(param_groups=[{"params": "lin.weight"}]),
+    "group value": lambda d: d["param_groups"][0].update(lr={"x": 1}),
+    "extra key": lambda d: d["model"]["lin.bias"].update(code="os.system"),
+}
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+def test_a_malformed_index_is_a_checkpoint_error(tmp_path, name):
+    path = _mutated(tmp_path, MALFORMED[name])
+    with pytest.raises(tc.CheckpointError, match="--resume"):
+        tc.read_index(path)
+
+
+@pytest.mark.parametrize("text", ['{"step": NaN}', "[" * 100_000, "\xff\xfe", ""])
+def test_index_text_that_is_not_json_is_a_checkpoint_error(tmp_path, text):
+    path = tc.save_state(str(tmp_path), 1, *_state())
+    with open(os.path.join(path, tc.INDEX), "w", encoding="latin-1") as f:
+        f.write(text)
+    with pytest.raises(tc.CheckpointError, match="not valid JSON|not a usp_graph.train"):
+        tc.read_index(path)
+
+
+@pytest.mark.parametrize(
+    ("expect", "message"),
+    [
+        ({"lin.weight": (torch.float32, (2, 3))}, "not this model's checkpoint"),
+        ({**EXPECT, "lin.weight": (torch.float32, (3, 2))}, "has shape"),
+        ({**EXPECT, "lin.bias": (torch.float32, (2,))}, "the model's is float32"),
+    ],
+)
+def test_a_checkpoint_of_another_model_is_refused_before_its_bytes_are_read(tmp_path, expect, message):
+    path = tc.save_state(str(tmp_path), 1, *_state())
+    with pytest.raises(tc.CheckpointError, match=message):
+        tc.read_state(tc.read_index(path), expect)
+
+
+def test_resume_to_a_step_not_past_the_checkpoint_is_refused(tmp_path, capsys):
+    tc.save_state(str(tmp_path / "ck"), 4, *_state())
+    for steps in ("2", "4"):
+        assert main(["--resume", str(tmp_path / "ck"), "--steps", steps, "--save", str(tmp_path / "ck")]) == 2
+        err = capsys.readouterr().err
+        assert f"holds step 4; --steps {steps} must be greater" in err and err.count("\n") == 1, err
+    assert os.listdir(tmp_path / "ck") == ["step_4"]
+
+
+# ---- end to end, one process --------------------------------------------------------------------------
+
+
+def _metrics(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_one_process_resume_is_bitwise_and_labels_the_step_it_trained(tmp_path):
+    common = ["--seq-len", "16", "--no-progress", "--dtype", "float64", "--steps", "3"]
+    full, again = tmp_path / "full", tmp_path / "again"
+    assert (
+        main([*common, "--save", str(full), "--save-every", "2", "--metrics", str(tmp_path / "full.jsonl")])
+        == 0
+    )
+    assert main([*common, "--resume", str(full / "step_2"), "--save", str(again),
+                 "--metrics", str(tmp_path / "resumed.jsonl")]) == 0  # fmt: skip
+    assert sorted(os.listdir(full)) == ["step_2", "step_3"] and os.listdir(again) == ["step_3"]
+    assert tc.read_index(str(again / "step_3")).step == 3
+    steps_full, resumed = _metrics(tmp_path / "full.jsonl"), _metrics(tmp_path / "resumed.jsonl")
+    assert [m["step"] for m in resumed] == [3] and resumed[0]["loss"] == steps_full[2]["loss"]
+    assert (full / "step_3" / tc.DATA).read_bytes() == (again / "step_3" / tc.DATA).read_bytes()
+
+
+@pytest.mark.slow
+def test_a_step_with_no_target_has_loss_0_not_nan(tmp_path):
+    # Stream "abc" (documents a | bc), rows of 2 bytes: "ab" and "ca" hold no pair within a
+    # document (loss 0, zero gradients), "bc" does.
+    text = tmp_path / "t.txt"
+    text.write_text("a\n\nbc")
+    metrics = tmp_path / "m.jsonl"
+    argv = ["--text", str(text), "--seq-len", "2", "--steps", "3", "--no-progress", "--metrics", str(metrics)]
+    assert main(argv) == 0
+    losses = [m["loss"] for m in _metrics(metrics)]
+    assert losses[:2] == [0.0, 0.0] and math.isfinite(losses[2]) and losses[2] > 0
+
+
+# ---- the exit status, through the command line --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_command_line_exits_2_with_one_line(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    cmd = [sys.executable, "-m", "usp_graph", "train", "--text", str(tmp_path / "fifo")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # open() or read() would hang
+    assert done.returncode == 2 and "not a regular file" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
