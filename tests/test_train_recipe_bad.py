@@ -50,8 +50,12 @@ def _state(scale: float = 1.0):
 EXPECT = {"lin.weight": (torch.float32, (2, 3)), "lin.bias": (torch.float64, (2,))}
 
 
-def _read(path: str):
-    return tc.read_state(tc.read_index(path), EXPECT)
+GROUPS = _state()[1]["param_groups"]
+STATE_KEYS = {"step": "scalar", "exp_avg": "param", "exp_avg_sq": "param"}
+
+
+def _read(path: str, expect=EXPECT, groups=GROUPS):
+    return tc.read_state(tc.read_index(path), expect, groups=groups, state_keys=STATE_KEYS)
 
 
 # ---- bad flags and files: one line, exit 2, before anything starts ------------------------------------
@@ -150,7 +154,7 @@ def test_checkpoint_bytes_are_never_unpickled(tmp_path):
     path = tc.save_state(str(tmp_path), 1, {"w": torch.zeros(256, dtype=torch.uint8)}, osd)
     with open(os.path.join(path, tc.DATA), "r+b") as f:
         f.write(pickle.dumps(_RunsCommand(str(marker))).ljust(256, b"."))
-    msd, _ = tc.read_state(tc.read_index(path), {"w": (torch.uint8, (256,))})
+    msd, _ = _read(path, {"w": (torch.uint8, (256,))}, [{"lr": 1e-3, "params": ["w"]}])
     assert bytes(msd["w"].tolist()).startswith(b"\x80") and not marker.exists()
 
 
@@ -229,6 +233,8 @@ MALFORMED = {
     "groups": lambda d: d.update(param_groups=[{"params": "lin.weight"}]),
     "group value": lambda d: d["param_groups"][0].update(lr={"x": 1}),
     "extra key": lambda d: d["model"]["lin.bias"].update(code="os.system"),
+    "lr overflow": lambda d: d["param_groups"][0].update(lr=1e999),
+    "optim str": lambda d: d["optim"]["lin.weight"].update(step="3"),
 }
 
 
@@ -259,7 +265,40 @@ def test_index_text_that_is_not_json_is_a_checkpoint_error(tmp_path, text):
 def test_a_checkpoint_of_another_model_is_refused_before_its_bytes_are_read(tmp_path, expect, message):
     path = tc.save_state(str(tmp_path), 1, *_state())
     with pytest.raises(tc.CheckpointError, match=message):
-        tc.read_state(tc.read_index(path), expect)
+        _read(path, expect)
+
+
+def _optim_mutated(tmp_path, mutate) -> str:
+    msd, osd = _state()
+    mutate(osd)
+    return tc.save_state(str(tmp_path), 1, msd, osd)
+
+
+OPTIM_WRONG = {
+    "lr a string": (lambda o: o["param_groups"][0].update(lr="0.1"), "optimizer option 'lr'"),
+    "betas of 3": (lambda o: o["param_groups"][0].update(betas=(0.9, 0.9, 0.9)), "optimizer option 'betas'"),
+    "an option less": (lambda o: o["param_groups"][0].pop("foreach"), "differ from AdamW's"),
+    "other params": (lambda o: o["param_groups"][0].update(params=["lin.weight"]), "other parameters"),
+    "two groups": (
+        lambda o: o["param_groups"].append(dict(o["param_groups"][0])),
+        "2 optimizer param groups",
+    ),
+    "state key missing": (lambda o: o["state"]["lin.weight"].pop("exp_avg"), "optimizer state of lin.weight"),
+    "step a vector": (lambda o: o["state"]["lin.weight"].update(step=torch.zeros(2)), "'step' of lin.weight"),
+    "exp_avg float64": (
+        lambda o: o["state"]["lin.weight"].update(exp_avg=torch.zeros(2, 3, dtype=torch.float64)),
+        "'exp_avg' of lin.weight",
+    ),
+    "state of a stranger": (lambda o: o["state"].update(other={}), "not an optimized parameter"),
+}
+
+
+@pytest.mark.parametrize("name", OPTIM_WRONG)
+def test_optimizer_state_unlike_adamws_is_refused_before_any_step(tmp_path, name):
+    mutate, message = OPTIM_WRONG[name]
+    path = _optim_mutated(tmp_path, mutate)
+    with pytest.raises(tc.CheckpointError, match=message):
+        _read(path)
 
 
 def test_resume_to_a_step_not_past_the_checkpoint_is_refused(tmp_path, capsys):

@@ -239,13 +239,36 @@ def _torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def read_state(index: Index, model_expect: dict[str, tuple[Any, tuple[int, ...]]]) -> tuple[dict, dict]:
-    """The full model and optimizer state dicts of `index`, checked against the model first.
+def _same_kind(saved: Any, live: Any) -> bool:
+    """A saved optimizer option fits the live one: the same type (ints and floats mix), finite."""
+    if isinstance(live, bool) or live is None or isinstance(live, str):
+        return type(saved) is type(live)
+    if isinstance(live, (int, float)):
+        return type(saved) in (int, float) and math.isfinite(saved)
+    if isinstance(live, (tuple, list)):
+        return (
+            isinstance(saved, tuple)
+            and len(saved) == len(live)
+            and all(_same_kind(a, b) for a, b in zip(saved, live, strict=True))
+        )
+    return False
 
-    `model_expect` maps each parameter/buffer name to (torch dtype, global shape). Every model
-    tensor must match it; every optimizer tensor must have the shape () or its parameter's, and the
-    optimizer may name only the model's parameters: nothing is read before that holds, so the bytes
-    read are bounded by the model's own size."""
+
+def read_state(
+    index: Index,
+    model_expect: dict[str, tuple[Any, tuple[int, ...]]],
+    *,
+    groups: list[dict[str, Any]],
+    state_keys: dict[str, str],
+) -> tuple[dict, dict]:
+    """The full model and optimizer state dicts of `index`, checked against the live ones first.
+
+    `model_expect` maps each model state name to (torch dtype, global shape); `groups` are the live
+    optimizer's param groups (parameter names under ``params``); `state_keys` names each
+    per-parameter optimizer state entry: ``"param"`` (the parameter's dtype and shape) or
+    ``"scalar"`` (shape (), any float dtype, or a number). Nothing is read before all of it holds:
+    the bytes read are bounded by the model's and optimizer's own size, and the first optimizer
+    step finds the state it expects."""
     path = index.path
     names = set(model_expect)
     if set(index.model) != names:
@@ -262,15 +285,37 @@ def read_state(index: Index, model_expect: dict[str, tuple[Any, tuple[int, ...]]
             raise _fail(
                 path, f"{name} is {r.dtype}, the model's is {str(dtype).removeprefix('torch.')} (--dtype)"
             )
+    if len(index.param_groups) != len(groups):
+        raise _fail(
+            path, f"{len(index.param_groups)} optimizer param groups, the optimizer has {len(groups)}"
+        )
+    params: set[str] = set()
+    for saved, live in zip(index.param_groups, groups, strict=True):
+        if sorted(saved["params"]) != sorted(live["params"]):
+            raise _fail(
+                path, "the optimizer's param groups hold other parameters (not this model's checkpoint?)"
+            )
+        if set(saved) != set(live):
+            raise _fail(path, f"optimizer options {sorted(set(saved) ^ set(live))[:3]} differ from AdamW's")
+        for k, v in saved.items():
+            if k != "params" and not _same_kind(v, live[k]):
+                raise _fail(path, f"optimizer option {k!r} is {str(v)[:40]}, not like {live[k]!r}")
+        params.update(saved["params"])
     for fqn, state in index.optim.items():
-        if fqn not in names:
-            raise _fail(path, f"optimizer state for {fqn[:80]!r}, which is not a model parameter")
+        if fqn not in params:
+            raise _fail(path, f"optimizer state for {fqn[:80]!r}, which is not an optimized parameter")
+        if set(state) != set(state_keys):
+            raise _fail(path, f"optimizer state of {fqn} has {sorted(state)[:5]}, not {sorted(state_keys)}")
+        dtype, shape = model_expect[fqn]
         for k, r in state.items():
-            if isinstance(r, Ref) and r.shape not in ((), tuple(model_expect[fqn][1])):
-                raise _fail(path, f"optimizer {k[:40]!r} of {fqn} has shape {list(r.shape)}")
-    grouped = [p for g in index.param_groups for p in g["params"]]
-    if len(grouped) != len(set(grouped)) or not set(grouped) <= names:
-        raise _fail(path, "param_groups name a parameter twice or one the model does not have")
+            if state_keys[k] == "param":
+                ok = isinstance(r, Ref) and r.shape == tuple(shape) and _torch_dtype(r.dtype) == dtype
+            elif isinstance(r, Ref):
+                ok = r.shape == () and r.dtype.startswith(("float", "bfloat"))
+            else:
+                ok = not isinstance(r, bool) and math.isfinite(r)
+            if not ok:
+                raise _fail(path, f"optimizer {k!r} of {fqn} has the wrong kind, dtype or shape")
 
     import torch
 
