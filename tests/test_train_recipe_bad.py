@@ -245,6 +245,19 @@ def test_a_malformed_index_is_a_checkpoint_error(tmp_path, name):
         tc.read_index(path)
 
 
+@pytest.mark.parametrize("name", [tc.INDEX, tc.DATA])
+def test_checkpoint_files_that_are_fifos_or_devices_are_refused_without_blocking(tmp_path, name):
+    path = tc.save_state(str(tmp_path), 1, *_state())
+    os.remove(os.path.join(path, name))
+    os.mkfifo(os.path.join(path, name))
+    with pytest.raises(tc.CheckpointError, match="not a regular file"):
+        tc.read_index(path)
+    os.remove(os.path.join(path, name))
+    os.symlink("/dev/zero", os.path.join(path, name))
+    with pytest.raises(tc.CheckpointError, match="not a regular file"):
+        tc.read_index(path)
+
+
 @pytest.mark.parametrize("text", ['{"step": NaN}', "[" * 100_000, "\xff\xfe", ""])
 def test_index_text_that_is_not_json_is_a_checkpoint_error(tmp_path, text):
     path = tc.save_state(str(tmp_path), 1, *_state())

@@ -191,9 +191,12 @@ def read_index(path: str) -> Index:
         optim_refs[fqn] = entry
     groups = _param_groups(path, doc.get("param_groups"))
     try:
-        size = os.stat(os.path.join(path, DATA)).st_size
+        st = os.stat(os.path.join(path, DATA))
     except OSError as e:
         raise _fail(path, f"{DATA}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read, a device never end
+        raise _fail(path, f"{DATA} is not a regular file")
+    size = st.st_size
     at = 0
     for r in sorted(refs, key=lambda r: r.offset):  # the ranges tile the data file exactly
         if r.offset != at:
