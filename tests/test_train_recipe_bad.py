@@ -371,3 +371,40 @@ def test_the_command_line_exits_2_with_one_line(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # open() or read() would hang
     assert done.returncode == 2 and "not a regular file" in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+def _save_and_load_on_ranks(rank, world_size, tmp):
+    """Rank 0 writes, every rank reads; a save that fails on rank 0 fails on every rank."""
+    from usp_graph.train import _load, _save
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    _save(os.path.join(tmp, "ok"), model, opt, 1, torch.device("cpu"))
+    if rank == 0:
+        os.makedirs(os.path.join(tmp, "bad"))
+        open(os.path.join(tmp, "bad", "step_1"), "w").close()  # noqa: SIM115 (a file where step_1 goes)
+    torch.distributed.barrier()
+    try:
+        _save(os.path.join(tmp, "bad"), model, opt, 1, torch.device("cpu"))
+        failed = None
+    except UsageError as e:
+        failed = str(e)
+    fresh = torch.nn.Linear(3, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=5.0)
+    step = _load(tc.read_index(tc.find(os.path.join(tmp, "ok"))), fresh, fresh_opt)
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+    moments = fresh_opt.state[fresh.weight]["exp_avg"].equal(opt.state[model.weight]["exp_avg"])
+    return {"failed": failed, "step": step, "same": same and moments, "lr": fresh_opt.param_groups[0]["lr"]}
+
+
+@pytest.mark.slow
+def test_rank_0_writes_every_rank_reads_and_a_failed_save_fails_every_rank(tmp_path):
+    from tests.dist import run_ranks
+
+    r0, r1 = run_ranks(_save_and_load_on_ranks, 2, str(tmp_path))
+    assert "exists and is not a directory" in r0["failed"] and "rank 0 could not write step_1" in r1["failed"]
+    assert r0["step"] == r1["step"] == 1 and r0["same"] and r1["same"] and r0["lr"] == r1["lr"] == 1e-2
+    assert os.listdir(tmp_path / "ok") == ["step_1"]
