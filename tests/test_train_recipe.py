@@ -69,7 +69,7 @@ def test_text_rows_are_bytes_with_documents_at_blank_lines(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--steps", "0"], "--steps must be >= 1"),
+        (["--steps", "0"], "--steps must be in [1, 2**40]"),
         (["--save-every", "2"], "--save-every needs --save DIR"),
         (["--dp", "2"], "must multiply to the 1 ranks launched"),
         (["--cp-strategy", "zigzag"], "--cp-strategy must be one of"),

@@ -81,7 +81,9 @@ BAD = [
     (["--ulysses-degree", "2"], "--ulysses-degree applies to --cp-strategy usp only"),
     (["--seed", "-1"], "--seed must be in"),
     (["--save-every", "-1"], "--save-every must be >= 0"),
+    (["--steps", str(2**40 + 1)], "--steps must be in [1, 2**40]"),
     (["--save", "{t}/file"], "exists and is not a directory"),
+    (["--save", "/proc/usp_graph_test/ck"], "cannot write there"),
     (["--save", "{t}/file/sub"], "is not a directory, so"),
     (["--metrics", "{t}/dir"], "a directory; give a file"),
     (["--metrics", "{t}/nowhere/m.jsonl"], "is not a directory"),
@@ -346,6 +348,12 @@ def test_one_process_resume_is_bitwise_and_labels_the_step_it_trained(tmp_path):
     steps_full, resumed = _metrics(tmp_path / "full.jsonl"), _metrics(tmp_path / "resumed.jsonl")
     assert [m["step"] for m in resumed] == [3] and resumed[0]["loss"] == steps_full[2]["loss"]
     assert (full / "step_3" / tc.DATA).read_bytes() == (again / "step_3" / tc.DATA).read_bytes()
+
+
+@pytest.mark.slow
+def test_a_metrics_write_that_fails_is_one_line_exit_2(capsys):
+    assert main(["--seq-len", "8", "--steps", "1", "--no-progress", "--metrics", "/dev/full"]) == 2
+    assert "--metrics /dev/full: No space left on device" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -39,6 +39,7 @@ import math
 import os
 import stat
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -50,6 +51,9 @@ DTYPES = ("float32", "bfloat16", "float64")
 # --text is read whole (and marked per byte): bounded, so /dev/zero or a huge file is an error.
 MAX_TEXT_BYTES = 1 << 30
 MAX_CONFIG_BYTES = 16 << 20
+# Each row's seed is (seed * 1_000_003 + step) * 4099 + replica: with seed < 2**32 and step <= 2**40
+# it stays below 2**64 (torch's seed range); a checkpoint's step is below --steps, so bounded too.
+MAX_STEPS = 1 << 40
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -150,6 +154,15 @@ def _writable_dir_for(path: str, flag: str) -> None:
         raise UsageError(f"{flag} {path}: {probe} is not a directory, so {path} cannot be created")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: no permission to write in {probe}")
+    # Permissions do not show a read-only or special file system (or root's access): create the
+    # directory now and write a file in it, so a save cannot fail only after every step trained.
+    try:
+        os.makedirs(full, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".probe.", dir=full)
+        os.close(fd)
+        os.remove(name)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
 
 
 def check_args(args: argparse.Namespace):
@@ -160,8 +173,8 @@ def check_args(args: argparse.Namespace):
     from .cp.table import STRATEGIES
     from .train_checkpoint import CheckpointError, find, read_index
 
-    if args.steps < 1:
-        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if not 1 <= args.steps <= MAX_STEPS:
+        raise UsageError(f"--steps must be in [1, 2**40], got {args.steps}")
     if args.save_every < 0:
         raise UsageError(f"--save-every must be >= 0, got {args.save_every}")
     if args.save_every and not args.save:
@@ -613,8 +626,11 @@ def run(args: argparse.Namespace) -> int:
             tps = dp * args.seq_len / (time.perf_counter() - t0)
             progress.update(step + 1, args.steps, loss_value, tps)
             if log is not None:
-                log.write(json.dumps({"step": step + 1, "loss": loss_value, "tokens_per_s": tps}) + "\n")
-                log.flush()
+                try:
+                    log.write(json.dumps({"step": step + 1, "loss": loss_value, "tokens_per_s": tps}) + "\n")
+                    log.flush()
+                except OSError as e:  # a full disk, /dev/full, a reader that went away
+                    raise UsageError(f"--metrics {args.metrics}: {e.strerror or e}") from None
             if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
                 _save(args.save, model, opt, step + 1, device)
         progress.close()
