@@ -571,7 +571,8 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:  # transformers' errors for a malformed model directory
             if not args.model or isinstance(e, UsageError):
                 raise
-            raise UsageError(f"--model {args.model}: {str(e).strip().splitlines()[0][:300]}") from None
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UsageError(f"--model {args.model}: {first[:300]}") from None
         data.vocab = model.config.vocab_size
         if args.checkpoint:
             checkpoint_blocks(model, policy=args.checkpoint)
