@@ -35,6 +35,7 @@ import torch.fx as fx
 
 from ..passes.base import PipelineRun, tag_nodes
 from ..sites import ancestors, body_call, find_sites, node_value, source_location, stream_inputs
+from .arguments import argument_names, find_argument
 from .dump import AOT_GRAPHS, GraphDump, site_record, usp_op_counts
 from .inputs import MetadataFeed, check_not_guarded, metadata_hints, shared_rows
 from .joint import input_requires_grad
@@ -402,12 +403,12 @@ def _positions_input(gm: fx.GraphModule, sites: Sequence[Any], opts: UspOptions,
     }
     named = None
     if opts.documents is not None and sites:
-        named = _argument(gm, opts.documents)
+        named = find_argument(gm, opts.documents)
         if named is None:
             raise ValueError(
                 f"option documents={opts.documents!r}: graph {name} has attention calls but no argument "
-                f"{opts.documents!r} (arguments: {[_local_name(p) for p in gm.graph.find_nodes(op='placeholder')]}); "
-                "pass the position ids to the compiled function on every call, by that name"
+                f"{opts.documents!r} (arguments: {argument_names(gm)}); pass the position ids to the compiled "
+                "function on every call, by that name (or positionally to a module's forward)"
             )
         val = node_value(named)
         if not isinstance(val, torch.Tensor) or val.is_floating_point() or val.dim() not in (1, 2):
@@ -422,21 +423,6 @@ def _positions_input(gm: fx.GraphModule, sites: Sequence[Any], opts: UspOptions,
             "reads them from one position-ids input"
         )
     return next(iter(found), None)
-
-
-def _local_name(p: fx.Node) -> str:
-    source = getattr(p, "_dynamo_source", None)
-    text = getattr(source, "name", None)
-    text = text() if callable(text) else (text or p.name)
-    keys = re.findall(r"\['([^']+)'\]", text)
-    return keys[-1] if keys else p.name
-
-
-def _argument(gm: fx.GraphModule, name: str) -> fx.Node | None:
-    for p in gm.graph.find_nodes(op="placeholder"):
-        if _local_name(p) == name and "._parameters[" not in str(getattr(p, "_dynamo_source", "")):
-            return p
-    return None
 
 
 def _placeholder_index(gm: fx.GraphModule, node: fx.Node | None) -> int | None:
