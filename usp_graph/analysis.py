@@ -20,9 +20,15 @@ from torch import fx
 
 from . import registry
 from .cp.table import STRATEGY_TABLE, strategy_of
+from .graphfile.collective_args import bound
 from .passes.pairing import pair_backward
 
-__all__ = ["summarize", "to_networkx", "to_dot", "diff"]
+__all__ = ["summarize", "to_networkx", "to_dot", "diff", "work"]
+
+# Nodes and edges each of the analysis' graph walks visited, by walk, since the counter was last
+# cleared: every walk is one pass in graph order, so a summary costs O(nodes + edges) visits
+# (tests read this to check the bound structurally; timing alone is flaky).
+work: Counter[str] = Counter()
 
 _SDPA_NAMES = ("scaled_dot_product_attention", "_scaled_dot_product")
 
@@ -58,29 +64,34 @@ def _usp_name(node: fx.Node) -> str | None:
 def _overlapped(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:
     """{issue node: (its wait node, compute ops scheduled between them)}: what runs while an
     issued collective's data travels (`usp_graph.passes.overlap`). Compute: call_function nodes
-    with a tensor value that are not views, issues or waits."""
+    with a tensor value that are not views, issues or waits. O(nodes + edges): the compute ops
+    between two nodes are a difference of running counts."""
     nodes = list(gm.graph.nodes)
     at = {n: i for i, n in enumerate(nodes)}
+    before = [0] * (len(nodes) + 1)  # before[i]: compute ops among nodes[:i]
+    for i, m in enumerate(nodes):
+        before[i + 1] = before[i] + _is_compute(m)
+    work["overlap"] += len(nodes)
     out = {}
     for n in nodes:
         if n.op != "call_function" or registry.canonical(n.target) is n.target or not _usp_name(n):
             continue
         waits = [u for u in n.users if registry.is_wait_op(u.target)]
+        work["overlap"] += len(n.users)
         if not waits:
             continue
         w = min(waits, key=at.__getitem__)
-        between = 0
-        for m in nodes[at[n] + 1 : at[w]]:
-            t = m.target
-            if m.op != "call_function" or not isinstance(m.meta.get("val"), torch.Tensor):
-                continue
-            if isinstance(t, torch._ops.OpOverload) and (t.is_view or registry.is_wait_op(t)):
-                continue
-            if registry.canonical(t) is not t:
-                continue
-            between += 1
-        out[n.name] = (w.name, between)
+        out[n.name] = (w.name, max(0, before[at[w]] - before[at[n] + 1]))
     return out
+
+
+def _is_compute(m: fx.Node) -> bool:
+    t = m.target
+    if m.op != "call_function" or not isinstance(m.meta.get("val"), torch.Tensor):
+        return False
+    if isinstance(t, torch._ops.OpOverload) and (t.is_view or registry.is_wait_op(t)):
+        return False
+    return registry.canonical(t) is t
 
 
 def _comm_ops(table: Sequence[Any], strategies: Any) -> tuple[frozenset[str], frozenset[str]]:
@@ -167,32 +178,53 @@ def _scale(n: Any, num: int, den: int = 1) -> Any:
     return n * num // den if den != 1 else n * num
 
 
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def _collective_bytes(node: fx.Node) -> tuple[Any, int | None, str | None]:
-    """(bytes this rank sends, group size, group name) for a usp communication node."""
+    """(bytes this rank sends, group size, group name) for a usp communication node; None where
+    the arguments do not say (a symbolic chunk count). The arguments are read by schema name;
+    a graph file's were checked at load (`usp_graph.graphfile.collective_args`)."""
     name = _usp_name(node)
-    a = node.args
+    if name is None or name not in _COMM_OPS:
+        return None, None, None
+    b = bound(node.target, node.args, node.kwargs)
+    group = b.get("group_name") if isinstance(b.get("group_name"), str) else None
     if name == "all_to_all":
-        x, scatter = a[0], list(a[3])
-        p = len(scatter)
-        return _scale(_nbytes(x), p - 1, p), p, a[5]
+        p = len(b["scatter_sizes"]) if isinstance(b.get("scatter_sizes"), (list, tuple)) else 0
+        return (_scale(_nbytes(b.get("x")), p - 1, p) if p else None), p or None, group
     if name in ("all_gather", "reduce_scatter"):
-        p = int(a[2])
-        b = _nbytes(a[0])
-        return (_scale(b, p - 1) if name == "all_gather" else _scale(b, p - 1, p)), p, a[3]
+        p = _int(b.get("group_size"))
+        if not p or p < 1:
+            return None, None, group
+        nb = _nbytes(b.get("x"))
+        return (_scale(nb, p - 1) if name == "all_gather" else _scale(nb, p - 1, p)), p, group
     if name in ("halo_exchange", "halo_reduce"):
         # (x, dim, before, after, ...): both halos of every row, what a rank with two neighbours
         # sends (the first and last ranks of a one-row stream send one of them)
-        b = _nbytes(a[0])
-        if b is None:
-            return None, None, a[-1]
-        return b * (int(a[2]) + int(a[3])) // _vals(a[0])[0].shape[int(a[1])], None, a[-1]
+        x = b.get("x", b.get("dy"))
+        nb, vals = _nbytes(x), _vals(x) if isinstance(x, fx.Node) else []
+        dim, before, after = _int(b.get("dim")), _int(b.get("before")), _int(b.get("after"))
+        if (
+            nb is None
+            or dim is None
+            or before is None
+            or after is None
+            or not -vals[0].dim() <= dim < vals[0].dim()
+        ):
+            return None, None, group
+        rows = vals[0].shape[dim]
+        if isinstance(rows, int) and rows == 0:
+            return 0, None, group  # an empty shard sends nothing
+        return nb * (before + after) // rows, None, group
     if name in ("ring_attn_fwd", "ring_attn_bwd"):
-        # fwd(q, k, v, cu, max, causal, scale, chunk_ids, per_rank, group);
-        # bwd(dout, q, k, v, out, lse, cu, max, causal, scale, chunk_ids, per_rank, group)
-        k, v = (a[1], a[2]) if name == "ring_attn_fwd" else (a[2], a[3])
-        chunk_ids, per_rank, group = a[-3], a[-2], a[-1]
-        r = len(chunk_ids) // int(per_rank)
-        kv = None if _nbytes(k) is None else _nbytes(k) + _nbytes(v)
+        per_rank, chunk_ids = _int(b.get("chunks_per_rank")), b.get("chunk_ids")
+        if not per_rank or per_rank < 1 or not isinstance(chunk_ids, (list, tuple)):
+            return None, None, group
+        r = len(chunk_ids) // per_rank
+        k, v = b.get("k"), b.get("v")
+        kv = None if _nbytes(k) is None or _nbytes(v) is None else _nbytes(k) + _nbytes(v)
         if kv is None:
             return None, r, group
         if name == "ring_attn_fwd":
@@ -200,7 +232,7 @@ def _collective_bytes(node: fx.Node) -> tuple[Any, int | None, str | None]:
         acc = 8 if _vals(k)[0].dtype == torch.float64 else 4
         grads = kv * acc // _vals(k)[0].element_size()
         return kv * (r - 1) + (grads * r if r > 1 else 0), r, group
-    return None, None, None
+    return None, None, group
 
 
 def to_networkx(gm: fx.GraphModule) -> nx.DiGraph:
@@ -219,20 +251,57 @@ def to_networkx(gm: fx.GraphModule) -> nx.DiGraph:
     return g
 
 
-def _strategy(g: nx.DiGraph, attn: str) -> str:
+_ATTENTION_FWD = ("varlen_fwd", "ring_attn_fwd")
+
+
+def _site_strategies(gm: fx.GraphModule) -> dict[fx.Node, frozenset[str]]:
+    """For every node: the collectives (op names) that reach it along a path on which no attention
+    forward op lies (an attention op stops the collectives before it: they are its site's).
+
+    One pass in graph (topological) order, each node's set the union of its inputs' sets: O((nodes +
+    edges) x k) for k the distinct collective ops, which the registry bounds (a handful). It was a
+    networkx descendants walk per upstream collective per attention op, cubic in the graph's size
+    (issue 31: a 428 KB file took 268 s to verify)."""
+    empty: frozenset[str] = frozenset()
+    reach: dict[fx.Node, frozenset[str]] = {}
+    unions: dict[tuple[frozenset[str], frozenset[str]], frozenset[str]] = {}
+    for node in gm.graph.nodes:
+        acc = empty
+        inputs = node.all_input_nodes
+        work["strategy"] += 1 + len(inputs)
+        for p in inputs:
+            u = _usp_name(p)
+            if u in _ATTENTION_FWD:
+                continue  # what fed that attention op is its site's, not this one's
+            add = reach.get(p, empty)
+            if u in _COLLECTIVE_OPS:
+                add = add | {u}
+            if add and not add <= acc:
+                key = (acc, add)
+                acc = unions.get(key) or unions.setdefault(key, acc | add)
+        reach[node] = acc
+    return reach
+
+
+def _strategy(node: fx.Node, reach: dict[fx.Node, frozenset[str]]) -> str:
     """The CP strategy of an attention op: the row of the strategy table (`usp_graph.cp.table`)
-    whose forward communicates with the usp ops that feed it (those after the previous attention
-    op only), the attention op included when it communicates itself (ring attention)."""
-    ups = nx.ancestors(g, attn)
-    ops = {g.nodes[attn]["usp"]} & _COMM_OPS_SET
-    for u in ups:
-        if g.nodes[u]["usp"] in _COLLECTIVE_OPS:  # another site's
-            between = nx.descendants(g, u) & ups
-            if not any(g.nodes[b]["usp"] in ("varlen_fwd", "ring_attn_fwd") for b in between):
-                ops.add(g.nodes[u]["usp"])
+    whose forward communicates with the collectives that feed it (`_site_strategies`), the
+    attention op included when it communicates itself (ring attention)."""
+    ops = ({_usp_name(node)} & _COMM_OPS_SET) | reach.get(node, frozenset())
     if not ops:
         return "single"
-    return strategy_of(ops) or "unknown (" + ", ".join(sorted(ops)) + ")"
+    return strategy_of(set(ops)) or "unknown (" + ", ".join(sorted(ops)) + ")"
+
+
+def _reached_from(gm: fx.GraphModule, sources: set[str]) -> set[fx.Node]:
+    """Every node a node named in `sources` reaches (themselves included): one pass, O(nodes + edges)."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        inputs = node.all_input_nodes
+        work["reach"] += 1 + len(inputs)
+        if node.name in sources or any(p in out for p in inputs):
+            out.add(node)
+    return out
 
 
 def summarize(
@@ -258,7 +327,6 @@ def summarize(
     pairing is not checked (``pairing_checked`` False) rather than reported missing.
     """
     names = {str(v): k for k, v in (symbols or {}).items()}
-    g = to_networkx(gm)
 
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     specs = (
@@ -287,32 +355,29 @@ def summarize(
     meta_inputs = [i for i in inputs if i["role"] in ("cu_seqlens", "max_seqlen")]
 
     attention = []
+    strategies = _site_strategies(gm)
+    fed = _reached_from(gm, {m["node"] for m in meta_inputs})
+    site_sources = _site_sources(sites)
     for n in gm.graph.nodes:
         u = _usp_name(n)
-        if u not in ("varlen_fwd", "ring_attn_fwd") or n.meta.get("usp_phase") == "backward":
+        if u not in _ATTENTION_FWD or n.meta.get("usp_phase") == "backward":
             continue
-        q, k = n.args[0], n.args[1]
-        qs, ks = _shape(q), _shape(k)
-        causal = n.args[7] if u == "varlen_fwd" else n.args[5]
-        if u == "varlen_fwd":
-            wl = n.args[9] if len(n.args) > 9 else n.kwargs.get("window_left", -1)
-            wr = n.args[10] if len(n.args) > 10 else n.kwargs.get("window_right", -1)
-        else:
-            wl, wr = n.kwargs.get("window_left", -1), n.kwargs.get("window_right", -1)
-        reach = any(nx.has_path(g, m["node"], n.name) for m in meta_inputs)
+        b = bound(n.target, n.args, n.kwargs)
+        qs, ks = _shape(b.get("q")), _shape(b.get("k"))
+        wl, wr = b.get("window_left", -1), b.get("window_right", -1)
         attention.append(
             {
                 "node": n.name,
                 "op": f"usp.{u}",
                 "site": n.meta.get("usp_site", ""),
-                "source": _source(n, sites),
+                "source": _source(n, site_sources),
                 "q_shape": [_fmt(d, names) for d in qs] if qs else None,
                 "k_shape": [_fmt(d, names) for d in ks] if ks else None,
-                "causal": bool(causal),
-                "window": None if (wl, wr) == (-1, -1) else [wl, wr],
-                "gqa": bool(qs and ks and qs[1] != ks[1]),
-                "strategy": _strategy(g, n.name),
-                "metadata_reaches": reach,
+                "causal": bool(b.get("is_causal")),
+                "window": None if (wl, wr) == (-1, -1) else [_fmt(wl, names), _fmt(wr, names)],
+                "gqa": bool(qs and ks and len(qs) > 1 and len(ks) > 1 and qs[1] != ks[1]),
+                "strategy": _strategy(n, strategies),
+                "metadata_reaches": n in fed,
                 "rewritten": True,
             }
         )
@@ -330,13 +395,17 @@ def summarize(
                     "reason": s.reason,
                 }
             )
+    listed = {a["node"] for a in attention}
     for n in gm.graph.nodes:  # SDPA left in a graph that came without site records
-        if n.op == "call_function" and any(x in _target_name(n) for x in _SDPA_NAMES):
-            if not any(a["node"] == n.name for a in attention):
-                attention.append(
-                    {"node": n.name, "op": _target_name(n), "source": _source(n, None), "rewritten": False,
-                     "reason": "SDPA left in the graph"}
-                )  # fmt: skip
+        if (
+            n.op == "call_function"
+            and n.name not in listed
+            and any(x in _target_name(n) for x in _SDPA_NAMES)
+        ):
+            attention.append(
+                {"node": n.name, "op": _target_name(n), "source": _source(n, {}), "rewritten": False,
+                 "reason": "SDPA left in the graph"}
+            )  # fmt: skip
 
     collectives = []
     overlapped = _overlapped(gm)
@@ -370,7 +439,7 @@ def summarize(
         "pairing": pairing,
         "unpaired": unpaired,
         "pairing_checked": not (forward_only and backward is None),
-        "critical_path_comm": _critical_comm(g, gm, names),
+        "critical_path_comm": _critical_comm(gm),
         "op_counts": dict(sorted(counts.items())),
         "created_by_pass": dict(sorted(passes.items())),
         "nodes": len(gm.graph.nodes),
@@ -411,14 +480,23 @@ def _site_name(site: Any) -> str | None:
     return getattr(node, "name", None) if node is not None else getattr(site, "name", None)
 
 
-def _source(node: fx.Node, sites: Any) -> str:
-    site = node.meta.get("usp_site")
+def _site_sources(sites: Any) -> dict[Any, str]:
+    """{site record's node name: its source}, the first record of each name winning."""
+    out: dict[Any, str] = {}
     for s in sites or ():
-        if _site_name(s) == site:
-            return s.source or ""
+        name = _site_name(s)
+        if isinstance(name, str) and name not in out:
+            out[name] = s.source or ""
+    return out
+
+
+def _source(node: fx.Node, site_sources: dict[Any, str]) -> str:
+    site = node.meta.get("usp_site")
+    if isinstance(site, str) and site in site_sources:
+        return site_sources[site]
     src = node.meta.get("usp_source") or node.meta.get("source")
-    if src:
-        return str(src)
+    if isinstance(src, str) and src:
+        return src
     trace = node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
     return lines[-1] if lines else ""
@@ -439,12 +517,26 @@ def _pairing(
     return pairs, unpaired
 
 
-def _critical_comm(g: nx.DiGraph, gm: fx.GraphModule, names: dict[str, str]) -> list[str]:
-    """Collectives on the longest dependency chain (by node count) through the graph."""
-    if g.number_of_nodes() == 0:
-        return []
-    path = nx.dag_longest_path(g)
-    return [v for v in path if g.nodes[v]["usp"] in _COMM_OPS]
+def _critical_comm(gm: fx.GraphModule) -> list[str]:
+    """Collectives on the longest dependency chain (by edge count) through the graph: one pass in
+    graph order, O(nodes + edges); ties go to the input listed first."""
+    depth: dict[fx.Node, int] = {}
+    prev: dict[fx.Node, fx.Node | None] = {}
+    end = None
+    for node in gm.graph.nodes:
+        inputs = node.all_input_nodes
+        work["critical"] += 1 + len(inputs)
+        best = max(inputs, key=depth.__getitem__, default=None)
+        depth[node] = depth[best] + 1 if best is not None else 0
+        prev[node] = best
+        if end is None or depth[node] > depth[end]:
+            end = node
+    path = []
+    while end is not None:
+        if _usp_name(end) in _COMM_OPS:
+            path.append(end.name)
+        end = prev[end]
+    return path[::-1]
 
 
 def to_dot(gm: fx.GraphModule, summary: dict[str, Any] | None = None) -> str:
@@ -509,7 +601,10 @@ def human_bytes(n: int | str | None) -> str:
         return "?"
     if isinstance(n, str):
         return f"{n} B"
-    if n == 0:
-        return "0 B"
+    if n <= 0:
+        return f"{n} B"
+    if n >= 1024**5:  # integer arithmetic: a file's sizes can be past what a float holds
+        digits = str(n // 1024**4)
+        return f"{digits} TiB" if len(digits) <= 12 else f"{digits[0]}.{digits[1:3]}e{len(digits) - 1} TiB"
     exp = min(int(math.log(n, 1024)), 4)
     return f"{n / 1024**exp:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][exp]}"
