@@ -12,11 +12,13 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
 from .graphfile.document import SUFFIX
+from .terminal import escape as _safe
 
 EXAMPLES = """examples:
   usp-graph demo                              the main job: trace, CP over 2 gloo ranks, save,
@@ -76,22 +78,15 @@ def _graph_files(path: str) -> tuple[list[str], list[tuple[str, str]]]:
     return [_regular(path)], []
 
 
-def _manifest(folder: str) -> dict[str, Any] | None:
-    """The summary.json of one compiled graph's dump in `folder`, or None where there is none."""
-    from .graphfile.document import MAX_FILE_BYTES, open_regular
+def _manifest(folder: str) -> Any:
+    """The `backend.dump.Manifest` of one compiled graph's dump in `folder` (its summary.json,
+    decoded against the manifest's schema), or None where there is none."""
+    from .backend.dump import ManifestError, read_manifest
 
-    path = os.path.join(folder, "summary.json")
-    if not os.path.lexists(path):
-        return None
     try:
-        with open_regular(path) as fh:  # a FIFO named summary.json is refused, not waited on
-            data = fh.read(MAX_FILE_BYTES + 1)
-        if len(data) > MAX_FILE_BYTES:
-            raise ValueError(f"over {MAX_FILE_BYTES} bytes: not a compile dump's manifest")
-        manifest = json.loads(data)
-    except (OSError, ValueError, RecursionError) as e:
-        raise _Unreadable(f"{path}: {e}") from None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == _DUMP_FORMAT else None
+        return read_manifest(folder)
+    except ManifestError as e:
+        raise _Unreadable(str(e)) from None
 
 
 def _failed_files(folder: str) -> list[tuple[str, str]]:
@@ -99,18 +94,12 @@ def _failed_files(folder: str) -> list[tuple[str, str]]:
     manifest = _manifest(folder)
     if manifest is None:
         return []
-    out: dict[str, str] = {}
-    failed = manifest.get("failed")
-    for what, error in (failed if isinstance(failed, dict) else {}).items():
-        out[str(what)] = str(error)
-    graph_files = manifest.get("graph_files")
-    for name, entry in (graph_files if isinstance(graph_files, dict) else {}).items():
-        if not isinstance(entry, dict):
-            continue
-        if entry.get("error"):
-            out.setdefault(name + SUFFIX, str(entry["error"]))
-        elif isinstance(entry.get("file"), str) and not os.path.exists(os.path.join(folder, entry["file"])):
-            out.setdefault(entry["file"], "summary.json lists it as written, but it is not in the directory")
+    out = dict(manifest.failed)
+    for name, (file, error) in manifest.graph_files.items():
+        if error:
+            out.setdefault(name + SUFFIX, error)
+        elif file is not None and not os.path.exists(os.path.join(folder, file)):
+            out.setdefault(file, "summary.json lists it as written, but it is not in the directory")
     return [(os.path.join(folder, what), error) for what, error in out.items()]
 
 
@@ -161,8 +150,13 @@ def _summary(
         backward=b.graph_module if b is not None else None,
         forward_only=forward,
     )
-    if isinstance(g.meta.get("cp_decision"), dict):
-        s["cp_decision"] = g.meta["cp_decision"]  # what ContextParallel("auto") chose, and why
+    if g.meta.get("cp_decision") is not None:  # what ContextParallel("auto") chose, and why
+        from .cp.auto import decode_decision
+
+        try:
+            s["cp_decision"] = decode_decision(g.meta["cp_decision"], "meta.cp_decision")
+        except ValueError as e:
+            raise _Unreadable(f"{path}: not a readable graph file: {e}") from None
     if "compile_dump" in g.meta:
         s["compile_dump"] = {
             "graph": g.meta["compile_dump"],
@@ -182,19 +176,18 @@ def _dump_sites(path: str, g: Any) -> list[Any] | None:
     if g.meta.get("graph") not in ("joint", "forward", "inference") or "compile_dump" not in g.meta:
         return None
     manifest = _manifest(os.path.dirname(path))
-    if manifest is None or manifest.get("graph") != g.meta["compile_dump"]:
+    if manifest is None or manifest.graph != g.meta["compile_dump"]:
         return None
     return [
         SimpleNamespace(
-            name=r.get("name"),
-            source=r.get("source") or "",
-            reason=r.get("reason"),
-            rewritable=bool(r.get("rewritten")),
-            q_shape=r.get("q_shape"),
-            is_causal=r.get("is_causal"),
+            name=r.name,
+            source=r.source,
+            reason=r.reason,
+            rewritable=r.rewritten,
+            q_shape=r.q_shape,
+            is_causal=r.is_causal,
         )
-        for r in manifest.get("sites") or ()
-        if isinstance(r, dict)
+        for r in manifest.sites
     ]
 
 
@@ -206,7 +199,7 @@ def inspect_text(path: str, values: dict[str, int] | None = None) -> str:
 
 def _report_failed(failed: list[tuple[str, str]]) -> None:
     for path, error in failed:
-        print(f"usp-graph: the compile dump could not write {path}: {error}", file=sys.stderr)
+        print(f"usp-graph: the compile dump could not write {_safe(path)}: {_safe(error)}", file=sys.stderr)
 
 
 # Sizes are int64 and a graph file's symbol ranges stay below 2**62; 19 digits covers every size
@@ -253,13 +246,13 @@ def _inspect(args: argparse.Namespace) -> int:
         if failed:
             print("FAILED: files the compile dump could not write (summary.json):")
             for path, error in failed:
-                print(f"  {path}: {error}")
+                print(f"  {_safe(path)}: {_safe(error)}")
     if args.html:
         write_html(args.html, summaries, cache, title=args.path)
     if args.dot and files:
         with open(args.dot, "w") as fh:
             fh.write(analysis.to_dot(_load(files[0], cache).graph_module))
-        print(f"wrote {args.dot}", file=sys.stderr)
+        print(f"wrote {_safe(args.dot)}", file=sys.stderr)
     _report_failed(failed)
     return 1 if failed else 0
 
@@ -281,7 +274,7 @@ def write_html(out: str, summaries: dict[str, dict[str, Any]], cache: dict[str, 
         raise _Usage(
             f"--html {out}: cannot write it ({e.strerror or e}); give a path in a writable folder"
         ) from None
-    print(f"wrote {out}", file=sys.stderr)
+    print(f"wrote {_safe(out)}", file=sys.stderr)
 
 
 def inspect_html(paths: Sequence[str], out: str) -> None:
@@ -307,16 +300,16 @@ def _verify(args: argparse.Namespace) -> int:
                 problems.append(str(e))
         if problems:
             status = 1
-            print(f"{f}: FAILED")
+            print(f"{_safe(f)}: FAILED")
             for p in dict.fromkeys(problems):
-                print(f"  {p}")
+                print(f"  {_safe(p)}")
         else:
             print(
-                f"{f}: ok ({len(s['pairing'])} forward ops paired with their backward, "
+                f"{_safe(f)}: ok ({len(s['pairing'])} forward ops paired with their backward, "
                 f"{len(s['collectives'])} collectives)"
             )
     for path, error in failed:
-        print(f"{path}: FAILED (the compile dump could not write it: {error})")
+        print(f"{_safe(path)}: FAILED (the compile dump could not write it: {_safe(error)})")
     return status
 
 
@@ -423,13 +416,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message: Any, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:  # fmt: skip
+    # A warning about a file quotes it (a version string, a name): escaped like everything printed.
+    print(f"usp-graph: {category.__name__}: {_safe(message)}", file=sys.stderr if file is None else file)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except _Unreadable as e:
-        print(f"usp-graph: {e}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():
+        if args.command in ("inspect", "verify", "diff"):  # they read files anyone may have written
+            warnings.showwarning = _show_warning
+        try:
+            return args.func(args)
+        except _Unreadable as e:
+            print(f"usp-graph: {_safe(e)}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

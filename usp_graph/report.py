@@ -7,12 +7,13 @@ import html
 from typing import Any
 
 from .analysis import human_bytes
+from .terminal import escape
 
-__all__ = ["text", "to_html", "to_html_page", "diff_text"]
+__all__ = ["text", "to_html", "to_html_page", "diff_text", "escape"]
 
 
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    cells = [[escape(h) for h in headers]] + [["" if c is None else escape(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -95,10 +96,15 @@ def _decision_section(d: Any) -> list[tuple[str, list[str], list[list[Any]]]]:
     if not isinstance(d, dict) or not isinstance(d.get("candidates"), list):
         return []
 
-    # The record comes from a graph file's meta, which anyone may have written: show what is
-    # well-formed, "-" / "?" for the rest, never a traceback.
-    def ms(x: Any) -> str:
-        return f"{x * 1e3:.3g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
+    # The CLI decodes a file's record first (`usp_graph.cp.auto.decode_decision`: a malformed one is
+    # an error there); a record handed in otherwise is still shown without a traceback: what is
+    # well-formed, "-" / "?" for the rest.
+    def seconds(x: Any) -> float | None:
+        small = isinstance(x, float) or (isinstance(x, int) and not isinstance(x, bool) and abs(x) < 2**63)
+        return float(x) if small else None
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.3g}"
 
     def sent(n: Any) -> str:
         return human_bytes(n) if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else "?"
@@ -112,10 +118,12 @@ def _decision_section(d: Any) -> list[tuple[str, list[str], list[list[Any]]]]:
         label = str(c.get("strategy")) + (
             f"({', '.join(f'{k}={v!r}' for k, v in opts.items())})" if opts else ""
         )
-        total = (c["compute_s"] + c["comm_s"]) if c.get("refused") is None and isinstance(c.get("compute_s"), (int, float)) and isinstance(c.get("comm_s"), (int, float)) else None  # fmt: skip
+        compute, comm = seconds(c.get("compute_s")), seconds(c.get("comm_s"))
+        total = (
+            compute + comm if c.get("refused") is None and compute is not None and comm is not None else None
+        )
         status = "CHOSEN" if c == chosen else (f"cannot run: {c['refused']}" if c.get("refused") else "")
-        rows.append([label, ms(total), ms(c.get("compute_s")), ms(c.get("comm_s")),
-                     sent(c.get("bytes_per_rank")), status])  # fmt: skip
+        rows.append([label, ms(total), ms(compute), ms(comm), sent(c.get("bytes_per_rank")), status])
     title = (
         f"CP strategy chosen by ContextParallel('auto') over {d.get('world')} ranks "
         f"({d.get('steps')} sampled step(s) of {d.get('tokens')} tokens; ms per attention call)"
@@ -146,11 +154,12 @@ def _pairing_title(summary: dict[str, Any]) -> str:
 
 
 def text(summary: dict[str, Any], *, title: str = "") -> str:
-    out = [title] if title else []
+    """The summary as text tables; every field escaped (`escape`), so the text is safe to print."""
+    out = [escape(title)] if title else []
     for name, headers, rows in _sections(summary):
-        out.append(f"\n{name}")
+        out.append(f"\n{escape(name)}")
         out.append(_table(headers, rows) if rows else "  (none)")
-    crit = summary.get("critical_path_comm") or []
+    crit = [escape(c) for c in summary.get("critical_path_comm") or []]
     out.append(f"\nCollectives on the critical path: {', '.join(crit) if crit else 'none'}")
     out.append(f"{summary['nodes']} nodes")
     return "\n".join(out) + "\n"
@@ -226,6 +235,7 @@ def to_html(
 
 
 def diff_text(d: dict[str, Any]) -> str:
+    """`analysis.diff`'s result as text, every field escaped (`escape`)."""
     if d["same"]:
         return "no differences in ops, attention sites, collectives or inputs\n"
     out = []
@@ -234,11 +244,11 @@ def diff_text(d: dict[str, Any]) -> str:
         out.append(_table(["op", "a", "b"], [[k, v["a"], v["b"]] for k, v in d["op_counts"].items()]))
     for key in ("added", "removed", "changed"):
         if d["inputs"][key]:
-            out.append(f"Inputs {key}: {', '.join(d['inputs'][key])}")
+            out.append(f"Inputs {key}: {', '.join(escape(n) for n in d['inputs'][key])}")
     for side in ("only_a", "only_b"):
         for s in d["attention"][side]:
-            out.append(f"Attention site {side.replace('_', ' in ')}: {s}")
+            out.append(f"Attention site {side.replace('_', ' in ')}: {escape(s)}")
     if d["collectives"]["a"] != d["collectives"]["b"]:
-        out.append(f"Collectives a: {d['collectives']['a']}")
-        out.append(f"Collectives b: {d['collectives']['b']}")
+        out.append(f"Collectives a: {escape(d['collectives']['a'])}")
+        out.append(f"Collectives b: {escape(d['collectives']['b'])}")
     return "\n".join(out) + "\n"

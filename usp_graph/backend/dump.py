@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,7 @@ from ..passes.base import graph_text
 from ..passes.provenance import PHASE_META
 from ..sites import AttentionSite, node_value
 
-__all__ = ["GraphDump", "FORMAT", "VERSION"]
+__all__ = ["GraphDump", "FORMAT", "VERSION", "Manifest", "ManifestError", "SiteRecord", "read_manifest"]
 
 FORMAT = "usp_graph.compile_dump"
 VERSION = 1
@@ -258,3 +260,147 @@ def _describe(v: Any) -> str:
     if isinstance(v, torch.Tensor):
         return f"{str(v.dtype).removeprefix('torch.')}{[str(d) for d in v.shape]}"
     return str(v)
+
+
+# ---- reading a manifest back (``usp-graph inspect`` / ``verify`` on a dump directory) -------------
+
+
+class ManifestError(ValueError):
+    """A summary.json that says it is a compile dump's manifest but does not hold one (one line:
+    the file, the field, what it must be)."""
+
+
+@dataclass(frozen=True)
+class SiteRecord:
+    """One attention site as the manifest records it (`site_record`): what inspect shows of it."""
+
+    name: str
+    source: str
+    rewritten: bool
+    reason: str | None
+    q_shape: tuple[int | str, ...] | None
+    is_causal: bool | str | None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What inspect reads of a summary.json: the compiled graph's name, its attention sites, and
+    what was not written: `failed` {file: error}, `graph_files` {graph: (file or None, error or None)}."""
+
+    graph: str | None
+    sites: tuple[SiteRecord, ...]
+    failed: dict[str, str]
+    graph_files: dict[str, tuple[str | None, str | None]]
+
+
+# A manifest records a handful of sites and graphs; a file listing more is not one of ours.
+_MAX_ENTRIES = 100_000
+
+
+def _want(where: str, what: str, got: Any) -> ManifestError:
+    shown = type(got).__name__ if isinstance(got, (dict, list)) else repr(got)[:40]
+    return ManifestError(f"{where} must be {what}, got {shown}")
+
+
+def _str(v: Any, where: str, *, optional: bool = False) -> str | None:
+    if v is None and optional:
+        return None
+    if not isinstance(v, str):
+        raise _want(where, "a string" + (" or null" if optional else ""), v)
+    return v
+
+
+def _entries(v: Any, kind: type, where: str) -> Any:
+    if not isinstance(v, kind):
+        raise _want(where, "an object" if kind is dict else "a list", v)
+    if len(v) > _MAX_ENTRIES:
+        raise ManifestError(f"{where} has {len(v)} entries; a compile dump's manifest has a handful")
+    return v
+
+
+def _site(r: Any, where: str) -> SiteRecord:
+    if not isinstance(r, dict):
+        raise _want(where, "a site record (an object)", r)
+    rewritten = r.get("rewritten")
+    if not isinstance(rewritten, bool):
+        raise _want(f"{where}.rewritten", "true or false", rewritten)
+    shape = r.get("q_shape")
+    if shape is not None:
+        _entries(shape, list, f"{where}.q_shape")
+        for i, d in enumerate(shape):
+            if (
+                isinstance(d, bool)
+                or not isinstance(d, (int, str))
+                or (isinstance(d, int) and not 0 <= d < 2**63)
+            ):
+                raise _want(f"{where}.q_shape[{i}]", "a size (an int >= 0 or a symbolic size's text)", d)
+    causal = r.get("is_causal")
+    if causal is not None and not isinstance(causal, (bool, str)):
+        raise _want(f"{where}.is_causal", "true, false, a text or null", causal)
+    return SiteRecord(
+        name=_str(r.get("name"), f"{where}.name"),  # type: ignore[arg-type]
+        source=_str(r.get("source"), f"{where}.source", optional=True) or "",
+        rewritten=rewritten,
+        reason=_str(r.get("reason"), f"{where}.reason", optional=True),
+        q_shape=None if shape is None else tuple(shape),
+        is_causal=causal,
+    )
+
+
+def _or(v: Any, empty: Any) -> Any:
+    return empty if v is None else v
+
+
+def decode_manifest(data: Any, source: str) -> Manifest | None:
+    """A parsed summary.json -> its `Manifest`, or None when it is not a compile dump's manifest
+    (no ``"format": FORMAT``). ManifestError (naming `source` and the field) for one that says it
+    is but holds something else where inspect reads: every field is checked here, once."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return None
+    try:
+        if data.get("version") != VERSION:
+            raise ManifestError(
+                f"version {str(data.get('version'))[:20]!r}: this usp_graph reads version {VERSION} manifests; "
+                "inspect the dump with the usp_graph that wrote it, or compile again"
+            )
+        sites = tuple(
+            _site(r, f"sites[{i}]") for i, r in enumerate(_entries(_or(data.get("sites"), []), list, "sites"))
+        )
+        failed = {
+            _str(k, "failed (a file name)"): _str(v, f"failed[{k[:40]!r}]")
+            for k, v in _entries(_or(data.get("failed"), {}), dict, "failed").items()
+        }
+        graph_files = {}
+        for name, entry in _entries(_or(data.get("graph_files"), {}), dict, "graph_files").items():
+            where = f"graph_files[{name[:40]!r}]"
+            if not isinstance(entry, dict):
+                raise _want(where, 'an object {"file": name or null, "error": text or null}', entry)
+            file = _str(entry.get("file"), f"{where}.file", optional=True)
+            if file is not None and (not file or os.sep in file or "\0" in file or file in (".", "..")):
+                raise _want(f"{where}.file", "a file name in the dump's folder", file)
+            graph_files[name] = (file, _str(entry.get("error"), f"{where}.error", optional=True))
+        graph = _str(data.get("graph"), "graph", optional=True)
+    except ManifestError as e:
+        raise ManifestError(f"{source}: not a readable compile dump manifest: {e}") from None
+    return Manifest(graph=graph, sites=sites, failed=failed, graph_files=graph_files)  # type: ignore[arg-type]
+
+
+def read_manifest(folder: str | os.PathLike[str]) -> Manifest | None:
+    """The `Manifest` of the compiled graph dumped in `folder` (None where the folder has no
+    summary.json, or one that is not a compile dump's). ManifestError for an unreadable one:
+    not a regular file (a FIFO is refused, not waited on), over the graph file size limit, not
+    JSON, or holding something else than a manifest where inspect reads."""
+    from ..graphfile.document import MAX_FILE_BYTES, open_regular
+
+    path = os.path.join(os.fspath(folder), "summary.json")
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open_regular(path) as fh:
+            data = fh.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise ValueError(f"over {MAX_FILE_BYTES} bytes: not a compile dump's manifest")
+        parsed = json.loads(data)
+    except (OSError, ValueError, RecursionError) as e:
+        raise ManifestError(f"{path}: {e}") from None
+    return decode_manifest(parsed, path)

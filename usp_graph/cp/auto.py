@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .balance import shard_work
 from .cost import bytes_sent
 
-__all__ = ["Candidate", "Decision", "Rates", "choose", "measure_rates", "resolve"]
+__all__ = ["Candidate", "Decision", "Rates", "choose", "decode_decision", "measure_rates", "resolve"]
 
 log = logging.getLogger("usp_graph.cp")
 
@@ -141,6 +141,90 @@ def _ms(s: float) -> str:
 
 def _num(x: float) -> float | None:
     return x if math.isfinite(x) else None
+
+
+# ---- a saved decision read back (a graph file's meta: anyone may have written it) ---------------
+
+# Sizes in a record stay int64 (bytes, tokens); counts are far smaller in any real run.
+_MAX_INT = 2**63 - 1
+_MAX_CANDIDATES = 1024
+
+
+def _bad(where: str, what: str, got: Any) -> ValueError:
+    shown = type(got).__name__ if isinstance(got, (dict, list)) else repr(got)[:40]
+    return ValueError(f"{where} must be {what}, got {shown}")
+
+
+def _record(d: Any, keys: tuple[str, ...], where: str) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise _bad(where, "an object", d)
+    extra = sorted(set(d) - set(keys))
+    if extra:
+        raise ValueError(f"{where} has unknown field(s) {[k[:40] for k in extra[:5]]}; it holds {list(keys)}")
+    return d
+
+
+def _int_field(d: dict[str, Any], key: str, where: str, lo: int) -> int:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= _MAX_INT:
+        raise _bad(f"{where}.{key}", f"an int in [{lo}, 2**63)", v)
+    return v
+
+
+def _seconds(d: dict[str, Any], key: str, where: str, *, optional: bool) -> float | None:
+    v = d.get(key)
+    if v is None and optional:
+        return None
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= _MAX_INT
+    if not ok or not math.isfinite(v) or v < 0:
+        raise _bad(f"{where}.{key}", "a finite number >= 0" + (" or null" if optional else ""), v)
+    return float(v)
+
+
+def _candidate(c: Any, where: str) -> dict[str, Any]:
+    c = _record(c, ("strategy", "options", "compute_s", "comm_s", "bytes_per_rank", "refused"), where)
+    if not isinstance(c.get("strategy"), str):
+        raise _bad(f"{where}.strategy", "a strategy name", c.get("strategy"))
+    options = c.get("options", {})
+    if not isinstance(options, dict):
+        raise _bad(f"{where}.options", "an object of ContextParallel keyword arguments", options)
+    for k, v in options.items():
+        scalar = v is None or isinstance(v, (bool, str, float)) or (isinstance(v, int) and abs(v) <= _MAX_INT)
+        if not scalar or (isinstance(v, float) and not math.isfinite(v)):
+            raise _bad(f"{where}.options[{k[:40]!r}]", "a number, text, true/false or null", v)
+    refused = c.get("refused")
+    if refused is not None and not isinstance(refused, str):
+        raise _bad(f"{where}.refused", "a reason (text) or null", refused)
+    return {
+        "strategy": c["strategy"],
+        "options": dict(options),
+        "compute_s": _seconds(c, "compute_s", where, optional=True),
+        "comm_s": _seconds(c, "comm_s", where, optional=True),
+        "bytes_per_rank": _int_field(c, "bytes_per_rank", where, 0),
+        "refused": refused,
+    }
+
+
+def decode_decision(data: Any, where: str = "cp_decision") -> dict[str, Any]:
+    """A saved `Decision.as_dict` record, checked field by field against its schema, as plain data
+    of the same shape (ints bounded to int64, seconds finite and >= 0). ValueError naming the field
+    and what it must hold: a record from a file (``meta.cp_decision``) is read by this only."""
+    d = _record(data, ("chosen", "candidates", "rates", "world", "steps", "tokens"), where)
+    candidates = d.get("candidates")
+    if not isinstance(candidates, list) or len(candidates) > _MAX_CANDIDATES:
+        raise _bad(f"{where}.candidates", f"a list of at most {_MAX_CANDIDATES} candidates", candidates)
+    rates = _record(d.get("rates"), ("latency_s", "bandwidth", "pair_s"), f"{where}.rates")
+    return {
+        "chosen": _candidate(d.get("chosen"), f"{where}.chosen"),
+        "candidates": [_candidate(c, f"{where}.candidates[{i}]") for i, c in enumerate(candidates)],
+        "rates": {
+            k: _seconds(rates, k, f"{where}.rates", optional=False)
+            for k in ("latency_s", "bandwidth", "pair_s")
+        },
+        "world": _int_field(d, "world", where, 1),
+        "steps": _int_field(d, "steps", where, 1),
+        "tokens": _int_field(d, "tokens", where, 0),
+    }
 
 
 # ---- the choice (host arithmetic, the same on every rank) ----------------------------------------
