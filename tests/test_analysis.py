@@ -134,12 +134,17 @@ def test_a_cp_decision_record_from_a_file_is_shown_or_skipped_never_a_traceback(
     good = {"strategy": "halo", "options": {"max_document_len": 64}, "compute_s": 0.001, "comm_s": 0.002,
             "bytes_per_rank": 2048, "refused": None}  # fmt: skip
     hostile = [good, {"strategy": ["x"], "options": 3, "compute_s": "1", "comm_s": None,
-                      "bytes_per_rank": -5, "refused": {"a": 1}}, 7, {"bytes_per_rank": [1]}]  # fmt: skip
+                      "bytes_per_rank": -5, "refused": {"a": 1}}, 7, {"bytes_per_rank": [1]},
+               {"strategy": "huge", "compute_s": 10**400, "comm_s": 1e308, "bytes_per_rank": 10**400,
+                "refused": None}]  # fmt: skip
     s["cp_decision"] = {"chosen": good, "candidates": hostile, "world": "2", "steps": None, "tokens": 8}
     text = report.text(s)
     (row,) = [line for line in text.splitlines() if line.startswith("halo(")]
     assert "3" in row and "CHOSEN" in row and "2.0 KiB" in row, row
     assert "cannot run: {'a': 1}" in text and "?" in text
+    (huge,) = [line for line in text.splitlines() if line.startswith("huge")]
+    # 10**400 is no float: "-" and integer bytes, not an OverflowError
+    assert huge.split()[1:5] == ["-", "-", "inf", "9.09e387"], huge
     page = report.to_html_page([{"title": "t", "summary": s}])
     assert html.escape("CP strategy chosen by ContextParallel('auto')") in page
     s["cp_decision"] = {"candidates": "nope"}  # not a record: no section
