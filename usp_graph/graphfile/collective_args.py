@@ -83,7 +83,7 @@ def _sizes(b: dict[str, Any], name: str, world: int | None) -> None:
         raise _Bad(f"{name} has {len(sizes)} entries; the group has {want} ranks: give one size per rank")
     for i, s in enumerate(sizes):
         if not (isinstance(s, fx.Node) or (_is_int(s) and s >= 0)):
-            raise _Bad(f"{name}[{i}] must be a size >= 0 (an int or a node), got {str(s)[:40]!r}")
+            raise _Bad(f"{name}[{i}] must be a size >= 0 (an int or a node), got {repr(s)[:40]}")
 
 
 def _all_to_all(b: dict[str, Any], world: int | None) -> None:
@@ -97,7 +97,7 @@ def _dim_group(b: dict[str, Any], world: int | None) -> None:
     _dim(b, "dim", b.get("x"))
     size = b.get("group_size")
     if not _is_int(size) or size < 1:
-        raise _Bad(f"group_size must be an int >= 1, got {str(size)[:40]!r}")
+        raise _Bad(f"group_size must be an int >= 1, got {repr(size)[:40]}")
 
 
 def _halo(b: dict[str, Any], world: int | None) -> None:
@@ -109,7 +109,7 @@ def _halo(b: dict[str, Any], world: int | None) -> None:
     for name in ("before", "after"):
         w = b.get(name)
         if not _is_int(w) or w < 0:
-            raise _Bad(f"halo width {name} must be an int >= 0, got {str(w)[:40]!r}")
+            raise _Bad(f"halo width {name} must be an int >= 0, got {repr(w)[:40]}")
     n = _dim_size(x, d) if d is not None else None
     widest = max(b["before"], b["after"])
     if n is not None and widest > n:
@@ -126,7 +126,7 @@ def _ring(b: dict[str, Any], world: int | None) -> None:
     if isinstance(per_rank, fx.Node):
         return  # symbolic: the op checks it at replay
     if not _is_int(per_rank) or per_rank < 1:
-        raise _Bad(f"chunks_per_rank must be an int >= 1, got {str(per_rank)[:40]!r}")
+        raise _Bad(f"chunks_per_rank must be an int >= 1, got {repr(per_rank)[:40]}")
     if world is not None and len(ids) != world * per_rank:
         raise _Bad(
             f"chunk_ids has {len(ids)} entries; the ring has {world} ranks x {per_rank} chunks per rank"
