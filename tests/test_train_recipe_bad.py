@@ -193,7 +193,10 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path, m
     assert osd["param_groups"][0]["betas"] == (0.9, 0.999)
 
 
-def test_a_save_replaces_a_checkpoint_of_the_same_step_whole(tmp_path):
+@pytest.mark.parametrize("swap", [True, False], ids=["renameat2 exchange", "move aside"])
+def test_a_save_replaces_a_checkpoint_of_the_same_step_whole(tmp_path, monkeypatch, swap):
+    if not swap:
+        monkeypatch.setattr(tc, "_exchange", lambda a, b: False)
     tc.save_state(str(tmp_path), 4, *_state(1.0))
     tc.save_state(str(tmp_path), 4, *_state(5.0))
     assert os.listdir(tmp_path) == ["step_4"]

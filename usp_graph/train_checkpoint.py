@@ -19,9 +19,10 @@ checkpoint resumes on any ``--dp``/``--cp``/``--fsdp`` layout. The directory mus
 system that every rank sees (as it had to be for `torch.distributed.checkpoint`).
 
 Saves are atomic: the files go to a sibling ``.step_N.tmp.<pid>`` directory, fsynced, which is
-then renamed to ``step_N``; an existing ``step_N`` is moved aside first and removed only after the
-rename. An interrupted save leaves at most a dot-directory that resume never looks at, and every
-earlier checkpoint as it was.
+then renamed to ``step_N``; an existing ``step_N`` is swapped with it in one step on Linux
+(``renameat2(RENAME_EXCHANGE)``; elsewhere moved aside first) and removed only after. An
+interrupted save leaves at most a dot-directory that resume never looks at, and every earlier
+checkpoint as it was.
 """
 
 from __future__ import annotations
@@ -357,6 +358,20 @@ def _write_item(f, t) -> int:
     return flat.numel() * flat.element_size()
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swap two directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a libc without it (glibc < 2.28, musl)
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -416,11 +431,16 @@ def save_state(root: str, step: int, msd: dict, osd: dict) -> str:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        # Rename into place; a same-named old checkpoint is moved aside first (a directory cannot
-        # be renamed over a non-empty one) and deleted only once the new one has its name.
-        if os.path.isdir(final):
+        # Rename into place. A same-named old checkpoint (a directory cannot be renamed over a
+        # non-empty one) is swapped with the new one in one step where the kernel can; else moved
+        # aside first. Either way it is deleted only once the new one has its name.
+        if not os.path.isdir(final):
+            os.rename(tmp, final)
+        elif _exchange(tmp, final):
+            os.rename(tmp, old)  # the old checkpoint, now under the temporary name
+        else:
             os.rename(final, old)
-        os.rename(tmp, final)
+            os.rename(tmp, final)
         _fsync_dir(root)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
