@@ -75,3 +75,9 @@ __all__ = [
 
 # torch.compile(backend="usp") also works without the installed entry point once usp_graph is imported.
 _register_backend()
+
+# transformers' attn_implementation="usp" (usp_graph.hf), registered when transformers' modeling
+# code loads (or now, if it has); usp_graph does not import transformers itself.
+from . import hf as _hf  # noqa: E402
+
+_hf.install()

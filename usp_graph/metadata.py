@@ -72,6 +72,8 @@ def _is_real(t: torch.Tensor) -> bool:
     """False for fake/meta/functional tensors, whose values cannot (and need not) be read."""
     from torch._subclasses.fake_tensor import is_fake
 
+    if torch.compiler.is_compiling():  # Dynamo tracing: its tensors stand for values not yet there
+        return False
     return not (t.is_meta or is_fake(t) or type(t) is not torch.Tensor)
 
 

@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 from .graph_inputs import row_mixers_error
 from .metadata import AttentionMetadata
-from .sdpa import sdpa_to_usp
+from .sdpa import SDPA_OP, sdpa_to_usp
 
 __all__ = ["attention_mode"]
 
@@ -93,6 +93,11 @@ class _SDPAToUSP(TorchFunctionMode):
         if func in _SDPA_FUNCS:
             self.calls += 1
             return self._attention(*args, **kwargs)
+        if func is SDPA_OP:  # SDPA with a window (`sdpa.windowed_sdpa`)
+            self.calls += 1
+            q, k, v, is_causal, scale, gqa, window = _bind_window_sdpa(args, kwargs)
+            win = None if tuple(window) == (-1, -1) else tuple(window)
+            return self._attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa, window=win)
         out = func(*args, **kwargs)
         if self.track:
             self._follow_rows(func, args, kwargs, out)
@@ -228,6 +233,19 @@ class _SDPAToUSP(TorchFunctionMode):
         if q_roots is None or k_roots is None:
             return query.shape[-2] != key.shape[-2]
         return not q_roots <= k_roots
+
+
+def _bind_window_sdpa(args, kwargs) -> list:
+    schema = SDPA_OP._schema
+    bound = []
+    for i, arg in enumerate(schema.arguments):
+        if i < len(args):
+            bound.append(args[i])
+        elif arg.name in kwargs:
+            bound.append(kwargs[arg.name])
+        else:
+            bound.append(arg.default_value)
+    return bound
 
 
 _EMBEDDINGS = {F.embedding, torch.embedding}

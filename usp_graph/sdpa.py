@@ -362,3 +362,51 @@ def sdpa_to_usp(
     )
     out_BHLK = unpack(out_THK, b)
     return out_BHLK.squeeze(1) if query.dim() == 3 else out_BHLK
+
+
+# ------------------------------------------------------------------------------------------------
+# SDPA with a sliding window, as one op that every path reads as an attention call.
+#
+# SDPA has no window argument, and a window spelled as a (L, L) mask is quadratic memory wherever
+# nothing rewrites it. ``usp_graph::sdpa`` is SDPA plus flash-attention's ``window``: composite
+# (its own decomposition is `sdpa_to_usp` with one document per batch row, so any backend and
+# the meta device run it), `attention_mode` routes it with its documents, and the compile
+# backend finds it as an attention site (`sites.SDPA_FORMS`) and rewrites it like SDPA.
+
+_LIB = torch.library.Library("usp_graph", "DEF")
+_LIB.define(
+    "sdpa(Tensor query, Tensor key, Tensor value, bool is_causal=False, float? scale=None, "
+    "bool enable_gqa=False, int[2] window=[-1, -1]) -> Tensor"
+)
+
+
+def _sdpa_rows(query, key, value, is_causal=False, scale=None, enable_gqa=False, window=(-1, -1)):
+    win = tuple(int(w) for w in window)
+    return sdpa_to_usp(
+        query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+        window=None if win == (-1, -1) else win,
+    )  # fmt: skip
+
+
+_LIB.impl("sdpa", _sdpa_rows, "CompositeImplicitAutograd")
+SDPA_OP = torch.ops.usp_graph.sdpa.default
+
+
+def windowed_sdpa(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    window: tuple[int, int] | None = None,
+) -> Tensor:
+    """SDPA (no mask, no dropout) with a sliding `window` (flash-attention's ``(left, right)``,
+    -1 unbounded; with `is_causal` the right side is 0). Without a window it is
+    ``F.scaled_dot_product_attention`` itself, so every path that reads SDPA reads it unchanged."""
+    if window is None or tuple(window) == (-1, -1):
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    return SDPA_OP(query, key, value, is_causal, scale, enable_gqa, [int(window[0]), int(window[1])])

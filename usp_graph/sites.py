@@ -29,6 +29,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .masks import MaskForm, mask_form
+from .sdpa import SDPA_OP
 
 __all__ = [
     "AttentionSite",
@@ -52,7 +53,11 @@ SDPA_FORMS: dict[Any, str] = {
     _aten._scaled_dot_product_efficient_attention.default: "efficient",
     _aten._scaled_dot_product_cudnn_attention.default: "cudnn",
     _aten._scaled_dot_product_fused_attention_overrideable.default: "overrideable",
+    SDPA_OP: "window",  # usp_graph::sdpa: SDPA with a sliding window (sdpa.windowed_sdpa)
 }
+
+# Forms whose node returns the attention output itself (the post-dispatch kernels return tuples).
+_SINGLE_OUTPUT = ("torch", "aten", "window")
 
 # Torch-level SDPA has the aten op's argument names; bind both through its schema.
 _SDPA_SCHEMA = _aten.scaled_dot_product_attention.default._schema
@@ -128,7 +133,7 @@ class AttentionSite:
     @property
     def output_is_tuple(self) -> bool:
         """Post-dispatch kernels return tuples; the attention output is their item 0."""
-        return self.form not in ("torch", "aten")
+        return self.form not in _SINGLE_OUTPUT
 
     def describe(self) -> str:
         """One line: name, form, shapes, flags, where it comes from and, if kept, why."""
@@ -183,7 +188,7 @@ def _site(node: fx.Node, form: str, read_masks: bool = True) -> AttentionSite:
     q, k, v = a["query"], a["key"], a["value"]
     qs, ks, vs = _shape(q), _shape(k), _shape(v)
     enable_gqa = bool(a.get("enable_gqa", False))
-    if form != "torch" and form != "aten" and qs is not None and ks is not None:
+    if form not in _SINGLE_OUTPUT and qs is not None and ks is not None:
         # Post-dispatch kernels have no flag: differing head counts are GQA (the CPU kernel's native form).
         enable_gqa = len(qs) == 4 and len(ks) == 4 and not _known_equal(qs[1], ks[1])
     qval = node_value(q)
@@ -209,6 +214,8 @@ def _site(node: fx.Node, form: str, read_masks: bool = True) -> AttentionSite:
         site.extra_outputs = tuple(
             u for u in node.users if not (u.target is operator.getitem and (u.args[1] == 0 or not u.users))
         )
+    if form == "window" and tuple(a["window"]) != (-1, -1):
+        site.window = tuple(a["window"])
     site.reason = _why_not(site, a, read_masks)
     site.rewritable = site.reason is None
     return site

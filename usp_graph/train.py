@@ -326,24 +326,17 @@ class _DataParallel:
 # ---- model ----------------------------------------------------------------------------------------
 
 
-ATTENTION = "usp_sdpa"
+# transformers' attention implementation "usp" (usp_graph.hf): no mask built, GQA without repeated
+# K/V heads, sliding windows from each layer; inside the step's attention_mode(meta, cp=cp) it takes
+# the global documents, the same on every CP rank (transformers' own "sdpa" would build a mask
+# from this rank's shard of the position ids).
+ATTENTION = "usp"
 
 
 def _register_attention() -> None:
-    """transformers attention `usp_sdpa`: its SDPA with no mask (causal), and no mask built for it.
+    from .hf import register
 
-    The documents are usp_graph's metadata (global, the same on every CP rank). transformers' own
-    ``"sdpa"`` builds a packed-sequence mask from this rank's shard of the position ids, when the
-    shard holds a document start: then it also repeats K/V heads itself, so two CP ranks of one
-    step would run different collectives; with FSDP2 (a graph per block under compile) the mask
-    reaches the block's graph as an input that no longer shows it came from position ids."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def usp_sdpa(module, query, key, value, attention_mask, **kwargs):
-        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
-
-    AttentionInterface.register(ATTENTION, usp_sdpa)
+    register()
 
 
 def _model(args, dtype, device):
@@ -357,10 +350,6 @@ def _model(args, dtype, device):
                 f"--model {args.model}: not a directory (give a local transformers model directory)"
             )
         config = transformers.AutoConfig.from_pretrained(args.model)
-        windows = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-        if windows or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-            raise UsageError(f"--model {args.model}: sliding-window attention is not supported by the recipe (its "
-                             "attention runs causal within documents); use a full-attention model")  # fmt: skip
         weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(args.model))
         torch.manual_seed(args.seed)
         if weights:

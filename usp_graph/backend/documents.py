@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..metadata import AttentionMetadata
 
-__all__ = ["documents", "current_documents", "current_kv_documents"]
+__all__ = ["documents", "current_documents", "current_kv_documents", "packed_documents_active"]
 
 # A ContextVar, not a global: threads and asyncio tasks each see their own block.
 _CURRENT: ContextVar[tuple[AttentionMetadata | None, AttentionMetadata | None]] = ContextVar(
@@ -67,13 +67,28 @@ def documents(
                 f"documents(metadata, kv=...): metadata is on {metadata.cu_seqlens.device} and kv on "
                 f"{kv.cu_seqlens.device}; build both for the same device (AttentionMetadata.to(device))"
             )
+    global _PACKED
     if metadata is not None:
         _guard_eager_sdpa()
     token = _CURRENT.set((metadata, kv))
+    packed, _PACKED = _PACKED, metadata is not None
     try:
         yield metadata
     finally:
         _CURRENT.reset(token)
+        _PACKED = packed
+
+
+# Whether the innermost block has documents, as a plain module global: code that Dynamo traces
+# (transformers' attention implementation "usp", `usp_graph.hf`) reads it through
+# `packed_documents_active`, and Dynamo guards on its value (a ContextVar it cannot read), so code
+# compiled inside a block is not reused outside one.
+_PACKED = False
+
+
+def packed_documents_active() -> bool:
+    """Whether the innermost `documents` block gives documents (readable by compiled code)."""
+    return _PACKED
 
 
 def current_documents() -> AttentionMetadata | None:

@@ -1,0 +1,237 @@
+"""transformers' attention implementation "usp" (`usp_graph.hf`): each document's own result from
+the position ids, an active documents/attention_mode block, eager and compiled; refusals with
+the reason. Tiny random models, fp64, against each document run alone through the plain model.
+
+# B batch (rows), L tokens per row, N documents
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import usp_graph  # noqa: E402
+from tests.realmodels import (  # noqa: E402
+    LM_SPECS,
+    compile_usp,
+    grads,
+    lm_forward,
+    make_lm,
+    max_err,
+    packed_positions,
+    per_document,
+    weighted_loss,
+)
+from usp_graph import AttentionMetadata, attention_mode, documents  # noqa: E402
+from usp_graph.hf import UnsupportedAttention, usp_mask  # noqa: E402
+
+# One row with a length-1 document and documents longer than the sliding window (4 tokens).
+LENGTHS = (5, 1, 9, 3, 14)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    torch.set_num_threads(threads)
+
+
+def _models(name: str):
+    """(reference with "sdpa", the same weights with "usp")."""
+    ref = make_lm(name)
+    usp = make_lm(name)
+    usp.set_attn_implementation("usp")
+    assert usp.config._attn_implementation == "usp"
+    return ref, usp
+
+
+def _batch(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (1, sum(LENGTHS)), generator=gen)
+    return ids, packed_positions(LENGTHS)
+
+
+def _reference(model, ids, pos):
+    out = per_document(lambda s: lm_forward(model, ids[:, s], pos[:, s]), LENGTHS)
+    weighted_loss(out).backward()
+    return out.detach(), grads(model)
+
+
+def _run(model, ids, pos):
+    out = lm_forward(model, ids, pos)
+    weighted_loss(out).backward()
+    return out.detach(), grads(model)
+
+
+@pytest.mark.parametrize("name", list(LM_SPECS))
+def test_eager_usp_attends_within_the_documents_of_the_position_ids(name):
+    ref_model, model = _models(name)
+    ids, pos = _batch()
+    ref_out, ref_grads = _reference(ref_model, ids, pos)
+    out, got = _run(model, ids, pos)
+    tol = LM_SPECS[name].tol
+    assert max_err(out, ref_out) <= tol
+    assert max_err(got, ref_grads) <= tol * 100
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_eager_usp_under_attention_mode_and_documents_takes_their_documents(name):
+    ref_model, model = _models(name)
+    ids, pos = _batch(1)
+    ref_out, ref_grads = _reference(ref_model, ids, pos)
+    meta = AttentionMetadata.from_lengths(LENGTHS, max_docs=8)
+    one_row = torch.arange(sum(LENGTHS))[None]  # positions that say nothing of the documents
+    for block in (attention_mode(meta), documents(meta)):
+        with block:
+            out = lm_forward(model, ids, pos)
+            weighted_loss(out).backward()
+        assert max_err(out, ref_out) <= 1e-10
+        assert max_err(grads(model), ref_grads) <= 1e-8
+    # The block's documents decide, not the position ids: positions counting along the whole row
+    # (rotary is relative: the same within each document) still give each document's result,
+    # and without the block they make one document of the row.
+    with attention_mode(meta) as mode:
+        out = lm_forward(model, ids, one_row)
+    assert mode.calls == 2
+    assert max_err(out, ref_out) <= 1e-8
+    assert max_err(lm_forward(model, ids, one_row), ref_out) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "name,block", [("mistral", True), ("gemma3", False), ("bert", True), ("llama", False)]
+)
+def test_compiled_usp_gives_each_documents_own_result(name, block):
+    ref_model, model = _models(name)
+    ids, pos = _batch(2)
+    ref_out, ref_grads = _reference(ref_model, ids, pos)
+    compiled = compile_usp(model)
+    meta = AttentionMetadata.from_lengths(LENGTHS, max_docs=8)
+    with documents(meta) if block else contextlib.nullcontext():
+        out = lm_forward(compiled, ids, pos)
+        weighted_loss(out).backward()
+    tol = LM_SPECS[name].tol
+    assert max_err(out, ref_out) <= tol
+    assert max_err(grads(model), ref_grads) <= tol * 100
+    torch._dynamo.reset()
+
+
+def test_grouped_query_attention_reaches_the_kernel_without_repeated_heads(monkeypatch):
+    _, model = _models("llama")
+    seen = []
+    real = usp_graph.hf.sdpa_to_usp
+
+    def spy(q, k, v, *a, **kw):
+        seen.append((q.shape[1], k.shape[1], kw.get("enable_gqa")))
+        return real(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(usp_graph.hf, "sdpa_to_usp", spy)
+    ids, pos = _batch()
+    lm_forward(model, ids, pos)
+    assert seen and all(s == (4, 2, True) for s in seen), seen
+
+
+def test_no_mask_is_built_for_usp(monkeypatch):
+    import transformers.masking_utils as mu
+
+    _, model = _models("llama")
+    called = []
+    monkeypatch.setattr(mu, "sdpa_mask", lambda *a, **k: called.append(1))
+    ids, pos = _batch()
+    lm_forward(model, ids, pos)
+    assert not called
+
+
+def test_a_padding_mask_is_refused_and_an_all_ones_mask_is_not():
+    _, model = _models("llama")
+    ids = torch.randint(0, 64, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    model(input_ids=ids, attention_mask=mask)
+    mask[1, :3] = 0
+    with pytest.raises(UnsupportedAttention, match="pads tokens"):
+        model(input_ids=ids, attention_mask=mask)
+    with pytest.raises(UnsupportedAttention, match="4-D mask"):
+        model(input_ids=ids, attention_mask=torch.ones(2, 1, 8, 8, dtype=torch.bool))
+
+
+def test_generation_with_a_kv_cache_is_refused_with_the_fix():
+    _, model = _models("llama")
+    with pytest.raises(UnsupportedAttention, match='set_attn_implementation\\("sdpa"\\)'):
+        model.generate(torch.randint(0, 64, (1, 5)), max_new_tokens=2, do_sample=False)
+
+
+def test_mask_functions_beyond_documents_causality_and_windows_are_refused():
+    import transformers.masking_utils as mu
+
+    usp_mask(1, 8, 8, mask_function=mu.and_masks(mu.causal_mask_function, mu.sliding_window_overlay(3)))
+    blocks = mu.blockwise_overlay(torch.zeros(1, 8, dtype=torch.long))
+    for fn in (
+        mu.or_masks(mu.causal_mask_function, blocks),
+        mu.chunked_causal_mask_function(4, torch.zeros(1)),
+    ):
+        with pytest.raises(UnsupportedAttention, match="beyond documents"):
+            usp_mask(1, 8, 8, mask_function=fn)
+
+
+def test_softcapping_is_refused():
+    import transformers
+
+    cfg = transformers.Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    model = transformers.Gemma2ForCausalLM._from_config(cfg, attn_implementation="usp")
+    with pytest.raises(UnsupportedAttention, match="softcapping"):
+        model(input_ids=torch.randint(0, 64, (1, 6)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["usp_graph first", "transformers first"])
+def test_attn_implementation_usp_needs_nothing_but_import_usp_graph(order):
+    imports = (
+        "import usp_graph, transformers" if order == "usp_graph first" else "import transformers, usp_graph"
+    )
+    code = (
+        f"{imports}\n"
+        "cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,"
+        " num_attention_heads=4, num_key_value_heads=2)\n"
+        "m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation='usp')\n"
+        "import torch; m(input_ids=torch.zeros(1, 4, dtype=torch.long))\n"
+        "print(m.config._attn_implementation)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "usp"
+
+
+@pytest.mark.slow
+def test_reading_a_long_mask_takes_no_memory_quadratic_in_tokens():
+    """Eager reading of a concrete (1, 1, T, T) mask: peak memory beyond the mask itself stays far
+    below one more copy of it (an int64 row sum would be 8 x T^2 bytes, a uint8 copy T^2)."""
+    code = """
+import resource, torch
+from usp_graph import sdpa
+T = 8192
+seg = torch.arange(T) // 700
+mask = ((seg[:, None] == seg[None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[None, None]
+torch.zeros(1 << 20).sum()  # warm the allocator
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+causal, window, meta = sdpa._read_mask(mask, None, 1, 4, T, T)
+again = sdpa._read_mask(mask, None, 1, 4, T, T)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+assert causal and window is None and meta.cu_seqlens.numel() == 13, (causal, window, meta)
+assert again[2] is meta  # read once
+print((after - before) * 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    grown = int(out.stdout.split()[-1])
+    assert grown < 8192 * 8192 // 4, f"peak memory grew {grown} bytes reading a {8192 * 8192}-byte mask"

@@ -1,0 +1,365 @@
+"""transformers attention implementation ``"usp"``: varlen attention within packed documents, and
+no mask built for it.
+
+# B batch, H query heads, G key/value heads, L sequence, K head dim, T packed tokens (B * L)
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="usp")   # or from_config,
+    model.set_attn_implementation("usp")                                           # or later
+
+Registered with transformers' ``AttentionInterface`` and ``AttentionMaskInterface`` (when
+transformers' modeling code is imported, or at ``import usp_graph`` if it already was), so
+transformers builds no (T, T) mask: the mask builder of ``"usp"`` returns None after checking that
+nothing would be lost (`usp_mask`). Each attention call then takes its documents from, in order:
+
+1. an active `usp_graph.attention_mode(metadata, cp=...)` (eager; context parallelism too),
+2. an active `usp_graph.documents(metadata)` (under ``torch.compile(backend="usp")``, which
+   rewrites the call as an attention site; in eager code, directly),
+3. the ``position_ids`` transformers passes to attention, in the padding-free convention
+   (``DataCollatorWithFlattening``, flash-attention's): a document starts where a position is 0
+   and at each row start. Eager reads them once per forward (one host sync, shared by every
+   layer); compiled code derives the boundaries inside the graph (no host sync, capacity T + 1),
+4. otherwise one document per batch row (SDPA's own semantics).
+
+Causal or bidirectional from the module (``module.is_causal``, or the ``is_causal`` transformers
+passes), a sliding window from the layer (the ``sliding_window`` transformers passes, else
+``module.sliding_window``; flash-attention's reading: ``window - 1`` keys back, and forward too
+when bidirectional), grouped-query attention without repeating K/V. Refused with the reason: a
+padding mask or a 4-D mask (pack the documents instead), a mask function beyond documents, causal
+and windows (multimodal blocks, chunked attention), a KV cache (query and key lengths differ),
+logit softcapping, attention sinks, a position bias, dropout inside attention.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .metadata import AttentionMetadata
+from .sdpa import _is_tracing, sdpa_to_usp, windowed_sdpa
+
+__all__ = ["ATTENTION", "register", "usp_attention_forward", "usp_mask"]
+
+ATTENTION = "usp"
+
+
+class UnsupportedAttention(ValueError):
+    """A call of attention implementation "usp" that it would not compute exactly."""
+
+
+def _refuse(what: str, fix: str) -> UnsupportedAttention:
+    return UnsupportedAttention(f'attn_implementation="usp": {what}; {fix}')
+
+
+# ------------------------------------------------------------------------------------------------
+# The attention function.
+
+
+def usp_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention interface: (B, H, L, K) query, (B, G, L, K) key/value ->
+    ((B, L, H, K) output, None)."""
+    if attention_mask is not None:
+        raise _refuse(
+            f"an attention mask of shape {tuple(attention_mask.shape)} reached attention (a 4-D mask passed to the "
+            "model, or a mask another implementation built)",
+            "pack the documents into rows and pass position_ids (e.g. DataCollatorWithFlattening) or use "
+            "usp_graph.documents(...), and pass no attention_mask",
+        )
+    for name, what in (
+        ("softcap", "logit softcapping"),
+        ("s_aux", "attention sinks"),
+        ("sinks", "attention sinks"),
+        ("position_bias", "an additive position bias"),
+    ):
+        if kwargs.get(name) is not None:
+            raise _refuse(
+                f"{what} ({name}=...) is not supported", 'use attn_implementation="sdpa" or "eager"'
+            )
+    if dropout and module.training:
+        raise _refuse(
+            f"dropout inside attention ({dropout}) is not supported",
+            "set the model's attention_dropout to 0.0 for training",
+        )
+    b, h, lq, _ = query.shape
+    g, lk = key.shape[1], key.shape[2]
+    if lq != lk:
+        raise _refuse(
+            f"query length {lq} != key length {lk}: a KV cache from earlier steps (generation)",
+            'usp attends within the packed documents of one forward pass; generate with model.set_attn_implementation("sdpa")',
+        )
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    is_causal = bool(is_causal)
+    window = _window(module, kwargs, is_causal)
+    gqa = g != h
+    if torch.compiler.is_compiling():
+        from .backend.documents import packed_documents_active
+
+        if packed_documents_active():  # backend "usp" rewrites this site with the block's documents
+            out = windowed_sdpa(
+                query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, window=window
+            )
+        else:
+            metadata = _positions_in_graph(kwargs.get("position_ids"), b, lq)
+            out = sdpa_to_usp(
+                query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, metadata=metadata,
+                window=window,
+            )  # fmt: skip
+    elif _is_tracing(query) or _in_attention_mode():
+        # Traced (usp_graph's own tracer rewrites the site) or routed by attention_mode.
+        out = windowed_sdpa(
+            query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, window=window
+        )
+    else:
+        from .backend.documents import current_documents
+
+        metadata = current_documents()
+        if metadata is None:
+            metadata = _positions_eager(kwargs.get("position_ids"), b, lq)
+        out = sdpa_to_usp(
+            query,
+            key,
+            value,
+            is_causal=is_causal,
+            scale=scaling,
+            enable_gqa=gqa,
+            metadata=metadata,
+            window=window,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _window(module: torch.nn.Module, kwargs: dict[str, Any], is_causal: bool) -> tuple[int, int] | None:
+    """flash-attention's window of the layer: transformers' ``sliding_window`` w keeps keys fewer
+    than w tokens back (and, bidirectional, fewer than w ahead): ``(w - 1, w - 1)``."""
+    sw = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    if sw is None:
+        return None
+    if isinstance(sw, bool) or not isinstance(sw, int) or sw < 1:
+        raise _refuse(f"sliding_window={sw!r} is not a positive int", "fix the model config's sliding_window")
+    return (sw - 1, -1) if is_causal else (sw - 1, sw - 1)
+
+
+def _in_attention_mode() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    from .mode import _SDPAToUSP
+
+    return any(isinstance(m, _SDPAToUSP) for m in _get_current_function_mode_stack())
+
+
+def _rows(position_ids: Any, b: int, length: int) -> Tensor | None:
+    if position_ids is None:
+        return None
+    if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.is_floating_point():
+        raise _refuse(
+            f"position_ids must be a 2-D integer tensor, got {getattr(position_ids, 'shape', type(position_ids))}",
+            "pass (batch, length) position ids that restart at 0 at each packed document",
+        )
+    if position_ids.shape[-1] != length or position_ids.shape[0] not in (1, b):
+        raise _refuse(
+            f"position_ids of shape {tuple(position_ids.shape)} do not describe the ({b}, {length}) tokens of this call",
+            "pass position ids for exactly the model's input tokens",
+        )
+    return position_ids.expand(b, length)
+
+
+# Documents read from position ids, by tensor identity: every layer of a forward (and every
+# recompute of a checkpointed layer) gets the same position_ids tensor; one host sync in all.
+_READ: dict[tuple[int, int, int, int], tuple[weakref.ref, AttentionMetadata]] = {}
+
+
+def _positions_eager(position_ids: Any, b: int, length: int) -> AttentionMetadata | None:
+    if position_ids is None:
+        return None
+    key = (id(position_ids), position_ids._version, b, length)
+    hit = _READ.get(key)
+    if hit is not None and hit[0]() is position_ids:
+        return hit[1]
+    pos_BL = _rows(position_ids, b, length)
+    assert pos_BL is not None
+    flat = pos_BL.reshape(-1)
+    tokens = flat.numel()
+    if tokens == 0:
+        return None
+    start = flat == 0
+    start[::length] = True
+    starts = start.nonzero().squeeze(1)
+    cu = torch.cat([starts, starts.new_tensor([tokens])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    if bool((flat < 0).any()):
+        raise _refuse(
+            "position_ids hold a negative position", "pass position ids that restart at 0 at each document"
+        )
+    metadata = AttentionMetadata(cu, longest, tokens)
+    if len(_READ) >= 8:
+        _READ.clear()
+    _READ[key] = (weakref.ref(position_ids), metadata)
+    return metadata
+
+
+def _positions_in_graph(position_ids: Any, b: int, length: int) -> AttentionMetadata | None:
+    """The documents of `position_ids` computed on their device inside the graph: capacity T + 1
+    (every token could start one) and max_seqlen L, so no value is read on the host."""
+    pos_BL = _rows(position_ids, b, length)
+    if pos_BL is None:
+        return None
+    flat = pos_BL.reshape(-1)
+    tokens = flat.shape[0]
+    idx = torch.arange(tokens, device=flat.device)
+    start = (flat == 0) | (idx % length == 0)
+    doc = start.long().cumsum(0) - 1
+    slots = torch.arange(tokens + 1, device=flat.device)
+    cu = torch.searchsorted(doc, slots).to(torch.int32)
+    return AttentionMetadata(cu, length, tokens)
+
+
+# ------------------------------------------------------------------------------------------------
+# The mask builder: no mask, after checking that none is needed.
+
+# The pieces of transformers' mask functions that describe documents, causality and windows,
+# which the attention above computes from its own inputs (by qualified name, as
+# transformers.masking_utils defines them). Any other piece (multimodal blocks, chunked
+# attention, a user's function) would be lost, and is refused.
+_KNOWN_MASK_PIECES = {
+    "causal_mask_function",
+    "bidirectional_mask_function",
+    "and_masks.<locals>.and_mask",
+    "sliding_window_overlay.<locals>.inner_mask",
+    "sliding_window_bidirectional_overlay.<locals>.inner_mask",
+    "packed_sequence_mask_function.<locals>.inner_mask",
+    "remap_positions_for_packed_sequence.<locals>.inner_mask",
+    "add_offsets_to_mask_function.<locals>.inner_mask",
+    "padding_mask_function.<locals>.inner_mask",
+}
+
+
+def _unknown_pieces(fn: Any, seen: set[int] | None = None) -> list[str]:
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    if isinstance(fn, (list, tuple)):
+        return [x for f in fn for x in _unknown_pieces(f, seen)]
+    if not callable(fn):
+        return []
+    name = getattr(fn, "__qualname__", type(fn).__qualname__)
+    if name not in _KNOWN_MASK_PIECES:
+        return [name]
+    found = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            inner = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if callable(inner) or isinstance(inner, (list, tuple)):
+            found.extend(_unknown_pieces(inner, seen))
+    return found
+
+
+def usp_mask(
+    batch_size: int,
+    q_length: int | None = None,
+    kv_length: int | None = None,
+    q_offset: Any = 0,
+    kv_offset: Any = 0,
+    mask_function: Any = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: Any,
+) -> None:
+    """transformers' mask interface for "usp": builds nothing. Refuses a padding mask with a
+    padded token (checked on the device under compile, no host sync) and a mask function that
+    says more than documents, causality and a window."""
+    unknown = _unknown_pieces(mask_function) if mask_function is not None else []
+    if unknown:
+        raise _refuse(
+            f"the model's mask holds {', '.join(sorted(set(unknown)))}, beyond documents, causality and a sliding "
+            "window (e.g. multimodal blocks or chunked attention)",
+            'use attn_implementation="sdpa" for this model',
+        )
+    if attention_mask is not None and isinstance(attention_mask, Tensor) and attention_mask.dim() == 2:
+        message = (
+            'attn_implementation="usp": the attention_mask pads tokens; usp attends within packed documents: '
+            "pack them into rows and pass position_ids (DataCollatorWithFlattening), without an attention_mask"
+        )
+        if torch.compiler.is_compiling() or _is_tracing(attention_mask):
+            torch._assert_async(attention_mask.bool().all(), message)
+        elif not bool(attention_mask.bool().all()):
+            raise UnsupportedAttention(message)
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Registration.
+
+
+def register() -> None:
+    """Register ``"usp"`` with transformers (idempotent). Runs by itself when transformers'
+    modeling code is imported after usp_graph, or at ``import usp_graph`` after it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, usp_attention_forward)
+    AttentionMaskInterface.register(ATTENTION, usp_mask)
+
+
+_HOOKED = "transformers.modeling_utils"
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Registers "usp" right after transformers' modeling code is imported, so that
+    ``from_pretrained(..., attn_implementation="usp")`` works with no call beyond ``import
+    usp_graph``, and usp_graph never imports transformers itself (seconds, for those without it)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _HOOKED:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)  # once; the other finders find the module itself
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_register(module):
+            exec_module(module)
+            _register_quietly()
+
+        spec.loader.exec_module = exec_and_register
+        return spec
+
+
+def _register_quietly() -> None:
+    try:
+        register()
+    except Exception as e:  # noqa: BLE001 - another transformers layout must not break its import
+        import warnings
+
+        warnings.warn(
+            f'usp_graph could not register attn_implementation="usp" with transformers ({e!r}); '
+            "call usp_graph.hf.register() to see why",
+            stacklevel=2,
+        )
+
+
+def install() -> None:
+    """Register now if transformers' modeling code is loaded, else when it is."""
+    if _HOOKED in sys.modules:
+        _register_quietly()
+    elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())
