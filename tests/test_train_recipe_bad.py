@@ -82,6 +82,8 @@ BAD = [
     (["--seed", "-1"], "--seed must be in"),
     (["--save-every", "-1"], "--save-every must be >= 0"),
     (["--steps", str(2**40 + 1)], "--steps must be in [1, 2**40]"),
+    (["--save", ""], "--save needs a path"),
+    (["--resume", ""], "--resume needs a path"),
     (["--save", "{t}/file"], "exists and is not a directory"),
     (["--save", "/proc/usp_graph_test/ck"], "cannot write there"),
     (["--save", "{t}/file/sub"], "is not a directory, so"),

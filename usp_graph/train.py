@@ -173,6 +173,9 @@ def check_args(args: argparse.Namespace):
     from .cp.table import STRATEGIES
     from .train_checkpoint import CheckpointError, find, read_index
 
+    for flag in ("model", "text", "save", "resume", "metrics"):
+        if getattr(args, flag) == "":
+            raise UsageError(f"--{flag} needs a path, got an empty string")
     if not 1 <= args.steps <= MAX_STEPS:
         raise UsageError(f"--steps must be in [1, 2**40], got {args.steps}")
     if args.save_every < 0:
@@ -326,10 +329,6 @@ class _DataParallel:
 # ---- model ----------------------------------------------------------------------------------------
 
 
-# transformers' attention implementation "usp" (usp_graph.hf): no mask built, GQA without repeated
-# K/V heads, sliding windows from each layer; inside the step's attention_mode(meta, cp=cp) it takes
-# the global documents, the same on every CP rank (transformers' own "sdpa" would build a mask
-# from this rank's shard of the position ids).
 ATTENTION = "usp"
 
 
