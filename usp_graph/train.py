@@ -329,6 +329,10 @@ class _DataParallel:
 # ---- model ----------------------------------------------------------------------------------------
 
 
+# transformers' attention implementation "usp" (usp_graph.hf): no mask built, GQA without repeated
+# K/V heads, sliding windows from each layer; inside the step's attention_mode(meta, cp=cp) it takes
+# the global documents, the same on every CP rank (transformers' own "sdpa" would build a mask
+# from this rank's shard of the position ids).
 ATTENTION = "usp"
 
 
