@@ -184,7 +184,8 @@ def encode_tensor_data(t: torch.Tensor) -> dict[str, Any]:
         raise ValueError(f"a meta tensor ({dtype_name(t.dtype)}{list(t.shape)}) has no data to save")
     with unset_fake_temporarily():
         cpu = t.detach().to("cpu").contiguous()
-        raw = cpu.view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
+        # reshape(-1): a 0-d tensor (a scalar constant) cannot be viewed as bytes directly.
+        raw = cpu.reshape(-1).view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
     return {
         "dtype": dtype_name(t.dtype),
         "shape": list(t.shape),
