@@ -13,12 +13,26 @@ subgroup. A subgroup does NOT inherit the default group's timeout (torch 2.13 gi
 default, 30 min); pass ``timeout=`` to ``new_group`` too. A peer that exits is usually noticed at
 once (gloo sees the closed connection); a peer that is alive but absent costs the full timeout.
 After such an error the group is unusable: tear the job down.
+
+Size agreement (issue 31). gloo aborts the whole process (SIGABRT, not a Python error) when a rank
+sends more bytes than its peer posted for, and silently leaves the tail of the receive buffer
+untouched when it sends fewer. So before any payload moves, every usp collective on CPU tensors
+runs `agree_sizes`: one all-gather of a fixed-length int64 header per rank (a digest of what every
+rank must share, such as the op, dtype and trailing shape, then the bytes it will send to and
+receive from each rank). Its length depends only on the group size, so the header exchange itself
+can never disagree; every rank then sees every rank's header and reaches the same verdict, so a
+disagreement is a `CollectiveError` on EVERY rank, never a signal, a hang or garbage. The cost is
+one small extra exchange per collective (measured in tests/test_collective_faults.py's docstring);
+device tensors skip it (reading the verdict back would add a host sync to every step).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import hashlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -28,6 +42,7 @@ from torch import Tensor
 
 __all__ = [
     "CollectiveError",
+    "agree_sizes",
     "all_gather_into",
     "all_reduce_sum_ordered",
     "group_name",
@@ -121,6 +136,82 @@ def run_collective(op_name: str, pg: dist.ProcessGroup, call: Callable[[], _T]) 
         ) from e
 
 
+# "usp_size" in ASCII: a peer whose header lacks it is running some other collective here.
+_MAGIC = int.from_bytes(b"usp_size", "big") & ((1 << 63) - 1)
+
+
+def _digest(key: tuple[Any, ...]) -> int:
+    """A process-independent 63-bit digest of `key` (Python's str hashes are salted per process)."""
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "big") >> 1
+
+
+def _verdict(rows: list[list[int]], world: int) -> str | None:
+    """What is wrong with the ranks' headers (the same text on every rank), or None."""
+    for j, row in enumerate(rows):
+        if row[0] != _MAGIC:
+            return (
+                f"rank {j} entered a different collective at this point (its data is not a usp size "
+                "header): the ranks called collectives in different orders"
+            )
+    wrong = []
+    for src in range(world):
+        for dst in range(world):
+            sent, expected = rows[src][2 + dst], rows[dst][2 + world + src]
+            if sent != expected:
+                wrong.append(f"rank {src} sends {sent} bytes to rank {dst}, which expects {expected}")
+    if wrong:
+        more = f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""
+        return "; ".join(wrong[:4]) + more
+    differ = [j for j, row in enumerate(rows) if row[1] != rows[0][1]]
+    if differ:
+        return (
+            f"rank(s) {differ} called this collective with a different op, dtype, dims or shape than "
+            "rank 0 (everything but the per-rank sizes must match)"
+        )
+    return None
+
+
+def agree_sizes(
+    op_name: str,
+    pg: dist.ProcessGroup,
+    key: tuple[Any, ...],
+    send_bytes: Sequence[int],
+    recv_bytes: Sequence[int],
+) -> None:
+    """Check, before any payload moves, that every rank of `pg` calls the same collective (`key`:
+    what must be equal on every rank, e.g. op, dtype, dims and trailing shape) and that what each
+    rank sends to each other rank is exactly what that rank will receive from it.
+
+    send_bytes[j] / recv_bytes[j]: bytes this rank sends to / receives from group rank j. One
+    all-gather of ``2 + 2 * P`` int64 per rank (a length every rank agrees on whatever it was
+    called with). Raises `CollectiveError` on every rank, with the same reason, on a disagreement;
+    a peer that is gone or never arrives fails it as any collective does (`run_collective`)."""
+    world = pg.size()
+    if len(send_bytes) != world or len(recv_bytes) != world:  # internal: callers build one per rank
+        raise AssertionError(f"{op_name}: {len(send_bytes)}/{len(recv_bytes)} sizes for {world} ranks")
+    header = [_MAGIC, _digest(key), *map(int, send_bytes), *map(int, recv_bytes)]
+    if world == 1:
+        rows = [header]
+    else:
+        mine = torch.tensor(header, dtype=torch.int64)
+        gathered = mine.new_empty(world * mine.numel())  # every byte is written: same length everywhere
+        run_collective(f"{op_name} (size agreement)", pg, lambda: all_gather_into(gathered, mine, pg))
+        rows = gathered.view(world, -1).tolist()
+    problem = _verdict(rows, world)
+    if problem is not None:
+        raise CollectiveError(
+            f"{op_name} on process group {pg.group_name!r}: the ranks disagree on the sizes of this "
+            f"collective, so nothing was sent (every rank raises this): {problem}. This rank "
+            f"(rank {pg.rank()} of {world}) called it with {_describe(key)}, sending "
+            f"{list(send_bytes)} and receiving {list(recv_bytes)} bytes per rank."
+        )
+
+
+def _describe(key: tuple[Any, ...]) -> str:
+    text = repr(key)
+    return text if len(text) <= 300 else text[:300] + "...)"
+
+
 def all_gather_into(output: Tensor, input: Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Any:
     """All-gather of `input` into `output` (rank-ordered concatenation along dim 0); blocking, or
     started (`async_op`: returns the work to wait on).
@@ -164,6 +255,10 @@ def all_reduce_sum_ordered(
     out: list[Any] = [None] * len(tensors)
     for idx in buckets.values():  # insertion order: the same on every rank
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+        if flat.device.type == "cpu":  # same shapes everywhere, or an error on every rank (not SIGABRT)
+            nbytes = flat.numel() * flat.element_size()
+            key = ("all_reduce_sum_ordered", str(flat.dtype), tuple(tuple(tensors[i].shape) for i in idx))
+            agree_sizes("all_reduce_sum_ordered", pg, key, [nbytes] * world, [nbytes] * world)
         gathered_PN = flat.new_empty(world * flat.numel())
         run_collective(
             "all_reduce_sum_ordered",
@@ -174,6 +269,34 @@ def all_reduce_sum_ordered(
         for i, piece in zip(idx, total.split([tensors[i].numel() for i in idx]), strict=True):
             out[i] = piece.view(tensors[i].shape)
     return out
+
+
+# ---- a clean exit --------------------------------------------------------------------------------
+
+
+def _exit_cleanly() -> None:
+    """At interpreter exit: finish the issued collectives still in flight, then destroy the process
+    groups (every subgroup, then the default group: torch's order) while the interpreter is whole.
+
+    Left to interpreter teardown, a gloo process group is destroyed whenever its last Python
+    reference goes (a ContextParallel, an autograd graph's saved context, a pending work), in no
+    fixed order, while module globals are being cleared. Issue 31 saw a rank that had trained
+    correctly (2 gloo ranks, Ulysses, checkpointed layers) die at exit with "terminate called
+    without an active exception" in 3 of 8 runs; it did not recur in ~30 runs here, before or
+    after this handler, so this removes the suspects (work in flight, teardown-ordered group
+    destruction) rather than a confirmed cause. gloo only: destroying an NCCL group at exit can
+    block on its peers."""
+    collectives = sys.modules.get("usp_graph.ops.collectives")
+    if collectives is not None:
+        collectives._drain_at_exit()
+    try:
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001, S110 - at exit, nothing is left to report to
+        pass
+
+
+atexit.register(_exit_cleanly)
 
 
 # ---- communication accounting ---------------------------------------------------------------------

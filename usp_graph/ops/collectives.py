@@ -44,6 +44,18 @@ contiguous buffers (both work on gloo and NCCL, even and uneven); each piece is 
 gather_dim first, so the received buffer is already the concatenation along gather_dim. Outputs are
 contiguous (the fake impls promise that layout). A backend failure (a peer raised, exited, or did
 not arrive within the group's timeout) becomes `usp_graph.distributed.CollectiveError`.
+
+Sizes (issue 31): on CPU tensors every op first runs `usp_graph.distributed.agree_sizes` (one small
+all-gather), so ranks that disagree on what they send and receive get a `CollectiveError` on every
+rank before any payload moves (gloo would abort the process, or leave part of a receive buffer
+unwritten). Receive buffers are then written whole; device tensors skip the agreement (it would add
+a host sync per collective) and get zero-filled receive buffers instead, so a short send there
+leaves zeros, never the allocator's old bytes.
+
+Pending work: an issued collective is recorded until its wait. `pending_count` says how many are in
+flight and `drain_pending` finishes (waits for) and forgets them: a graph replay that fails between
+an issue and its wait drains what it issued, and the process drains everything at exit, so no
+collective is still running while the interpreter and the process groups are torn down.
 """
 
 from __future__ import annotations
@@ -58,12 +70,22 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import registry
-from ..distributed import all_gather_into, ordered_sum, record_sent, resolve_group, run_collective
+from ..distributed import (
+    CollectiveError,
+    agree_sizes,
+    all_gather_into,
+    ordered_sum,
+    record_sent,
+    resolve_group,
+    run_collective,
+)
 from ..distributed import group_name as _group_name
 
 __all__ = [
     "all_gather",
     "all_gather_start_op",
+    "drain_pending",
+    "pending_count",
     "all_to_all_start_op",
     "reduce_scatter_start_op",
     "wait_op",
@@ -190,6 +212,57 @@ def _own(send: Tensor, x: Tensor) -> Tensor:
     return send.clone() if send.numel() and _storage(send) == _storage(x) else send
 
 
+def pending_count() -> int:
+    """How many issued collectives (``usp::*_start``) are in flight, not yet finished by a wait."""
+    return len(_PENDING)
+
+
+def pending_keys() -> frozenset[int]:
+    """The in-flight collectives now, to `drain_pending` only those issued after this point."""
+    return frozenset(_PENDING)
+
+
+def drain_pending(keep: frozenset[int] = frozenset()) -> list[CollectiveError]:
+    """Wait for every in-flight issued collective not in `keep` and forget it; returns the errors
+    the waits raised (a failed collective is forgotten too). Waiting, not just dropping: the
+    peers posted the same collective, so it completes, and its buffers are no longer written once
+    this returns. A peer that is gone costs at most the group's timeout."""
+    errors = []
+    for key in [k for k in _PENDING if k not in keep]:
+        work, op_name, pg = _PENDING.pop(key)[:3]
+        try:
+            run_collective(op_name, pg, work.wait)
+        except CollectiveError as e:
+            errors.append(e)
+    return errors
+
+
+def _drain_at_exit() -> None:
+    """Called by `usp_graph.distributed`'s exit handler before it destroys the process groups: an
+    issued collective must not still be running while its group and the interpreter go away."""
+    try:
+        drain_pending()
+    except Exception:  # noqa: BLE001 - at exit, nothing is left to report to
+        _PENDING.clear()
+
+
+def _agree(op_name: str, pg: dist.ProcessGroup, x: Tensor, key: tuple[Any, ...], send: Sequence[int],
+           recv: Sequence[int]) -> bool:  # fmt: skip
+    """`agree_sizes` on element counts `send`/`recv` of x's dtype, for CPU tensors; whether it ran
+    (a receive buffer that was agreed on is written whole; one that was not is zero-filled)."""
+    if x.device.type != "cpu":
+        return False
+    item = x.element_size()
+    agree_sizes(
+        op_name, pg, (op_name, str(x.dtype), *key), [n * item for n in send], [n * item for n in recv]
+    )
+    return True
+
+
+def _recv_buffer(like: Tensor, shape: Sequence[int], agreed: bool) -> Tensor:
+    return like.new_empty(shape) if agreed else like.new_zeros(shape)
+
+
 def _launch(op_name: str, pg: dist.ProcessGroup, recv: Tensor, send: Tensor, call: Callable[[bool], Any],
             issue: bool) -> Tensor:  # fmt: skip
     """Run ``call(async_op)``: blocking, or (issue) started and recorded for `wait_op`."""
@@ -220,9 +293,13 @@ def _a2a_launch(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group_n
         send = _own(send, x)
     rest = [out_shape[d] for d in range(x.dim()) if d != gd]
     row = math.prod(rest)
-    recv = x.new_empty(sum(gs) * row)
-    record_sent("usp::all_to_all", (sum(send_splits) - send_splits[rank]) * x.element_size())
     recv_splits = [g * row for g in gs]
+    # Every rank must share the dims other than the two exchanged ones; the sizes along those two
+    # are what the per-rank byte counts check.
+    shared = tuple(x.shape[d] for d in range(x.dim()) if d not in (sd, gd))
+    agreed = _agree("usp::all_to_all", pg, x, (x.dim(), sd, gd, shared), send_splits, recv_splits)
+    recv = _recv_buffer(x, (sum(gs) * row,), agreed)
+    record_sent("usp::all_to_all", (sum(send_splits) - send_splits[rank]) * x.element_size())
     _launch(
         "usp::all_to_all",
         pg,
@@ -243,8 +320,10 @@ def _gather_launch(x, dim, group_size, group_name, issue):
     x_m = x.movedim(d, 0).contiguous()
     if issue:
         x_m = _own(x_m, x)
-    out = x_m.new_empty((group_size * x_m.shape[0], *x_m.shape[1:]))
-    if x.numel():  # every rank has the same shape, so all skip together
+    n = x.numel()
+    agreed = _agree("usp::all_gather", pg, x, (d, tuple(x.shape)), [n] * group_size, [n] * group_size)
+    out = _recv_buffer(x_m, (group_size * x_m.shape[0], *x_m.shape[1:]), agreed)
+    if x.numel():  # every rank has the same shape (agreed above), so all skip together
         record_sent("usp::all_gather", x.numel() * x.element_size() * (group_size - 1))
         _launch("usp::all_gather", pg, out, x_m, lambda a: all_gather_into(out, x_m, pg, async_op=a), issue)
     return out
@@ -265,7 +344,9 @@ def _scatter_launch(x, dim, group_size, group_name, issue):
     x_m = x.movedim(d, 0).contiguous()  # chunk j (rows j*n:(j+1)*n) goes to rank j
     if issue:
         x_m = _own(x_m, x)
-    recv = torch.empty_like(x_m)
+    n = x.numel() // group_size
+    agreed = _agree("usp::reduce_scatter", pg, x, (d, tuple(x.shape)), [n] * group_size, [n] * group_size)
+    recv = _recv_buffer(x_m, x_m.shape, agreed)
     if x.numel():
         record_sent("usp::reduce_scatter", x.numel() * x.element_size() * (group_size - 1) // group_size)
         _launch(

@@ -19,6 +19,11 @@ holding chunk r of every row (contiguous sharding). The chunk before (row b, chu
   bits do not depend on arrival order); the middle part is this rank's own gradient.
 
 Each is the other's registered backward, so a traced joint graph shows the adjoint as a node.
+
+Faults (issue 31): before any halo moves, the ranks agree on the widths, rows, trailing shape and
+dtype, and on the bytes each sends to and receives from its neighbours (`_swap`; one small
+all-gather on CPU tensors), so a disagreement is a `CollectiveError` on every rank, not a gloo
+abort or a halo of zeros where a neighbour's tokens belong.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import registry
-from ..distributed import record_sent, resolve_group, run_collective
+from ..distributed import agree_sizes, record_sent, resolve_group, run_collective
 
 __all__ = ["halo_exchange", "halo_reduce"]
 
@@ -66,10 +71,21 @@ def _peers(rank: int, size: int, rows: int) -> tuple[int | None, int | None]:
 
 
 def _swap(pg, rank: int, send_next: Tensor | None, send_prev: Tensor | None, recv_prev: Tensor | None,
-          recv_next: Tensor | None, prev: int | None, nxt: int | None, op_name: str) -> None:  # fmt: skip
+          recv_next: Tensor | None, prev: int | None, nxt: int | None, op_name: str,
+          key: tuple) -> None:  # fmt: skip
     """Send `send_next` to the next rank and `send_prev` to the previous one; receive into
     `recv_prev` from the previous rank and `recv_next` from the next one. A peer that is this rank
-    (one rank, several rows) is a local copy."""
+    (one rank, several rows) is a local copy. `key`: what every rank must call this with alike;
+    with more than one rank, every rank agrees on it and on the bytes first (`agree_sizes`)."""
+    size = pg.size()
+    bufs = [b for b in (send_next, send_prev, recv_prev, recv_next) if b is not None]
+    if size > 1 and all(b.device.type == "cpu" for b in bufs):
+        send, recv = [0] * size, [0] * size
+        for buf, peer, into in ((send_next, nxt, send), (send_prev, prev, send), (recv_prev, prev, recv),
+                                (recv_next, nxt, recv)):  # fmt: skip
+            if buf is not None and peer is not None and peer != rank:
+                into[peer] += buf.numel() * buf.element_size()
+        agree_sizes(op_name, pg, (op_name, *key), send, recv)
     ops = []
     sent = 0
     for buf, peer, is_send in (
@@ -135,7 +151,7 @@ def halo_exchange(x: Tensor, dim: int, before: int, after: int, max_seqlen: int,
     _swap(
         pg, rank, tail if nxt is not None else None, head if prev is not None else None,
         recv_b if prev is not None and before else None, recv_a if nxt is not None and after else None,
-        prev, nxt, "usp::halo_exchange",
+        prev, nxt, "usp::halo_exchange", (str(x.dtype), x.dim(), d, before, after, rows, tuple(x_m.shape[2:])),
     )  # fmt: skip
     if rows > 1 and rank == 0 and before:  # rank P-1's tail of row b precedes row b+1 here
         recv_b = _shift_rows(recv_b, down=True)
@@ -183,6 +199,7 @@ def halo_reduce(dy: Tensor, dim: int, before: int, after: int, group_name: str) 
         pg, rank, g_a.contiguous() if after and nxt is not None else None,
         g_b.contiguous() if before and prev is not None else None,
         recv_head, recv_tail, prev, nxt, "usp::halo_reduce",
+        (str(dy.dtype), dy.dim(), d, before, after, rows, tuple(dy_m.shape[2:])),
     )  # fmt: skip
     if recv_tail is not None:
         out[:, n - before :] += recv_tail

@@ -33,9 +33,15 @@ window shifted by that fixed amount (`_pair_plan`):
 - keys before the queries ("before"): the first m query rows that can reach the key chunk form
   one view for the document holding the chunk's first token; rows past that document's end are
   computed but dropped (out 0 / lse -inf forward, lse +inf and zero gradient backward);
-- keys after the queries ("after"): n dummy query rows are appended, standing for the key chunk's
+- keys after the queries ("after"): n dummy query rows are appended, standing for the key chunk's  key chunk's
   first n positions with the gap between the chunks removed, so every query view ends where its
   key view ends; the dummy rows' outputs are dropped.
+
+Faults (issue 31). Before the first hop, the ranks agree on every shape, dtype and argument that
+the hops' sizes follow from (`_agree`, one small all-gather on CPU tensors): a rank whose K/V or
+layout differs would make gloo abort the process or leave received rows unwritten; instead every
+rank raises `CollectiveError`. A failed hop is a `CollectiveError` too, and an op that raises while
+hops are in flight waits for them first, so no transfer outlives the op.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import registry
-from ..distributed import record_sent
+from ..distributed import CollectiveError, agree_sizes, record_sent, run_collective
 from .boundaries import lse_dtype as _lse_dtype
 from .window import NO_WINDOW, bounds
 
@@ -340,25 +346,58 @@ def _add_rows(dst: Tensor, src: Tensor, spans: list[tuple[slice, int]]) -> None:
         dst[run[0]].add_(src[run[1] : run[1] + _length(run[0])])
 
 
-def _start_rotate(tensors: list[Tensor], group, rank: int, size: int) -> tuple[list, list[Tensor]]:
+def _agree(op_name: str, group, rank: int, size: int, tensors: dict[str, Tensor], rotated: list[Tensor],
+           args: tuple) -> bool:  # fmt: skip
+    """Agree with the ring, before the first hop, on everything the hops' sizes follow from: the
+    shapes and dtypes of `tensors` and the op's arguments `args` must be the same on every rank,
+    and each rank sends the `rotated` tensors' bytes to rank+1 and receives as many from rank-1.
+    CPU tensors only (see `usp_graph.distributed.agree_sizes`); whether it ran."""
+    if size == 1 or any(t.device.type != "cpu" for t in tensors.values()):
+        return False
+    key = (op_name, tuple((k, str(t.dtype), tuple(t.shape)) for k, t in tensors.items()), *args)
+    nbytes = sum(t.numel() * t.element_size() for t in rotated)
+    send, recv = [0] * size, [0] * size
+    send[(rank + 1) % size] += nbytes
+    recv[(rank - 1) % size] += nbytes
+    agree_sizes(op_name, group, key, send, recv)
+    return True
+
+
+def _start_rotate(
+    tensors: list[Tensor], group, rank: int, size: int, agreed: bool
+) -> tuple[list, list[Tensor]]:
     """Start sending to rank+1 and receiving from rank-1 (ranks within `group`); compute overlaps
-    the transfer until `_finish`."""
+    the transfer until `_finish`. Receive buffers: written whole once the sizes were `agreed`,
+    zero-filled otherwise (no bytes the allocator held before can reach a result)."""
     send_to = dist.get_global_rank(group, (rank + 1) % size)
     recv_from = dist.get_global_rank(group, (rank - 1) % size)
-    received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+    alloc = torch.empty if agreed else torch.zeros
+    received = [alloc(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
     record_sent("usp::ring_attn", sum(t.numel() * t.element_size() for t in tensors))
     ops = []
     for t, r in zip(tensors, received, strict=True):
         ops.append(dist.P2POp(dist.isend, t.contiguous(), send_to, group))
         ops.append(dist.P2POp(dist.irecv, r, recv_from, group))
-    return dist.batch_isend_irecv(ops), received
+    return run_collective("usp::ring_attn", group, lambda: dist.batch_isend_irecv(ops)), received
 
 
-def _finish(pending: tuple[list, list[Tensor]]) -> list[Tensor]:
+def _finish(pending: tuple[list, list[Tensor]], group) -> list[Tensor]:
     works, received = pending
     for work in works:
-        work.wait()
+        run_collective("usp::ring_attn", group, work.wait)
     return received
+
+
+def _abandon(group, *pendings) -> None:
+    """The op failed with hops in flight: wait for them (errors dropped; the op's own error is
+    the one to report), so no transfer into or out of the op's buffers outlives it."""
+    for pending in pendings:
+        if pending is None:
+            continue
+        try:
+            _finish(pending, group)
+        except CollectiveError:
+            pass
 
 
 def _layout(q: Tensor, chunk_ids: list[int], chunks_per_rank: int, group_name: str):
@@ -410,6 +449,8 @@ def ring_attn_fwd(
     within each document; keyword-only, so the positional arguments graphs name stay put."""
     group, size, rank, chunk, ids = _layout(q, chunk_ids, chunks_per_rank, group_name)
     window = (window_left, window_right)
+    agreed = _agree("usp::ring_attn_fwd", group, rank, size, {"q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens},
+                    [k, v], (tuple(chunk_ids), chunks_per_rank, max_seqlen, is_causal, scale, window))  # fmt: skip
     acc = _lse_dtype(q.dtype)
     t, h, _ = q.shape
     out = torch.zeros(t, h, v.shape[-1], dtype=acc, device=q.device)
@@ -417,30 +458,35 @@ def ring_attn_fwd(
     _check_ends(cu_seqlens, len(chunk_ids) * chunk)
     seen = [False] * len(ids[rank])  # query chunks that hold a partial result already
     kv = [k, v]
-    for step in range(size):
-        src = (rank - step) % size
-        pending = _start_rotate(kv, group, rank, size) if step + 1 < size else None
-        k_cur, v_cur = kv
-        parts = []  # (query chunk, rows, o_p, lse_p) of every pair, for the step's merge
-        for call in _calls(
-            list(_views(ids[rank], ids[src], chunk, cu_seqlens, is_causal, max_seqlen, window))
-        ):
-            k_spans = _key_spans(call)
-            o_c, lse_c = torch.ops.usp.varlen_fwd(
-                _gather(q, _row_spans(call)), _gather(k_cur, k_spans), _gather(v_cur, k_spans), call.cu_q,
-                call.cu_k, call.max_q, max_seqlen, call.causal, scale, *call.window,
-            )  # fmt: skip
-            for p, at in zip(call.views, call.q_at, strict=True):
-                if p.valid is not None:  # rows of other documents: no partial result
-                    n = _length(p.rows[0])
-                    o_c[at : at + n].masked_fill_(~p.valid.view(-1, 1, 1), 0.0)
-                    lse_c[:, at : at + n].masked_fill_(~p.valid, _NEG_INF)
-            for qi, rows, at in _row_places(call):
-                n = _length(rows)
-                parts.append((qi, rows, o_c[at : at + n], lse_c[:, at : at + n]))
-        _merge_step(out, lse, parts, seen)
-        if pending is not None:
-            kv = _finish(pending)
+    pending = None
+    try:
+        for step in range(size):
+            src = (rank - step) % size
+            pending = _start_rotate(kv, group, rank, size, agreed) if step + 1 < size else None
+            k_cur, v_cur = kv
+            parts = []  # (query chunk, rows, o_p, lse_p) of every pair, for the step's merge
+            for call in _calls(
+                list(_views(ids[rank], ids[src], chunk, cu_seqlens, is_causal, max_seqlen, window))
+            ):
+                k_spans = _key_spans(call)
+                o_c, lse_c = torch.ops.usp.varlen_fwd(
+                    _gather(q, _row_spans(call)), _gather(k_cur, k_spans), _gather(v_cur, k_spans), call.cu_q,
+                    call.cu_k, call.max_q, max_seqlen, call.causal, scale, *call.window,
+                )  # fmt: skip
+                for p, at in zip(call.views, call.q_at, strict=True):
+                    if p.valid is not None:  # rows of other documents: no partial result
+                        n = _length(p.rows[0])
+                        o_c[at : at + n].masked_fill_(~p.valid.view(-1, 1, 1), 0.0)
+                        lse_c[:, at : at + n].masked_fill_(~p.valid, _NEG_INF)
+                for qi, rows, at in _row_places(call):
+                    n = _length(rows)
+                    parts.append((qi, rows, o_c[at : at + n], lse_c[:, at : at + n]))
+            _merge_step(out, lse, parts, seen)
+            if pending is not None:
+                kv = _finish(pending, group)
+    except BaseException:
+        _abandon(group, pending)
+        raise
     return out.to(q.dtype), lse.to(_lse_dtype(q.dtype))
 
 
@@ -515,58 +561,67 @@ def ring_attn_bwd(
     """Ring attention backward: `(dq, dk, dv)` for this rank's q and its own k/v."""
     group, size, rank, chunk, ids = _layout(q, chunk_ids, chunks_per_rank, group_name)
     window = (window_left, window_right)
+    tensors = {"grad_out": grad_out, "q": q, "k": k, "v": v, "out": out, "lse": lse, "cu_seqlens": cu_seqlens}
+    args = (tuple(chunk_ids), chunks_per_rank, max_seqlen, is_causal, scale, window)
+    # Each hop moves K/V and the dK/dV carried with them (fp32/fp64 accumulators of K/V's shapes).
     acc = _lse_dtype(q.dtype)
+    agreed = _agree("usp::ring_attn_bwd", group, rank, size, tensors, [k, v], args)
     _check_ends(cu_seqlens, len(chunk_ids) * chunk)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     k_cur, v_cur = k, v
     carried = None  # dK/dV of the visiting K/V accumulated by earlier ranks, in flight
-    for step in range(size):
-        src = (rank - step) % size
-        # K/V of the next step travel while this step computes.
-        pending = _start_rotate([k_cur, v_cur], group, rank, size) if step + 1 < size else None
-        dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # grads of the visiting K/V
-        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        for call in _calls(
-            list(_views(ids[rank], ids[src], chunk, cu_seqlens, is_causal, max_seqlen, window))
-        ):
-            # Rows of other documents ('before' pairs): lse +inf makes p = exp(s - inf) = 0, no gradient.
-            q_spans, g_spans, k_spans = _row_spans(call), _row_spans(call, masked=True), _key_spans(call)
-            g_q, g_k, g_v = torch.ops.usp.varlen_bwd(
-                _gather(grad_out, g_spans),
-                _gather(q, q_spans),
-                _gather(k_cur, k_spans),
-                _gather(v_cur, k_spans),
-                _gather(out, q_spans),
-                _gather(lse, g_spans, dim=1, fill=_POS_INF),
-                call.cu_q,
-                call.cu_k,
-                call.max_q,
-                max_seqlen,
-                call.causal,
-                scale,
-                *call.window,
-            )
-            for p, at in zip(call.views, call.q_at, strict=True):
-                if p.valid is not None:
-                    g_q[at : at + _length(p.rows[0])].masked_fill_(~p.valid.view(-1, 1, 1), 0.0)
-            _add_rows(dq, g_q, [(rows, at) for _, rows, at in _row_places(call)])
-            k_places = _key_places(call)
-            _add_rows(dk, g_k, k_places)
-            _add_rows(dv, g_v, k_places)
-        # dK/dV travel with their K/V, one hop behind: the buffers this rank receives now belong
-        # to the K/V it just used (rank-1 used them one step earlier), and their transfer
-        # overlapped this step's compute. After the last step the sum belongs to rank+1's own
-        # K/V, so the last hop carries every dK/dV home.
+    pending = None
+    try:
+        for step in range(size):
+            src = (rank - step) % size
+            # K/V of the next step travel while this step computes.
+            pending = _start_rotate([k_cur, v_cur], group, rank, size, agreed) if step + 1 < size else None
+            dk = torch.zeros(k.shape, dtype=acc, device=q.device)  # grads of the visiting K/V
+            dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+            for call in _calls(
+                list(_views(ids[rank], ids[src], chunk, cu_seqlens, is_causal, max_seqlen, window))
+            ):
+                # Rows of other documents ('before' pairs): lse +inf makes p = exp(s - inf) = 0, no gradient.
+                q_spans, g_spans, k_spans = _row_spans(call), _row_spans(call, masked=True), _key_spans(call)
+                g_q, g_k, g_v = torch.ops.usp.varlen_bwd(
+                    _gather(grad_out, g_spans),
+                    _gather(q, q_spans),
+                    _gather(k_cur, k_spans),
+                    _gather(v_cur, k_spans),
+                    _gather(out, q_spans),
+                    _gather(lse, g_spans, dim=1, fill=_POS_INF),
+                    call.cu_q,
+                    call.cu_k,
+                    call.max_q,
+                    max_seqlen,
+                    call.causal,
+                    scale,
+                    *call.window,
+                )
+                for p, at in zip(call.views, call.q_at, strict=True):
+                    if p.valid is not None:
+                        g_q[at : at + _length(p.rows[0])].masked_fill_(~p.valid.view(-1, 1, 1), 0.0)
+                _add_rows(dq, g_q, [(rows, at) for _, rows, at in _row_places(call)])
+                k_places = _key_places(call)
+                _add_rows(dk, g_k, k_places)
+                _add_rows(dv, g_v, k_places)
+            # dK/dV travel with their K/V, one hop behind: the buffers this rank receives now belong
+            # to the K/V it just used (rank-1 used them one step earlier), and their transfer
+            # overlapped this step's compute. After the last step the sum belongs to rank+1's own
+            # K/V, so the last hop carries every dK/dV home.
+            if carried is not None:
+                dk_in, dv_in = _finish(carried, group)
+                dk += dk_in
+                dv += dv_in
+            if size > 1:
+                carried = _start_rotate([dk, dv], group, rank, size, agreed)
+            if pending is not None:
+                k_cur, v_cur = _finish(pending, group)
         if carried is not None:
-            dk_in, dv_in = _finish(carried)
-            dk += dk_in
-            dv += dv_in
-        if size > 1:
-            carried = _start_rotate([dk, dv], group, rank, size)
-        if pending is not None:
-            k_cur, v_cur = _finish(pending)
-    if carried is not None:
-        dk, dv = _finish(carried)
+            dk, dv = _finish(carried, group)
+    except BaseException:
+        _abandon(group, pending, carried)
+        raise
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
