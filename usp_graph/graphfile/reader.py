@@ -567,8 +567,12 @@ def _check_writes(graph: fx.Graph) -> None:
 def _check_issued(graph: fx.Graph) -> None:
     """Every issued collective is finished by exactly one ``usp::wait`` with the arguments its
     collective implies, and nothing else reads its receive buffer (which the collective is still
-    writing); every wait finishes an issue. A file that issued without waiting would leave work
-    and buffers in flight past the replay."""
+    writing); every wait finishes an issue. The same for functional collectives (every
+    ``_c10d_functional`` op the table admits is asynchronous): exactly one ``wait_tensor`` reads
+    each. A ``wait_tensor`` of anything else is the identity and stays allowed (traced steps wait
+    twice: ``funcol.wait_tensor`` of an already waited all_reduce). A file that issued without
+    waiting would leave work and buffers in flight past the replay, or read a result before it
+    arrived."""
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -591,6 +595,24 @@ def _check_issued(graph: fx.Graph) -> None:
             recv = node.args[0] if node.args else node.kwargs.get("recv")
             if not isinstance(recv, fx.Node) or not registry.is_issue_op(recv.target):
                 raise _schema(where, "usp.wait.default finishes an issued collective (a *_start node) only")
+        elif _is_c10d(node.target) and not _is_c10d_wait(node.target):
+            # Functional collectives are issued too: their result is being written until its
+            # wait_tensor (an all_reduce read without it gave half the sum; issue 31).
+            users = list(node.users)
+            if len(users) != 1 or not _is_c10d_wait(users[0].target):
+                raise _schema(
+                    where,
+                    f"{node.target} is read by {[u.name for u in users]}; a functional collective is read "
+                    "by exactly one _c10d_functional.wait_tensor.default and nothing else",
+                )
+
+
+def _is_c10d(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional"
+
+
+def _is_c10d_wait(target: Any) -> bool:
+    return _is_c10d(target) and target._schema.name == "_c10d_functional::wait_tensor"
 
 
 def _build_graph(

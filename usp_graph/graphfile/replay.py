@@ -16,21 +16,32 @@ boundaries and the same shapes pay for the check once.
 check, run uninitialized allocations (``empty*``) zero-filled so that no bytes the allocator held
 before can reach an output, and turn an op's failure during the run (a data-dependent index out of
 range, say) into a `GraphReplayError` too. Calls save and restore the global RNG state.
+
+Collectives (issue 31). Functional collectives (``_c10d_functional.*``) run through a twin that
+first agrees on sizes with the other ranks (`usp_graph.distributed.agree_sizes`, CPU tensors), as
+usp's own collectives do, so ranks replaying files or inputs that disagree get a `CollectiveError`
+on every rank (raised as it is, not wrapped) instead of a gloo abort or a half-written buffer. A
+replay that fails between an issued collective and its wait (``usp::*_start`` / ``usp::wait``,
+``_c10d_functional.*`` / ``wait_tensor``) waits for what it issued before raising, so nothing stays
+pending: no work, no buffers, no entry in the pending table.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from ..distributed import CollectiveError, agree_sizes, resolve_group
+from ..ops import collectives
 from .errors import GraphReplayError
-from .optable import UNINITIALIZED, op_name, validate
+from .optable import COLLECTIVES, UNINITIALIZED, op_name, validate
 
 __all__ = ["ReplayCheck", "ReplayGraphModule", "max_tensor_bytes"]
 
@@ -220,14 +231,115 @@ def _zero_filled(op: torch._ops.OpOverload) -> Any:
 
 _ZERO_FILLED: dict[Any, Any] = {}
 
+# The functional collectives a replay issued: waited for if it fails before their wait_tensor.
+_IN_FLIGHT: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar(
+    "usp_replay_c10d_in_flight", default=None
+)
+_WAIT = "_c10d_functional.wait_tensor.default"
+
+
+def _splits(what: str, given: Sequence[Any], rows: int, world: int) -> list[int]:
+    split = [int(v) for v in given]
+    if not split:  # an even split
+        if rows % world:
+            raise ValueError(f"all_to_all_single: {rows} rows do not split evenly over {world} ranks")
+        return [rows // world] * world
+    if len(split) != world or any(v < 0 for v in split):
+        raise ValueError(f"all_to_all_single: {what} {split} is not {world} sizes >= 0")
+    return split
+
+
+def _c10d_sizes(
+    name: str, bound: dict[str, Any], world: int, me: int
+) -> tuple[tuple[Any, ...], list[int], list[int]]:
+    """(what every rank must share, elements sent to / received from each rank) of functional
+    collective `name` called with `bound`. Bad values are a ValueError before any communication."""
+    x = bound["input"]
+    n, shape, op = x.numel(), tuple(x.shape), name.split(".")[1]
+    if op == "all_reduce":
+        return (op, bound["reduce_op"], shape), [n] * world, [n] * world
+    if op == "all_gather_into_tensor":
+        return (op, shape, bound["group_size"]), [n] * world, [n] * world
+    if op == "reduce_scatter_tensor":
+        if not shape or shape[0] % world:
+            raise ValueError(f"reduce_scatter_tensor: shape {shape} does not split into {world} equal chunks")
+        chunk = n // world
+        return (op, bound["reduce_op"], shape, bound["group_size"]), [chunk] * world, [chunk] * world
+    if op == "all_to_all_single":
+        rows = shape[0] if shape else 0
+        row = n // rows if rows else 0
+        send = _splits("input_split_sizes", bound["input_split_sizes"], rows, world)
+        recv = _splits("output_split_sizes", bound["output_split_sizes"], rows, world)
+        if sum(send) != rows:
+            raise ValueError(
+                f"all_to_all_single: input_split_sizes {send} do not sum to the input's {rows} rows"
+            )
+        return (op, shape[1:]), [v * row for v in send], [v * row for v in recv]
+    if op == "broadcast":
+        src = bound["src"]
+        if not 0 <= src < world:
+            raise ValueError(f"broadcast: src={src} is not a rank of the {world}-rank group")
+        send = [n if me == src and j != me else 0 for j in range(world)]
+        recv = [n if j == src and me != src else 0 for j in range(world)]
+        return (op, shape, src), send, recv
+    raise AssertionError(f"no size rule for {name}")  # COLLECTIVES and this function list the same ops
+
+
+def _checked_collective(target: torch._ops.OpOverload) -> Any:
+    """`target` (a functional collective) after a size agreement with the other ranks; its result
+    is remembered until the replay ends, to be waited for if the replay fails first."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    name = op_name(target)
+    params = list(target._schema.arguments)
+
+    def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+        bound = {a.name: v for a, v in zip(params, args, strict=False)}
+        bound.update(kwargs)
+        x = bound.get("input")
+        if isinstance(x, torch.Tensor) and not is_fake(x) and x.device.type == "cpu":
+            pg = resolve_group(bound["group_name"])
+            key, send, recv = _c10d_sizes(name, bound, pg.size(), pg.rank())
+            item = x.element_size()
+            agree_sizes(
+                name, pg, (name, str(x.dtype), *key), [v * item for v in send], [v * item for v in recv]
+            )
+        out = target(*args, **kwargs)
+        in_flight = _IN_FLIGHT.get()
+        if in_flight is not None and not is_fake(out):
+            in_flight.append(out)
+        return out
+
+    run.__name__ = f"checked_{name.replace('.', '_')}"
+    run.__qualname__ = run.__name__
+    return run
+
 
 def _run_target(target: Any) -> Any:
-    """What replay calls for `target`: itself, or for an uninitialized allocation a zero-filling twin."""
-    if isinstance(target, torch._ops.OpOverload) and op_name(target) in UNINITIALIZED:
-        if target not in _ZERO_FILLED:
-            _ZERO_FILLED[target] = _zero_filled(target)
-        return _ZERO_FILLED[target]
+    """What replay calls for `target`: itself; for an uninitialized allocation a zero-filling twin;
+    for a functional collective a twin that agrees on sizes first (`_checked_collective`)."""
+    if isinstance(target, torch._ops.OpOverload):
+        name = op_name(target)
+        if name in UNINITIALIZED:
+            if target not in _ZERO_FILLED:
+                _ZERO_FILLED[target] = _zero_filled(target)
+            return _ZERO_FILLED[target]
+        if name in COLLECTIVES and name != _WAIT:
+            if target not in _ZERO_FILLED:
+                _ZERO_FILLED[target] = _checked_collective(target)
+            return _ZERO_FILLED[target]
     return target
+
+
+def _finish_in_flight(before: frozenset[int], issued: Sequence[torch.Tensor]) -> None:
+    """After a failed replay: wait for the collectives it issued and forget them (their errors are
+    dropped: the replay's own error is the one to report)."""
+    collectives.drain_pending(keep=before)
+    for t in issued:
+        try:
+            torch.ops._c10d_functional.wait_tensor(t)
+        except Exception:  # noqa: BLE001, S110 - a collective that failed has nothing left in flight
+            pass
 
 
 class ReplayGraphModule(fx.GraphModule):
@@ -264,10 +376,19 @@ class ReplayGraphModule(fx.GraphModule):
         module, check = self._runner()
         check(args)
         cuda = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+        before = collectives.pending_keys()
+        issued: list[torch.Tensor] = []
+        token = _IN_FLIGHT.set(issued)
         try:
             with torch.random.fork_rng(devices=cuda):
                 return module(*args)
+        except CollectiveError:  # the ranks disagreed or a peer is gone: the same error on every rank
+            _finish_in_flight(before, issued)
+            raise
         except Exception as e:  # noqa: BLE001 - a data-dependent failure inside an op
+            _finish_in_flight(before, issued)
             raise GraphReplayError(
                 f"the graph failed while running on these inputs: {type(e).__name__}: {str(e)[:300]}"
             ) from e
+        finally:
+            _IN_FLIGHT.reset(token)
