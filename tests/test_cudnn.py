@@ -276,6 +276,21 @@ def test_cudnn_asked_for_without_the_package_warns_once_and_runs_flash(monkeypat
     assert calls["cudnn_fwd"] == 0 and calls["flash_fwd"] == 2
 
 
+def test_auto_without_the_package_warns_once_where_cudnn_would_run_and_says_what_runs(monkeypatch):
+    monkeypatch.setattr(cudnn_kernel, "available", lambda: False)
+    monkeypatch.setattr(kernel_choice, "_cudnn_warned_missing", False)
+    small = torch.empty(1024, 16, 128, dtype=torch.bfloat16, device="meta")
+    large = torch.empty(32768, 16, 128, dtype=torch.bfloat16, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # below the table's cuDNN lengths: nothing is lost, nothing said
+        assert not kernel_choice._use_cudnn(small, small, small, ())
+    with pytest.warns(RuntimeWarning, match=r"flex runs instead, about .*slower"):
+        assert not kernel_choice._use_cudnn(large, large, large, ())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernel_choice._use_cudnn(large, large, large, ())
+
+
 def test_flash_or_flex_setting_never_runs_cudnn(monkeypatch):
     calls, args, dout = _fake_cuda(monkeypatch)
     monkeypatch.setattr(kernel_choice, "_use_flex", lambda *a: False)  # flex cannot build on CPU

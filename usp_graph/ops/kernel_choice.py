@@ -146,6 +146,24 @@ def _use_flex(
     return _cuda_kernel == "flex" or _auto_kernel(q) == "flex"
 
 
+# What a missing cuDNN frontend costs (BENCHMARKS.md, H200, transformers Llama 4 layers at 128K
+# tokens: the train step 546 ms with flex inside usp against 488 ms with cuDNN; attention alone
+# 1.4-1.7x flash varlen for forward + backward at 32K-256K tokens).
+_MISSING_CUDNN_COST = "about 1.1x slower per train step and 1.4-1.7x slower attention at 32K-256K tokens"
+
+
+def _cudnn_would_run(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """cuDNN would run this call if the package were installed (the setting or the table picks it)."""
+    if _cuda_kernel in ("flash", "flex"):
+        return False
+    d = q.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or d != v.shape[-1] or d % 8 or d > 128:
+        return False
+    return _cuda_kernel == "cudnn" or any(
+        name == "cudnn" and q.shape[0] >= tokens and d in dims for name, tokens, dims in AUTO_TABLE
+    )
+
+
 def _cudnn_keys(q, k, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right):
     square = same_boundaries(q, k, cu_q, cu_k)
     fwd = cudnn_kernel.plan_key(q, k, cu_q, max_q, max_k, is_causal, scale, (left, right), square=square)
@@ -160,11 +178,18 @@ def _use_cudnn(q: Tensor, k: Tensor, v: Tensor, keys: tuple[object, ...]) -> boo
     global _cudnn_warned_missing
     if _cuda_kernel in ("flash", "flex"):
         return False
-    if _cuda_kernel == "cudnn" and not cudnn_kernel.available() and not _cudnn_warned_missing:
+    if not _cudnn_warned_missing and not cudnn_kernel.available() and _cudnn_would_run(q, k, v):
+        # Once per process: the fastest kernel for this shape is missing, say what runs instead.
         _cudnn_warned_missing = True
+        instead = (
+            "flash varlen"
+            if _cuda_kernel == "cudnn"
+            else _auto_kernels(q)[0].replace("flash", "flash varlen")
+        )
         warnings.warn(
-            "usp_graph: USP_CUDA_ATTENTION / cuda_kernel asks for cudnn, but the cuDNN frontend is not "
-            "installed (pip install 'usp_graph[cuda]', i.e. nvidia-cudnn-frontend); flash varlen runs instead",
+            "usp_graph: cuDNN attention, the fastest kernel for this shape, needs the cuDNN frontend, which is not "
+            f"installed (pip install 'usp_graph[cuda]', i.e. nvidia-cudnn-frontend); {instead} runs instead, "
+            f"{_MISSING_CUDNN_COST}",
             RuntimeWarning,
             stacklevel=4,
         )
