@@ -54,7 +54,7 @@ DTYPES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }  # fmt: skip
-SCALAR_KEYS = (str, int, float, bool, type(None))
+SCALAR_TYPES = (str, int, float, bool, type(None))
 
 
 class CheckpointError(ValueError):
@@ -140,7 +140,7 @@ def _param_groups(path: str, groups: Any) -> list[dict[str, Any]]:
                 continue
             if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
                 v = tuple(v)  # betas: torch's optimizers keep tuples
-            elif not isinstance(v, SCALAR_KEYS):
+            elif not isinstance(v, SCALAR_TYPES):
                 raise _fail(
                     path, f"param group option {k[:40]!r} must be a number, string, bool, null or list"
                 )
@@ -163,11 +163,12 @@ def read_index(path: str) -> Index:
         raise _fail(path, f"{INDEX} is not a usp_graph.train checkpoint index")
     if doc.get("version") != VERSION:
         raise _fail(
-            path, f"checkpoint version {str(doc.get('version'))[:20]}; this usp_graph reads {VERSION}"
+            path, f"checkpoint version {str(doc.get('version'))[:20]!r}; this usp_graph reads {VERSION}"
         )
     if doc.get("byteorder", "little") != sys.byteorder:
         raise _fail(
-            path, f"written on a {str(doc.get('byteorder'))[:10]}-endian machine; this one is {sys.byteorder}"
+            path,
+            f"written on a {str(doc.get('byteorder'))[:10]!r}-endian machine; this one is {sys.byteorder}",
         )
     step = doc.get("step")
     if not _int(step, 1):
@@ -303,13 +304,16 @@ def read_state(
             raise _fail(path, f"optimizer options {sorted(set(saved) ^ set(live))[:3]} differ from AdamW's")
         for k, v in saved.items():
             if k != "params" and not _same_kind(v, live[k]):
-                raise _fail(path, f"optimizer option {k!r} is {str(v)[:40]}, not like {live[k]!r}")
+                raise _fail(path, f"optimizer option {k!r} is {str(v)[:40]!r}, not like {live[k]!r}")
         params.update(saved["params"])
     for fqn, state in index.optim.items():
         if fqn not in params:
             raise _fail(path, f"optimizer state for {fqn[:80]!r}, which is not an optimized parameter")
         if set(state) != set(state_keys):
-            raise _fail(path, f"optimizer state of {fqn} has {sorted(state)[:5]}, not {sorted(state_keys)}")
+            raise _fail(
+                path,
+                f"optimizer state of {fqn} has {[k[:40] for k in sorted(state)[:5]]}, not {sorted(state_keys)}",
+            )
         dtype, shape = model_expect[fqn]
         for k, r in state.items():
             if state_keys[k] == "param":
