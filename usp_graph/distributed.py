@@ -22,7 +22,7 @@ rank must share, such as the op, dtype and trailing shape, then the bytes it wil
 receive from each rank). Its length depends only on the group size, so the header exchange itself
 can never disagree; every rank then sees every rank's header and reaches the same verdict, so a
 disagreement is a `CollectiveError` on EVERY rank, never a signal, a hang or garbage. The cost is
-one small extra exchange per collective (measured in tests/test_collective_faults.py's docstring);
+one small extra round trip per collective (measured: tests/test_collective_faults.py's docstring);
 device tensors skip it (reading the verdict back would add a host sync to every step).
 """
 
