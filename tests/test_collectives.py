@@ -795,3 +795,47 @@ def test_hung_rank_is_killed_and_reported_as_timeout():
     assert "rank 1 stacks:" in message
     if "Ranks that finished: [0]" in message:  # not still starting up on a loaded machine
         assert "in _hangs" in message  # the stuck rank's Python stack
+
+
+# ------------------------------------------------------------------------------------------------
+# The size agreement's verdict (issue 31; tests/test_collective_faults.py runs it on real ranks).
+
+
+def _header(key: int, send: list[int], recv: list[int]) -> list[int]:
+    from usp_graph.distributed import _MAGIC
+
+    return [_MAGIC, key, *send, *recv]
+
+
+def test_size_verdict_accepts_ranks_whose_sends_are_what_their_peers_expect():
+    from usp_graph.distributed import _verdict
+
+    rows = [_header(7, [8, 16], [8, 24]), _header(7, [24, 0], [16, 0])]
+    assert _verdict(rows, 2) is None
+
+
+def test_size_verdict_names_the_pair_that_disagrees_and_is_the_same_for_every_rank():
+    from usp_graph.distributed import _verdict
+
+    more = [_header(7, [8, 16], [8, 16]), _header(7, [24, 16], [16, 16])]
+    assert _verdict(more, 2) == "rank 1 sends 24 bytes to rank 0, which expects 16"
+    fewer = [_header(7, [8, 16], [8, 16]), _header(7, [8, 16], [16, 16])]
+    assert _verdict(fewer, 2) == "rank 1 sends 8 bytes to rank 0, which expects 16"
+    other_op = [_header(7, [8, 8], [8, 8]), _header(9, [8, 8], [8, 8])]
+    assert "rank(s) [1] called this collective with a different op" in _verdict(other_op, 2)
+    not_ours = [_header(7, [8, 8], [8, 8]), [0, 7, 8, 8, 8, 8]]
+    assert "rank 1 entered a different collective" in _verdict(not_ours, 2)
+
+
+@pytest.mark.slow
+def test_size_digest_is_the_same_in_every_process():
+    import subprocess
+    import sys
+
+    from usp_graph.distributed import _digest
+
+    key = ("usp::all_to_all", "torch.float64", 4, 1, 2, (1, 8))
+    code = f"from usp_graph.distributed import _digest; print(_digest({key!r}))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": "123", "PATH": ""})  # fmt: skip
+    assert int(other.stdout) == _digest(key)
