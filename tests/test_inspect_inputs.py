@@ -125,6 +125,23 @@ def _set(path: tuple[Any, ...], value: Any):
     return edit
 
 
+@pytest.mark.parametrize(
+    "returned, message",
+    [({"node": "scattered"}, "returns one value, not a tuple"), ({"tuple": []}, "returns 0 values")],
+)
+def test_output_names_that_do_not_match_the_outputs_are_a_one_line_error(tmp_path, capsys, returned, message):
+    # pairing reads the loss as the first named output: a file whose names do not match raised
+    # TypeError / IndexError in pairing before
+    doc = every_collective_doc()
+    doc["graph"]["meta"]["usp_outputs"] = ["loss"]
+    node(doc, "output")["args"] = [returned]
+    path = tmp_path / "outputs.uspg"
+    path.write_bytes(refingerprint(doc))
+    _assert_one_line_error(
+        _every_command(capsys, path), "graph.meta.usp_outputs names 1 outputs but the graph " + message
+    )
+
+
 def _to_kwargs(n: dict[str, Any]) -> None:
     names = ["x", "scatter_dim", "gather_dim", "scatter_sizes", "gather_sizes", "group_name"]
     n["kwargs"] = dict(zip(names, n.pop("args"), strict=True))

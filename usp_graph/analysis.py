@@ -23,7 +23,7 @@ from .cp.table import STRATEGY_TABLE, strategy_of
 from .graphfile.collective_args import bound
 from .passes.pairing import pair_backward
 
-__all__ = ["summarize", "to_networkx", "to_dot", "diff", "work"]
+__all__ = ["summarize", "to_networkx", "to_dot", "diff", "work", "MalformedGraphError"]
 
 # Nodes and edges each of the analysis' graph walks visited, by walk, since the counter was last
 # cleared: every walk is one pass in graph order, so a summary costs O(nodes + edges) visits
@@ -502,12 +502,34 @@ def _source(node: fx.Node, site_sources: dict[Any, str]) -> str:
     return lines[-1] if lines else ""
 
 
+class MalformedGraphError(ValueError):
+    """What a graph says of itself contradicts the graph (a graph file's metadata, which anyone
+    may have written): the CLI reports it as an unreadable file (exit 2)."""
+
+
+def _check_outputs(gm: fx.GraphModule) -> None:
+    """``usp_outputs`` (pairing skips ops that do not feed the first, the loss) names the outputs
+    the graph returns: one name per returned value."""
+    names = gm.meta.get("usp_outputs")
+    if names is None:
+        return
+    out = gm.graph.find_nodes(op="output")
+    values = out[0].args[0] if out and out[0].args else None
+    if not isinstance(values, (tuple, list)) or len(values) != len(names) or not names:
+        got = f"{len(values)} values" if isinstance(values, (tuple, list)) else "one value, not a tuple"
+        raise MalformedGraphError(
+            f"graph.meta.usp_outputs names {len(names)} outputs but the graph returns {got}; the file was "
+            "edited or damaged: re-save it"
+        )
+
+
 def _pairing(
     gm: fx.GraphModule, backward: fx.GraphModule | None = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """`usp_graph.passes.pairing` (the verify pass's analysis) as rows: forward usp ops with a rule
     whose backward op (or adjoint collective) is in the backward, in `gm` itself and in `backward`
     when the backward is another graph; and those whose backward is missing."""
+    _check_outputs(gm)
     result = pair_backward(gm, backward)
     pairs = [
         {"forward": p.forward.name, "backward": [b.name for b in p.backward], "op": _op_label(p.forward)}

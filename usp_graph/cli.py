@@ -137,19 +137,22 @@ def _backward_file(path: str, g: Any, cache: dict[str, Any] | None) -> tuple[boo
 def _summary(
     path: str, values: dict[str, int] | None = None, graph: Any = None, cache: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    from .analysis import summarize
+    from .analysis import MalformedGraphError, summarize
 
     g = graph if graph is not None else _load(path, cache)
     forward, b, b_path = _backward_file(path, g, cache)
-    s = summarize(
-        g.graph_module,
-        sites=_dump_sites(path, g),
-        symbols=g.symbols,
-        values=values,
-        inputs=g.inputs,
-        backward=b.graph_module if b is not None else None,
-        forward_only=forward,
-    )
+    try:
+        s = summarize(
+            g.graph_module,
+            sites=_dump_sites(path, g),
+            symbols=g.symbols,
+            values=values,
+            inputs=g.inputs,
+            backward=b.graph_module if b is not None else None,
+            forward_only=forward,
+        )
+    except MalformedGraphError as e:
+        raise _Unreadable(f"{path}: not a readable graph file: {e}") from None
     if g.meta.get("cp_decision") is not None:  # what ContextParallel("auto") chose, and why
         from .cp.auto import decode_decision
 
