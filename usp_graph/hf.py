@@ -285,7 +285,10 @@ def usp_mask(
     """transformers' mask interface for "usp": builds nothing. Refuses a padding mask with a
     padded token (checked on the device under compile, no host sync) and a mask function that
     says more than documents, causality and a window."""
-    unknown = _unknown_pieces(mask_function) if mask_function is not None else []
+    # Dynamo cannot read a closure's cells (it would break the graph here): compiled code relies on
+    # the eager forward having been checked (the first step of a Trainer or a test runs eager too).
+    compiling = torch.compiler.is_compiling()
+    unknown = _unknown_pieces(mask_function) if mask_function is not None and not compiling else []
     if unknown:
         raise _refuse(
             f"the model's mask holds {', '.join(sorted(set(unknown)))}, beyond documents, causality and a sliding "
@@ -297,7 +300,7 @@ def usp_mask(
             'attn_implementation="usp": the attention_mask pads tokens; usp attends within packed documents: '
             "pack them into rows and pass position_ids (DataCollatorWithFlattening), without an attention_mask"
         )
-        if torch.compiler.is_compiling() or _is_tracing(attention_mask):
+        if compiling or _is_tracing(attention_mask):
             torch._assert_async(attention_mask.bool().all(), message)
         elif not bool(attention_mask.bool().all()):
             raise UnsupportedAttention(message)
