@@ -285,8 +285,9 @@ def usp_mask(
     """transformers' mask interface for "usp": builds nothing. Refuses a padding mask with a
     padded token (checked on the device under compile, no host sync) and a mask function that
     says more than documents, causality and a window."""
-    # Dynamo cannot read a closure's cells (it would break the graph here): compiled code relies on
-    # the eager forward having been checked (the first step of a Trainer or a test runs eager too).
+    # Dynamo cannot read a closure's cells (it would break the graph here), so compiled code does not
+    # check the mask function: a model whose mask says more (multimodal blocks) is refused in eager
+    # only; the README says so.
     compiling = torch.compiler.is_compiling()
     unknown = _unknown_pieces(mask_function) if mask_function is not None and not compiling else []
     if unknown:
