@@ -2,9 +2,14 @@
 
 Reads an `fx.GraphModule` (a traced train step, a loaded graph file, or a compile dump) and the
 node metadata the passes leave (``usp_pass``, ``usp_phase``, ``usp_fwd_node``, ``usp_site``,
-``val``). The graph is analysed as a networkx DiGraph: pairing forward collectives with their
-adjoints, paths from metadata inputs to attention ops, and communication on the critical path.
-Everything returned is plain JSON-able data; `usp_graph.cli` renders it.
+``val``): pairing forward collectives with their adjoints (`usp_graph.passes.pairing`), each
+attention op's strategy, paths from metadata inputs to attention ops, and communication on the
+critical path. Everything returned is plain JSON-able data; `usp_graph.cli` renders it.
+
+Cost: every walk here is one pass over the nodes in graph (topological) order, so `summarize` is
+O((nodes + edges) x k), k the number of distinct collective ops (a handful, fixed by the registry);
+`work` counts the visits. (It was cubic: a networkx descendants walk per upstream collective per
+attention op; issue 31.) `to_networkx` remains for callers that want the data-flow graph.
 """
 
 from __future__ import annotations
