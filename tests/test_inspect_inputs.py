@@ -142,6 +142,14 @@ def test_output_names_that_do_not_match_the_outputs_are_a_one_line_error(tmp_pat
     )
 
 
+@pytest.mark.parametrize("flag", ["--dot", "--html"])
+def test_an_output_path_that_cannot_be_written_is_a_one_line_error(tmp_path, capsys, flag):
+    path = tmp_path / "good.uspg"
+    path.write_bytes(refingerprint(every_collective_doc()))
+    rc, out, err = _run(capsys, "inspect", str(path), flag, str(tmp_path / "no" / "such" / "folder" / "x"))
+    _assert_one_line_error([(flag, rc, out, err)], f"{flag} {tmp_path}/no/such/folder/x: cannot write it")
+
+
 def _to_kwargs(n: dict[str, Any]) -> None:
     names = ["x", "scatter_dim", "gather_dim", "scatter_sizes", "gather_sizes", "group_name"]
     n["kwargs"] = dict(zip(names, n.pop("args"), strict=True))

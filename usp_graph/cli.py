@@ -253,8 +253,14 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.html:
         write_html(args.html, summaries, cache, title=args.path)
     if args.dot and files:
-        with open(args.dot, "w") as fh:
-            fh.write(analysis.to_dot(_load(files[0], cache).graph_module))
+        dot = analysis.to_dot(_load(files[0], cache).graph_module)
+        try:
+            with open(args.dot, "w") as fh:
+                fh.write(dot)
+        except OSError as e:
+            raise _Usage(
+                f"--dot {args.dot}: cannot write it ({e.strerror or e}); give a path in a writable folder"
+            ) from None
         print(f"wrote {_safe(args.dot)}", file=sys.stderr)
     _report_failed(failed)
     return 1 if failed else 0
