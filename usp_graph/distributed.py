@@ -259,7 +259,9 @@ def all_reduce_sum_ordered(
             nbytes = flat.numel() * flat.element_size()
             key = ("all_reduce_sum_ordered", str(flat.dtype), tuple(tuple(tensors[i].shape) for i in idx))
             agree_sizes("all_reduce_sum_ordered", pg, key, [nbytes] * world, [nbytes] * world)
-        gathered_PN = flat.new_empty(world * flat.numel())
+        # Written whole once the sizes were agreed; zero-filled where they could not be (device).
+        alloc = flat.new_empty if flat.device.type == "cpu" else flat.new_zeros
+        gathered_PN = alloc(world * flat.numel())
         run_collective(
             "all_reduce_sum_ordered",
             pg,
