@@ -235,3 +235,26 @@ print((after - before) * 1024)
     assert out.returncode == 0, out.stderr[-2000:]
     grown = int(out.stdout.split()[-1])
     assert grown < 8192 * 8192 // 4, f"peak memory grew {grown} bytes reading a {8192 * 8192}-byte mask"
+
+
+def test_sdpa_models_repeating_kv_heads_are_rewritten_to_read_the_unrepeated_heads():
+    """transformers' "sdpa" repeats K/V heads itself when it hands SDPA a mask; the rewrite reads
+    the G-head tensors with enable_gqa (the kernel and the saved activations hold G heads), and
+    the result is bitwise eager attention_mode's (which runs the repeated heads)."""
+    model = make_lm("llama")
+    ids, pos = _batch(3)
+    reports: list = []
+    compiled = compile_usp(model, on_compile=reports.append)
+    out = lm_forward(compiled, ids, pos)
+    weighted_loss(out).backward()
+    got = grads(model)
+    [report] = reports
+    assert len(report.rewritten) == 2
+    assert all("x(1, 2, 32, 8)x(1, 2, 32, 8)" in s and "gqa=True" in s for s in report.rewritten), report.rewritten
+    with attention_mode():
+        ref = lm_forward(model, ids, pos)
+        weighted_loss(ref).backward()
+    assert torch.equal(out, ref.detach())
+    ref_grads = grads(model)
+    assert all(torch.equal(got[k], ref_grads[k]) for k in ref_grads)
+    torch._dynamo.reset()

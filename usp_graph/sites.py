@@ -125,6 +125,10 @@ class AttentionSite:
     cross: bool = False
     regions: tuple[fx.Node, ...] = field(default=(), repr=False)
     kv_stream: bool = False
+    # The (B, H, L, K) key and value a model repeated from G heads itself (transformers' repeat_kv
+    # when it hands SDPA a mask): the site reads their G-head sources with enable_gqa instead, and
+    # the rewrite drops the repeats once nothing reads them.
+    repeated: tuple[fx.Node, ...] = field(default=(), repr=False)
 
     @property
     def name(self) -> str:
@@ -214,11 +218,75 @@ def _site(node: fx.Node, form: str, read_masks: bool = True) -> AttentionSite:
         site.extra_outputs = tuple(
             u for u in node.users if not (u.target is operator.getitem and (u.args[1] == 0 or not u.users))
         )
+    if form in _SINGLE_OUTPUT:
+        _read_through_repeated_heads(site)
     if form == "window" and tuple(a["window"]) != (-1, -1):
         site.window = tuple(a["window"])
     site.reason = _why_not(site, a, read_masks)
     site.rewritable = site.reason is None
     return site
+
+
+_RESHAPES = {"reshape", "view", "_unsafe_view", "unsqueeze", "getitem", "expand"}
+
+
+def _op_base(node: fx.Node) -> str:
+    """The op's name without overload or namespace (``reshape`` for ``aten.reshape.default``)."""
+    if node.op == "call_method":
+        return str(node.target)
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    if isinstance(target, torch._ops.OpOverload):
+        name = target._schema.name.split("::")[-1]
+    return name.split(".")[0]
+
+
+def _unrepeated(node: Any) -> tuple[fx.Node, Any] | None:
+    """(source, repeats) when `node` (B, G*R, L, K) is `source` (B, G, L, K) with each head repeated
+    R times in place (head h is source head h // R: enable_gqa's grouping), as transformers'
+    ``repeat_kv`` builds it: a (B, G, 1, L, K) view, expanded to (B, G, R, L, K), reshaped."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_method", "call_function"):
+        return None
+    out = _shape(node)
+    if out is None or len(out) != 4 or _op_base(node) not in ("reshape", "view", "_unsafe_view"):
+        return None
+    expanded = node.args[0] if node.args else None
+    if not isinstance(expanded, fx.Node) or _op_base(expanded) != "expand":
+        return None
+    x5 = _shape(expanded)
+    one = expanded.args[0] if expanded.args else None
+    if x5 is None or len(x5) != 5 or not isinstance(one, fx.Node) or _op_base(one) not in _RESHAPES:
+        return None
+    y5 = _shape(one)
+    sources = [n for n in one.all_input_nodes if isinstance(node_value(n), torch.Tensor)]
+    if y5 is None or len(y5) != 5 or len(sources) != 1:
+        return None
+    src = sources[0]
+    s4 = _shape(src)
+    if s4 is None or len(s4) != 4:
+        return None
+    b, g, r, length, k = x5
+    same = all(
+        _known_equal(p, q)
+        for p, q in (
+            (y5[0], b), (y5[1], g), (y5[2], 1), (y5[3], length), (y5[4], k),
+            (s4[0], b), (s4[1], g), (s4[2], length), (s4[3], k),
+            (out[0], b), (out[1], g * r), (out[2], length), (out[3], k),
+        )
+    )  # fmt: skip
+    return (src, r) if same else None
+
+
+def _read_through_repeated_heads(site: AttentionSite) -> None:
+    """Let the site read K/V before a model repeated their heads (same result: enable_gqa groups
+    query heads exactly as the repeat did), so the kernel and the saved activations hold G heads."""
+    k, v = _unrepeated(site.key), _unrepeated(site.value)
+    if k is None or v is None or not _known_equal(k[1], v[1]) or _known_equal(k[1], 1):
+        return
+    site.repeated = (site.key, site.value)
+    site.key, site.value = k[0], v[0]
+    site.k_shape, site.v_shape = _shape(site.key), _shape(site.value)
+    site.enable_gqa = True
 
 
 def _why_not(site: AttentionSite, bound: dict[str, Any], read_masks: bool = True) -> str | None:

@@ -368,6 +368,8 @@ def rewrite_sdpa(
         _replace_site(graph, site, out)
         if isinstance(site.attn_mask, fx.Node):
             _drop_unused(site.attn_mask)
+        for repeated in site.repeated:  # K/V with repeated heads the site no longer reads
+            _drop_unused(repeated)
     calls = {c: depth for s in todo for depth, c in enumerate(s.regions)}
     for call in sorted(calls, key=calls.get, reverse=True):  # innermost regions first
         _prune_unused_operands(call)
