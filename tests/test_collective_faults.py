@@ -21,8 +21,9 @@ Cost of the size agreement (one all-gather of 2 + 2P int64 per collective: one e
 trip), 2 gloo ranks on a 2-core CPU machine that other jobs kept at load 9-14, min (median) of 300
 calls, agreement on vs off, interleaved: all_to_all of 4 KiB per rank 0.34 (1.14) ms vs 0.15 (0.52)
 ms; of 4 MiB 2.24 (5.4) vs 2.19 (4.5) ms; issued all_to_all + wait of 4 KiB 0.55 (1.48) vs 0.23
-(0.47) ms, of 4 MiB within noise. So a small collective pays about one more round trip; a large one
-about nothing. Device tensors skip the agreement.
+(0.47) ms, of 4 MiB within noise. A second run at load 5: 4 KiB all_to_all 0.53 (1.44) vs 0.22
+(0.65) ms, 4 MiB 2.91 (4.85) vs 2.10 (3.92) ms. So a small collective pays about one more round
+trip (0.2-0.3 ms here); a large one little. Device tensors skip the agreement.
 """
 
 from __future__ import annotations
