@@ -86,3 +86,36 @@ def test_sliding_window_model_dump_writes_every_graph_file(name, tmp_path, capsy
     assert len(varlen) == model.config.num_hidden_layers
     assert all(len(n.args) > 9 and n.args[9] != -1 for n in varlen), "sliding windows run as varlen windows"
     assert cli.main(["inspect", str(tmp_path)]) == 0, capsys.readouterr().err
+
+
+def test_a_moe_router_graph_writes_loads_and_replays(tmp_path):
+    """MoE routers (Mixtral, Qwen-MoE, OLMoE) pick experts with ``aten.topk``, which graph files
+    could not hold: their dumps wrote no forward or joint file. Forward and backward, bit for bit."""
+    from torch._functorch.aot_autograd import aot_function
+
+    from usp_graph.graphfile import save_graph_module
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return gm
+
+    def route(x, w):
+        weights, experts = torch.topk((x @ w).softmax(-1), 2, dim=-1)
+        return (weights / weights.sum(-1, keepdim=True)).sum() + experts.sum() * torch.tensor(0.0)
+
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    aot_function(route, fw_compiler=keep, bw_compiler=keep)(x, w).backward()
+    assert any(n.target == torch.ops.aten.topk.default for n in graphs[0].graph.nodes)
+    forward, _ = graphs
+    args = [torch.randn(6, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)]
+    for i, gm in enumerate(graphs):
+        save_graph_module(gm, tmp_path / f"{i}.uspg")
+        loaded = load_graph_module(tmp_path / f"{i}.uspg")
+        got, want = loaded(*args), gm(*args)
+        for a, b in zip(got, want, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+        if gm is forward:  # the backward takes what the forward saved (topk's indices), then the grad
+            args = [*want[1:], torch.ones((), dtype=torch.float64)]
