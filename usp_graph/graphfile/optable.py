@@ -178,7 +178,8 @@ EXTRA = frozenset(
         "aten.any.dim", "aten.all.default", "aten.all.dim", "aten.cumsum.default", "aten.cumprod.default",
         "aten.logsumexp.default", "aten.linalg_vector_norm.default",
         # MoE routers (Mixtral, Qwen-MoE, OLMoE): k is checked against the dim by the kernel and the
-        # shape function alike; the indices it returns are outputs, never trusted as inputs.
+        # shape function alike; its backward scatters by the indices with aten.scatter.src, whose
+        # kernel bounds-checks them.
         "aten.topk.default",
         # matmul, convolution, normalization, losses, attention
         "aten.mm.default", "aten.bmm.default", "aten.addmm.default", "aten.baddbmm.default",
