@@ -87,8 +87,9 @@ class MaskForm:
 
 # Masks are read in blocks of query rows: a (B, L, L) mask at 128K tokens is 16 GiB of bytes, and
 # any whole-mask temporary (a bool copy of a float mask, an int64 row sum) multiplies that. One
-# block holds about this many elements, whatever L is: O(L) extra memory for L up to 4M.
-_BLOCK_ELEMS = 1 << 22
+# block holds about this many elements (16 MiB of bytes) whatever L is: O(L) extra memory for L up
+# to 16M tokens, and few enough blocks that per-op overhead stays small (16 at 16K tokens).
+_BLOCK_ELEMS = 1 << 24
 
 
 def _keep_block(mask: Tensor) -> Tensor | None:
