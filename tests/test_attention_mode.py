@@ -133,3 +133,42 @@ def test_three_dim_inputs_and_mqa_broadcast_follow_sdpa():
     with attention_mode():
         out = F.scaled_dot_product_attention(q, kv, kv)
     assert _rel(out, F.scaled_dot_product_attention(q, kv, kv)) <= 1e-12
+
+
+@pytest.mark.parametrize("split", ["chunk", "unbind", "slices"])
+def test_views_of_one_fused_projection_made_before_the_block_are_self_attention(split):
+    """q, k, v cut from one fused projection computed outside the block, reshaped inside it: one
+    stream (their storage), not cross-attention; each document's own result."""
+    torch.manual_seed(0)
+    b, h, length, k_dim = 1, 2, 12, 4
+    x = torch.randn(b, length, 3 * h * k_dim, dtype=torch.float64)
+    qkv = x * 2
+    if split == "chunk":
+        parts = qkv.chunk(3, dim=-1)
+    elif split == "unbind":
+        parts = qkv.view(b, length, 3, h * k_dim).unbind(2)
+    else:
+        parts = [qkv[..., i * h * k_dim : (i + 1) * h * k_dim] for i in range(3)]
+    heads = lambda a: a.reshape(b, length, h, k_dim).transpose(1, 2)  # noqa: E731
+    meta = AttentionMetadata.from_lengths([5, 0, 7], max_docs=4)
+    with attention_mode(meta):
+        out = F.scaled_dot_product_attention(*(heads(p) for p in parts), is_causal=True)
+    q, k, v = (heads(p) for p in parts)
+    ref = torch.cat(
+        [
+            F.scaled_dot_product_attention(q[:, :, s], k[:, :, s], v[:, :, s], is_causal=True)
+            for s in (slice(0, 5), slice(5, 12))
+        ],
+        2,
+    )
+    assert (out - ref).abs().max() <= 1e-12
+
+
+def test_unrelated_outside_tensors_with_other_keys_are_still_cross_attention():
+    torch.manual_seed(0)
+    meta = AttentionMetadata.from_lengths([3, 5], max_docs=4)
+    q = torch.randn(1, 2, 8, 4)
+    text = torch.randn(1, 8, 8)
+    with attention_mode(meta), pytest.raises(ValueError, match="cross-attention"):
+        kv = (text * 1.0).view(1, 8, 2, 4).transpose(1, 2)
+        F.scaled_dot_product_attention(q * 1.0, kv, kv)

@@ -29,6 +29,12 @@ class _Streams:
 
     def __init__(self) -> None:
         self.table: dict[int, tuple[weakref.ref, frozenset[int]]] = {}
+        # Tensors from outside the mode are roots by storage, not by object: the chunks of one
+        # fused projection computed before the block are views of one tensor, one stream (issue
+        # 30: they were taken for cross-attention). A storage address is reused once freed, so an
+        # entry holds a weak reference to the tensor whose storage it names.
+        self._outside: dict[int, tuple[weakref.ref, int]] = {}
+        self._minted = 0
 
     def of(self, t: torch.Tensor) -> frozenset[int] | None:
         """The roots of `t`, or None for a tensor from outside the mode."""
@@ -43,10 +49,29 @@ class _Streams:
                 if r is not None:
                     found |= r
                 elif not isinstance(x, torch.nn.Parameter) and x.dim() > 0:  # scalars are no stream
-                    found.add(id(x))
+                    found.add(self._outside_root(x))
             elif isinstance(x, (list, tuple)):
                 found |= self.inputs(x)
         return frozenset(found)
+
+    def _outside_root(self, x: torch.Tensor) -> int:
+        base = x._base if x._base is not None else x
+        try:
+            ptr = base.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage (a fake or functional tensor)
+            return id(base)
+        if ptr == 0:  # empty storage: nothing to share
+            return id(base)
+        entry = self._outside.get(ptr)
+        if entry is not None and entry[0]() is not None:
+            return entry[1]
+        self._minted += 1
+        root = -self._minted  # negative: never an id()
+        try:
+            self._outside[ptr] = (weakref.ref(base), root)
+        except TypeError:
+            return id(base)
+        return root
 
     def note(self, t: Any, roots: frozenset[int]) -> None:
         if not isinstance(t, torch.Tensor) or isinstance(t, torch.nn.Parameter):
