@@ -268,3 +268,34 @@ def row_mixers_error(who: str, found, *, cp: bool) -> ValueError:
         "convolution over the sequence; pass position_ids to a model whose forward takes them, or run it without "
         "packed documents (outside documents(...), attention_mode without metadata), one document per batch row"
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention computed without SDPA: one rule, read by eager `attention_mode` (op by op) and by the
+# compiled backend (from the graph). usp_graph rewrites SDPA calls; a model that computes its
+# attention another way (transformers' "eager" matmul + softmax, or flex_attention) would attend
+# across packed documents under a `documents`/`attention_mode(metadata)` block, silently.
+
+
+def is_score_softmax(shape, dim: int, lengths) -> bool:
+    """A softmax over the last dim of a (..., A, A) tensor, A a token length of the call in
+    `lengths`: attention probabilities of every query over every key of the row (square: self-
+    attention; cross-attention has its own documents and is no leak of the query stream)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if len(shape) < 3 or dim not in (-1, len(shape) - 1):
+        return False
+    if not statically_known_true(shape[-1] == shape[-2]):
+        return False
+    return any(statically_known_true(shape[-1] == n) for n in lengths)
+
+
+def attention_without_sdpa_error(who: str, found) -> ValueError:
+    """The refusal of attention computed without SDPA under packed documents (`found` describes
+    each place). Eager `attention_mode` and the compiled backend both raise it."""
+    return ValueError(
+        f"packed documents, but {who} computes attention without scaled_dot_product_attention ({'; '.join(found)}): "
+        "usp_graph rewrites SDPA calls only, so the documents would attend across each other; build the model with "
+        'attn_implementation="usp" (or "sdpa"), or run it without packed documents (outside documents(...), '
+        "attention_mode without metadata)"
+    )

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .graph_inputs import row_mixers_error
+from .graph_inputs import attention_without_sdpa_error, is_score_softmax, row_mixers_error
 from .metadata import AttentionMetadata
 from .sdpa import SDPA_OP, sdpa_to_usp
 
@@ -123,6 +123,8 @@ class _SDPAToUSP(TorchFunctionMode):
             q, k, v, is_causal, scale, gqa, window = _bind_window_sdpa(args, kwargs)
             win = None if tuple(window) == (-1, -1) else tuple(window)
             return self._attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa, window=win)
+        if self.metadata is not None:
+            self._refuse_other_attention(func, args, kwargs)
         out = func(*args, **kwargs)
         if self.track:
             self._follow_rows(func, args, kwargs, out)
@@ -174,6 +176,27 @@ class _SDPAToUSP(TorchFunctionMode):
                 and w.shape[-1] > 1
             ):
                 self._mixes("a convolution along the sequence", x.shape[-1])
+
+    def _refuse_other_attention(self, func, args, kwargs) -> None:
+        """Under packed documents, attention not computed by SDPA (`graph_inputs.is_score_softmax`,
+        flex_attention) is refused before it runs: it would attend across the documents."""
+        name = getattr(func, "__name__", "")
+        if name == "flex_attention":
+            raise attention_without_sdpa_error("the model", ["flex_attention"])
+        if func not in _SOFTMAX:
+            return
+        x = args[0] if args else kwargs.get("input")
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
+        if not isinstance(x, torch.Tensor) or not isinstance(dim, int):
+            return
+        world = self.cp.world if self.cp is not None else 1
+        rows = x.shape[0] if x.dim() else 1
+        # A token length of the packed stream: a row of `rows` x length (x P ranks) tokens.
+        lengths = [n for n in {int(x.shape[-1])} if rows * n * world == self.metadata.total_tokens]
+        if x.dim() >= 3 and is_score_softmax(tuple(x.shape), dim, lengths):
+            raise attention_without_sdpa_error(
+                "the model", [f"a softmax over {tuple(x.shape)} attention scores (matmul + softmax)"]
+            )
 
     def _mixes(self, what: str, length: int) -> None:
         self._row_mixers.add((what, int(length)))
@@ -274,6 +297,7 @@ def _bind_window_sdpa(args, kwargs) -> list:
 
 
 _EMBEDDINGS = {F.embedding, torch.embedding}
+_SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax, torch._softmax, torch.special.softmax}
 _CONV1D = {F.conv1d, torch.conv1d}
 
 

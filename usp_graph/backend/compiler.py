@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..graph_inputs import is_score_softmax
 from ..passes.base import PipelineRun, tag_nodes
 from ..sites import ancestors, body_call, find_sites, node_value, source_location, stream_inputs
 from .arguments import argument_names, find_argument
@@ -273,6 +274,7 @@ class _Compile:
             kept=kept,
             row_positions=_row_position_embeddings(gm, todo),
             shard_positions=_arange_positions_in_attention(todo) if opts.cp is not None else (),
+            other_attention=_attention_without_sdpa(gm, todo),
             positions=_placeholder_index(self.dynamo_gm, positions),
             positions_by=(
                 f"option documents={opts.documents!r}"
@@ -345,6 +347,42 @@ def _row_position_embeddings(gm: fx.GraphModule, sites: Sequence[Any]) -> list[s
         if any(statically_known_true(x.shape[-1] == n) for n in lengths):
             where = source_location(node)
             found.append(f"{node.name}" + (f" at {where}" if where else "") + " convolves along the sequence")
+    return found
+
+
+_SOFTMAX_TARGETS = {torch.softmax, torch.nn.functional.softmax, torch.special.softmax, torch._softmax}
+
+
+def _attention_without_sdpa(gm: fx.GraphModule, sites: Sequence[Any]) -> list[str]:
+    """Attention the graph computes without SDPA (`graph_inputs.is_score_softmax`: a softmax over
+    (..., A, A) scores, A a sequence length of the call; flex_attention), which `MetadataFeed`
+    refuses under packed documents and context parallelism: usp rewrites SDPA only. A sequence
+    length is an attention site's, or dim 1 of an input of two or more dims (tokens, embeddings)."""
+    lengths = [s.q_shape[-2] for s in sites]
+    for p in gm.graph.find_nodes(op="placeholder"):
+        val = node_value(p)
+        if isinstance(val, torch.Tensor) and val.dim() >= 2:
+            lengths.append(val.shape[1])
+    found = []
+    for node in (n for g in _graphs_with_bodies(gm.graph) for n in g.nodes):
+        where = source_location(node)
+        at = f" at {where}" if where else ""
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "flex_attention":
+            found.append(f"{node.name}{at}: flex_attention")
+            continue
+        is_softmax = (node.op == "call_function" and node.target in _SOFTMAX_TARGETS) or (
+            node.op == "call_method" and node.target == "softmax"
+        )
+        if not is_softmax or not node.args:
+            continue
+        x = node_value(node.args[0])
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+        if (
+            isinstance(x, torch.Tensor)
+            and isinstance(dim, int)
+            and is_score_softmax(tuple(x.shape), dim, lengths)
+        ):
+            found.append(f"{node.name}{at}: a softmax over {tuple(x.shape)} attention scores")
     return found
 
 

@@ -30,6 +30,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_tru
 from .. import graph_inputs
 from ..graph_inputs import (
     MetadataInputs,
+    attention_without_sdpa_error,
     call_tokens,
     check_token_count,
     metadata_values,
@@ -208,6 +209,7 @@ class MetadataFeed:
         kept: Sequence[AttentionSite],
         row_positions: Sequence[str] = (),
         shard_positions: Sequence[str] = (),
+        other_attention: Sequence[str] = (),
         positions: int | None = None,
         positions_by: str = "mask",
         capacity: int | None = None,
@@ -222,6 +224,7 @@ class MetadataFeed:
         self.kept = [f"{s.name} ({s.reason})" for s in kept]
         self.row_positions = list(row_positions)
         self.shard_positions = list(shard_positions)
+        self.other_attention = list(other_attention)
         self._per_row: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (b, span) -> (cu, span)
         self.batch = self.length = self.kv_length = None
         # positions: the index of the argument whose position ids define the documents outside
@@ -255,6 +258,8 @@ class MetadataFeed:
                     "documents(...) (one document per batch row)"
                 )
         packed = meta is not None or (self.mode == "inputs" and self.positions is not None)
+        if self.other_attention and (meta is not None or self.cp is not None):
+            raise attention_without_sdpa_error(f"compiled graph {self.graph}", self.other_attention)
         if self.row_positions and (packed or self.cp is not None):
             raise row_mixers_error(f"compiled graph {self.graph}", self.row_positions, cp=self.cp is not None)
         if self.shard_positions and self.cp is not None:
