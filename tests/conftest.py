@@ -77,6 +77,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # while the other finishes one long file; every other file follows, files with more tests first
 # (xdist's own default order). A name here that is gone is only skipped: the order is a hint.
 LONG_FIRST: tuple[str, ...] = (
+    "test_collective_faults.py",
+    "test_hf.py",
     "test_trace.py",
     "test_graphfile.py",
     "test_optable.py",
@@ -91,6 +93,8 @@ LONG_FIRST: tuple[str, ...] = (
     "test_cp.py",
     "test_window_cp.py",
     "test_graphfile_limits.py",
+    "test_clients.py",
+    "test_train_recipe_bad.py",
 )
 
 
