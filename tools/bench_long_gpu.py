@@ -75,8 +75,8 @@ def _kernel_class(name: str) -> str:
     return "other"
 
 
-def _profile(step, device: str) -> dict[str, float] | None:
-    """CUDA time of one step by kernel class, ms."""
+def _profile(step, device: str, top: int = 0) -> dict[str, Any] | None:
+    """CUDA time of one step by kernel class, ms (and the `top` kernels by time, with their class)."""
     if device != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -84,14 +84,21 @@ def _profile(step, device: str) -> dict[str, float] | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    out = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
+    out: dict[str, Any] = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
+    kernels = []
     for evt in prof.key_averages():
         us = getattr(evt, "self_device_time_total", None)
         if us is None:
             us = getattr(evt, "self_cuda_time_total", 0.0)
         if us:
             out[_kernel_class(evt.key)] += us / 1e3
-    return {k: round(v, 2) for k, v in out.items()}
+            kernels.append((us / 1e3, evt.count, _kernel_class(evt.key), evt.key[:120]))
+    out = {k: round(v, 2) for k, v in out.items()}
+    if top:
+        out["top"] = [
+            [round(ms, 2), n, cls, name] for ms, n, cls, name in sorted(kernels, reverse=True)[:top]
+        ]
+    return out
 
 
 def _step(model, compiled, batch: dict[str, torch.Tensor], docs: AttentionMetadata | None):
@@ -126,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--top", type=int, default=0, help="list this many kernels of the profiled step")
     p.add_argument("--quick", action="store_true", help="tiny sizes on any device (a smoke test)")
     add_json_arg(p)
     a = p.parse_args(argv)
@@ -204,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 record["loss"] = float(losses[-1])
                 if not a.no_profile:
-                    record["profile_ms"] = _profile(step, device)
+                    record["profile_ms"] = _profile(step, device, a.top)
             except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
                 record["error"] = f"{type(e).__name__}: {e}"[:1500]
             del compiled, model
