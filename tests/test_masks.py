@@ -274,3 +274,41 @@ def test_verify_never_runs_a_mask_subgraph(monkeypatch):
     monkeypatch.setattr(masks_mod, "_mask_form", lambda *a: pytest.fail("verify evaluated a mask"))
     with pytest.raises(VerifyError, match="is still in the graph"):
         verify(gm)
+
+
+@pytest.mark.slow
+def test_reading_a_mask_subgraph_at_compile_time_takes_no_memory_quadratic_in_tokens():
+    """mask_form on a graph that builds a packed (1, 1, T, T) mask from position ids at T = 8192
+    (transformers' form): the subgraph runs at a probe length, so peak memory grows far less than
+    the T^2 bytes the mask itself would take (the old reading took an int64 copy: 8 T^2)."""
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from usp_graph.masks import mask_form
+T = 8192
+def build(pos):
+    seg = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    q, k = pos[:, :, None], pos[:, None, :]
+    keep = (seg[:, :, None] == seg[:, None, :]) & (k <= q) & (k > q - 100)
+    return keep[:, None]
+pos = torch.cat([torch.arange(3000), torch.arange(T - 3000)])[None]
+gm = make_fx(build, tracing_mode="fake")(pos)
+out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+out = out[0] if isinstance(out, (tuple, list)) else out
+torch.zeros(1 << 20).sum()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+form = mask_form(out, batch=1, length=T)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+assert not isinstance(form, str), form
+assert form.kind == "positions" and form.window == (99, 0), form
+print((after - before) * 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    grown = int(out.stdout.split()[-1])
+    assert grown < 8192 * 8192 // 8, (
+        f"peak memory grew {grown} bytes reading a {8192 * 8192}-byte mask's subgraph"
+    )

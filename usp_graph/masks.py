@@ -419,6 +419,9 @@ def _evaluator(gm: fx.GraphModule, nodes: list[fx.Node], leaves: list[fx.Node], 
 # that is as small.
 _PROBE_MIN = 64
 _PROBE_ELEMS = 1 << 26
+# Constants this close to the step's length are that length plus an offset (a decomposed diff
+# slices [1, L + 1)), and move with it to the probe.
+_NEAR = 8
 
 
 def _int_constants(nodes: list[fx.Node]) -> set[int]:
@@ -441,11 +444,16 @@ def _int_constants(nodes: list[fx.Node]) -> set[int]:
     return found
 
 
+def _moved(c: int, length: int, probe: int) -> int:
+    """A constant near +-length, as it reads at the probe length (the same offset, the same sign)."""
+    return (probe + abs(c) - length) * (1 if c >= 0 else -1)
+
+
 def probe_length(nodes: list[fx.Node], batch: int, length: int) -> int | None:
     """The length to evaluate a mask subgraph at: `length` itself when small, else a probe longer
     than every other integer constant of the subgraph (so a window it encodes shows as a window);
     None when no probe within `_PROBE_ELEMS` elements is both."""
-    consts = {abs(c) for c in _int_constants(nodes) if c != length}
+    consts = {abs(c) for c in _int_constants(nodes) if abs(abs(c) - length) > _NEAR}
     need = max(_PROBE_MIN, max(consts, default=0) + 3)
     if need >= length or batch * length * length <= _PROBE_ELEMS // 16:
         return length if batch * length * length <= _PROBE_ELEMS else None
@@ -549,10 +557,13 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
             f"the mask holds a constant so large that no probe of at most {_PROBE_ELEMS} elements shows the window "
             f"it encodes (reading the mask at its {length} tokens would take {batch * length * length} bytes)"
         )
-    sizes = {length: probe} if probe != length else None
+    sizes = None
+    if probe != length:
+        sizes = {c: _moved(c, length, probe) for c in _int_constants(nodes) if abs(abs(c) - length) <= _NEAR}
+        sizes[length] = probe
     for leaf, value in fixed.items():
-        if type(value) is int and value == length and not isinstance(value, bool):
-            fixed[leaf] = probe
+        if type(value) is int and abs(abs(value) - length) <= _NEAR and sizes:
+            fixed[leaf] = _moved(value, length, probe)
     evaluate = _evaluator(gm, nodes, leaves, mask, sizes)
     length = probe
 
