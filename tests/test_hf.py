@@ -250,7 +250,9 @@ def test_sdpa_models_repeating_kv_heads_are_rewritten_to_read_the_unrepeated_hea
     got = grads(model)
     [report] = reports
     assert len(report.rewritten) == 2
-    assert all("x(1, 2, 32, 8)x(1, 2, 32, 8)" in s and "gqa=True" in s for s in report.rewritten), report.rewritten
+    assert all("x(1, 2, 32, 8)x(1, 2, 32, 8)" in s and "gqa=True" in s for s in report.rewritten), (
+        report.rewritten
+    )
     with attention_mode():
         ref = lm_forward(model, ids, pos)
         weighted_loss(ref).backward()
