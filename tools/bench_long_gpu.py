@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from bench_hf_gpu import _batch  # the same packed row: ids, restarting positions, in-document labels
 from harness import Results, add_json_arg, stopwatch, time_ms
 
 import usp_graph
@@ -51,19 +52,6 @@ def _mean_doc(tokens: int) -> int:
     return {8192: 1024, 32768: 2048, 65536: 4096, 131072: 8192, 262144: 16384}.get(
         tokens, max(1, tokens // 8)
     )
-
-
-def _batch(lengths: list[int], vocab: int, device: str) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    tokens = sum(lengths)
-    ids = torch.randint(0, vocab, (tokens,), generator=gen)
-    pos = torch.cat([torch.arange(n) for n in lengths])
-    labels = torch.full((tokens,), -100)
-    start = 0
-    for n in lengths:  # next-token targets within each document
-        labels[start : start + n - 1] = ids[start + 1 : start + n]
-        start += n
-    return {k: v[None].to(device) for k, v in (("input_ids", ids), ("position_ids", pos), ("labels", labels))}
 
 
 def _kernel_class(name: str) -> str:
