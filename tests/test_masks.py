@@ -312,3 +312,19 @@ print((after - before) * 1024)
     assert grown < 8192 * 8192 // 8, (
         f"peak memory grew {grown} bytes reading a {8192 * 8192}-byte mask's subgraph"
     )
+
+
+def test_a_mask_from_a_padding_attention_mask_is_refused_naming_the_padding():
+    """A padded batch: transformers ANDs the caller's attention_mask into its mask. The reason
+    names the padding mask (not "not causal ...", not a missing argument)."""
+
+    def fn(q, pos, attention_mask):
+        keep = _packed_mask(pos) & attention_mask[:, None, None, :].bool()
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=keep)
+
+    q = torch.randn(B, H, L, K)
+    padding = torch.ones(B, L, dtype=torch.long)
+    padding[1, :3] = 0
+    gm = make_fx(fn, tracing_mode="symbolic", pre_dispatch=True)(q, POS, padding)
+    (site,) = find_sites(gm)
+    assert not site.rewritable and "padding attention_mask" in site.reason, site.reason

@@ -529,6 +529,13 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
         elif isinstance(val, (int, float, bool)):
             fixed[leaf] = val
         elif isinstance(val, Tensor):
+            if "attention_mask" in leaf.name.lower():  # the caller's padding mask, by its argument's name
+                return (
+                    f"the mask depends on the padding attention_mask ({leaf.name}, {val.dtype}, "
+                    f"{tuple(val.shape)}): usp_graph attends within packed documents and keeps no padding; pack "
+                    "the documents into rows with position ids (e.g. DataCollatorWithFlattening) and pass no "
+                    "attention_mask"
+                )
             if leaf.op == "placeholder" and val.dim() == 4 and _hint(val.shape[-1]) == length:
                 return (
                     f"the mask depends on the values of input {leaf.name} ({val.dtype}, {tuple(val.shape)}), a mask "
@@ -540,9 +547,9 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
                 )
             if val.is_floating_point() or val.is_complex() or val.dtype == torch.bool:
                 return (
-                    f"the mask depends on the values of input {leaf.name} ({val.dtype}), e.g. a padding mask or "
-                    "a learned bias; usp_graph rewrites masks that come from position ids only (drop the "
-                    "attention_mask argument when packing documents)"
+                    f"the mask depends on the values of input {leaf.name} ({val.dtype}), not on position ids: a "
+                    "bias or mask computed from other values (e.g. a relative position bias, or a mask made before "
+                    "a graph break); usp_graph rewrites masks built from position ids only"
                 )
             if positions is not None:
                 return f"the mask depends on two integer inputs ({positions.name}, {leaf.name})"
