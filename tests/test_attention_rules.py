@@ -69,3 +69,28 @@ def test_flex_attention_under_packed_documents_is_refused_in_eager():
     model = _model("flex_attention")
     with pytest.raises(Exception, match="without scaled_dot_product_attention"), torch.no_grad():
         _eager(model, True)
+
+
+def _bert(path, positions: bool):
+    model = make_lm("bert")
+    kwargs = {"position_ids": POS} if positions else {}
+    if path == "eager":
+        with attention_mode(META):
+            return model(input_ids=IDS, **kwargs).last_hidden_state
+    with documents(META):
+        return compile_usp(model)(input_ids=IDS, **kwargs).last_hidden_state
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+@pytest.mark.parametrize("positions", [False, True], ids=["own_position_table", "position_ids"])
+def test_positions_from_the_models_own_table_get_the_same_verdict_eager_and_compiled(path, positions):
+    """BERT called without position_ids embeds a slice of its position_ids buffer: positions that
+    count along the packed row, not per document. Refused under packed documents on both paths;
+    with position_ids (and its zero token_type_ids buffer) it runs."""
+    torch._dynamo.reset()
+    if positions:
+        assert _bert(path, True).shape == (1, sum(LENGTHS), 32)
+    else:
+        with pytest.raises(ValueError, match="position table"):
+            _bert(path, False)
+    torch._dynamo.reset()

@@ -270,6 +270,23 @@ def row_mixers_error(who: str, found, *, cp: bool) -> ValueError:
     )
 
 
+def counts_along_row(values: Any) -> bool:
+    """Positions that count up by one along the whole last dim (0, 1, 2, ... or from any start):
+    a position table a model keeps for itself (BERT's ``position_ids`` buffer), which under packed
+    documents does not restart at each document. Read on concrete integer values only."""
+    if not isinstance(values, torch.Tensor) or values.is_floating_point() or values.is_complex():
+        return False
+    if values.dim() == 0 or values.shape[-1] < 2 or values.dtype == torch.bool:
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    # Not `metadata._is_real`: the compile backend reads Dynamo's real example inputs while Dynamo
+    # is compiling.
+    if values.is_meta or is_fake(values) or type(values) is not torch.Tensor:
+        return False
+    return bool((values[..., 1:] - values[..., :-1] == 1).all())
+
+
 # ------------------------------------------------------------------------------------------------
 # Attention computed without SDPA: one rule, read by eager `attention_mode` (op by op) and by the
 # compiled backend (from the graph). usp_graph rewrites SDPA calls; a model that computes its

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .graph_inputs import attention_without_sdpa_error, is_score_softmax, row_mixers_error
+from .graph_inputs import attention_without_sdpa_error, counts_along_row, is_score_softmax, row_mixers_error
 from .metadata import AttentionMetadata
 from .sdpa import SDPA_OP, sdpa_to_usp
 
@@ -166,6 +166,18 @@ class _SDPAToUSP(TorchFunctionMode):
                 and not self.streams.inputs((index,))
             ):
                 self._mixes("an embedding of positions made by arange", index.shape[-1])
+            elif (
+                isinstance(index, torch.Tensor)
+                and index.dim() > 0
+                and index._base is not None
+                and index._base.numel() > index.numel()
+                and counts_along_row(index)
+            ):
+                # A slice of a longer table of positions the model keeps (BERT's position_ids
+                # buffer, used when the call passes none): counts along the row, not per document.
+                self._mixes(
+                    "an embedding of positions sliced from the model's own position table", index.shape[-1]
+                )
         elif func in _CONV1D:
             x, w = (args + (None, None))[:2]
             w = kwargs.get("weight", w)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graph_inputs import is_score_softmax
+from ..graph_inputs import counts_along_row, is_score_softmax
 from ..passes.base import PipelineRun, tag_nodes
 from ..sites import ancestors, body_call, find_sites, node_value, source_location, stream_inputs
 from .arguments import argument_names, find_argument
@@ -272,7 +272,7 @@ class _Compile:
             world=world,
             device=device,
             kept=kept,
-            row_positions=_row_position_embeddings(gm, todo),
+            row_positions=_row_position_embeddings(gm, todo, self.example_inputs),
             shard_positions=_arange_positions_in_attention(todo) if opts.cp is not None else (),
             other_attention=_attention_without_sdpa(gm, todo),
             positions=_placeholder_index(self.dynamo_gm, positions),
@@ -307,7 +307,9 @@ class _Compile:
         return _with_metadata(compiled, feed)
 
 
-def _row_position_embeddings(gm: fx.GraphModule, sites: Sequence[Any]) -> list[str]:
+def _row_position_embeddings(
+    gm: fx.GraphModule, sites: Sequence[Any], example_inputs: Sequence[Any] = ()
+) -> list[str]:
     """What mixes or counts tokens along the whole row outside attention, which packed documents
     cannot restart: embedding lookups of indices made by ``arange`` in the graph, from no input of
     the call, as long as an attention call's sequence (learned absolute positions of a model whose
@@ -319,6 +321,8 @@ def _row_position_embeddings(gm: fx.GraphModule, sites: Sequence[Any]) -> list[s
 
     lengths = [s.q_shape[-2] for s in sites] + [s.k_shape[-2] for s in sites]
     graphs = _graphs_with_bodies(gm.graph)  # a checkpointed region's body hides its ops
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    examples = dict(zip(placeholders, example_inputs, strict=False)) if example_inputs else {}
     found = []
     embeddings = [
         n for g in graphs for n in g.find_nodes(op="call_function", target=torch.nn.functional.embedding)
@@ -330,10 +334,16 @@ def _row_position_embeddings(gm: fx.GraphModule, sites: Sequence[Any]) -> list[s
             continue
         if val.dim() == 0 or not any(statically_known_true(val.shape[-1] == n) for n in lengths):
             continue
-        if stream_inputs(index) or not _made_by_arange(index):
+        if stream_inputs(index):
             continue
         where = source_location(node)
-        found.append(f"{node.name}" + (f" at {where}" if where else "") + " embeds arange positions")
+        at = f" at {where}" if where else ""
+        if _made_by_arange(index):
+            found.append(f"{node.name}{at} embeds arange positions")
+        elif any(counts_along_row(examples.get(p)) for p in ancestors([index]) if p.op == "placeholder"):
+            # From a table of positions the model keeps (BERT's position_ids buffer, sliced to the
+            # row when the call passes none): read on the table's concrete value.
+            found.append(f"{node.name}{at} embeds positions sliced from the model's own position table")
     convs = (torch.conv1d, torch.nn.functional.conv1d)
     for node in (n for g in graphs for n in g.nodes):
         if node.op != "call_function" or node.target not in convs or not node.args:
