@@ -112,6 +112,7 @@ class _SDPAToUSP(TorchFunctionMode):
         self._aranged = _Streams()
         self._row_mixers: set[tuple[str, int]] = set()  # a set: bounded however long the block
         self._lengths: set[int] = set()
+        self._inside: dict[int, bool] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -167,10 +168,13 @@ class _SDPAToUSP(TorchFunctionMode):
             ):
                 self._mixes("an embedding of positions made by arange", index.shape[-1])
             elif (
-                isinstance(index, torch.Tensor)
+                self.cp is None  # a rank's shard of the global positions counts along its shard too
+                and isinstance(index, torch.Tensor)
                 and index.dim() > 0
+                and self.streams.of(index) is not None  # sliced inside the block
                 and index._base is not None
                 and index._base.numel() > index.numel()
+                and self._documents_inside_rows(index.shape[-1])
                 and counts_along_row(index)
             ):
                 # A slice of a longer table of positions the model keeps (BERT's position_ids
@@ -209,6 +213,15 @@ class _SDPAToUSP(TorchFunctionMode):
             raise attention_without_sdpa_error(
                 "the model", [f"a softmax over {tuple(x.shape)} attention scores (matmul + softmax)"]
             )
+
+    def _documents_inside_rows(self, length: int) -> bool:
+        """Whether some document of the metadata starts inside a row of `length` tokens (then
+        positions counting along the row are wrong); one read of the boundaries per length."""
+        got = self._inside.get(length)
+        if got is None:
+            cu = self.metadata.cu_seqlens.tolist()
+            got = self._inside[length] = any(0 < c < cu[-1] and c % max(1, length) for c in cu)
+        return got
 
     def _mixes(self, what: str, length: int) -> None:
         self._row_mixers.add((what, int(length)))
