@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from .collective_args import bound as _bound  # one reading of a call's arguments by schema
 from .errors import GraphFileSchemaError, GraphReplayError
 
 __all__ = [
@@ -276,16 +277,6 @@ def allowed(name: str) -> bool:
 
 
 # ---- load-time rules on literal arguments ---------------------------------------------------------
-
-
-def _bound(target: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    params = target._schema.arguments
-    out = {a.name: v for a, v in zip([p for p in params if not p.kwarg_only], args, strict=False)}
-    out.update(kwargs)
-    for p in params:
-        if p.name not in out and p.has_default_value():
-            out[p.name] = p.default_value
-    return out
 
 
 def check_static(name: str, target: Any, args: Sequence[Any], kwargs: dict[str, Any], where: str,
