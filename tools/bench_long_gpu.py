@@ -33,6 +33,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,6 +96,112 @@ def _profile(step, device: str, top: int = 0) -> dict[str, Any] | None:
     return out
 
 
+def _gaps(step, device: str, top: int) -> dict[str, Any] | None:
+    """Where the GPU waits during one step: the `top` longest idle gaps between device activities,
+    each with the kernel that ends it, how late the host launched that kernel (ms after the GPU
+    went idle: host-bound when positive), the runtime calls longer than 50 us inside the gap
+    (synchronizations, copies to the host) and the host ops running at the launch, outermost first."""
+    if device != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    gpu = sorted(
+        (e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"]
+    )
+    runtime = [e for e in spans if e.get("cat") == "cuda_runtime"]
+    launch = {e["args"].get("correlation"): e["ts"] for e in runtime if "args" in e}
+    ops = [e for e in spans if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
+    if not gpu:
+        return {"gaps": []}
+    gaps, busy, end = [], 0.0, gpu[0]["ts"]
+    for e in gpu:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, end, e))
+        busy += max(0.0, e["ts"] + e["dur"] - max(end, e["ts"]))
+        end = max(end, e["ts"] + e["dur"])
+    out: dict[str, Any] = {
+        "span_ms": round((end - gpu[0]["ts"]) / 1e3, 2),
+        "busy_ms": round(busy / 1e3, 2),
+        "idle_ms": round(sum(g for g, _, _ in gaps) / 1e3, 2),
+        "gaps_over_0.1ms": sum(1 for g, _, _ in gaps if g > 100),
+    }
+    listed = []
+    for gap, start, nxt in sorted(gaps, key=lambda g: -g[0])[:top]:
+        at = launch.get(nxt.get("args", {}).get("correlation"), nxt["ts"])
+        syncs = sorted(
+            {
+                f"{e['name']} {e['dur'] / 1e3:.2f}ms"
+                for e in runtime
+                if e["dur"] > 50 and e["ts"] < nxt["ts"] and e["ts"] + e["dur"] > start
+            }
+        )
+        stack = sorted((e for e in ops if e["ts"] <= at <= e["ts"] + e["dur"]), key=lambda e: -e["dur"])
+        listed.append(
+            {
+                "ms": round(gap / 1e3, 3),
+                "next": nxt["name"][:80],
+                "host_late_ms": round((at - start) / 1e3, 3),
+                "runtime": syncs[:4],
+                "host": [e["name"][:60] for e in stack][:6],
+            }
+        )
+    out["gaps"] = listed
+    return out
+
+
+def _memory_at_peak(step, device: str, top: int) -> dict[str, Any] | None:
+    """What is live at the peak of one step: allocated memory before the step, the step's peak, and
+    the `top` largest groups of blocks live at the peak by where they were allocated (the innermost
+    frames outside torch's own dispatch code), GiB."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snap["device_traces"][torch.cuda.current_device()]
+    live: dict[int, tuple[int, str]] = {}
+    now = peak = 0
+    peak_live: dict[int, tuple[int, str]] = {}
+
+    def where(frames: list[dict[str, Any]]) -> str:
+        keep = [
+            f for f in frames
+            if not any(s in f["filename"] for s in ("torch/_ops.py", "torch/utils/", "torch/_tensor.py", "torch/_prims", "torch/_refs", "torch/_decomp"))
+        ]  # fmt: skip
+        return " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in keep[:3]) or "?"
+
+    for e in trace:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], where(e.get("frames", [])))
+            now += e["size"]
+            if now > peak:
+                peak, peak_live = now, dict(live)
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            now -= live.pop(e["addr"])[0]
+    groups: dict[str, int] = {}
+    for size, at in peak_live.values():
+        groups[at] = groups.get(at, 0) + size
+    return {
+        "before_gib": round(base / 2**30, 2),
+        "step_peak_over_before_gib": round(peak / 2**30, 2),
+        "top": [[round(b / 2**30, 3), at] for at, b in sorted(groups.items(), key=lambda g: -g[1])[:top]],
+    }
+
+
 def _step(model, compiled, batch: dict[str, torch.Tensor], docs: AttentionMetadata | None):
     """One train step (loss + backward), under `documents(docs)` when given."""
 
@@ -108,7 +221,7 @@ def _step(model, compiled, batch: dict[str, torch.Tensor], docs: AttentionMetada
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tokens", default="8192,32768,65536,131072,262144", help="comma-separated lengths")
+    p.add_argument("--tokens", default=None, help="comma-separated lengths (8192,32768,65536,131072,262144)")
     p.add_argument("--rows", default="flex,sdpa,usp,sdpa_usp")
     p.add_argument("--sdpa-max", type=int, default=32768, help="row sdpa only up to this many tokens")
     p.add_argument("--checkpoint-from", type=int, default=262144, help="activation checkpointing from T on")
@@ -122,16 +235,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--top", type=int, default=0, help="list this many kernels of the profiled step")
+    p.add_argument(
+        "--gaps", type=int, default=0, help="list this many GPU idle gaps of one step, with their cause"
+    )
+    p.add_argument(
+        "--memory-top", type=int, default=0, help="list this many allocation sites live at the peak"
+    )
+    p.add_argument(
+        "--repeat", type=int, default=1,
+        help="with --isolate: run every row this many times, the order reversed on every other round",
+    )  # fmt: skip
+    p.add_argument(
+        "--isolate", action=argparse.BooleanOptionalAction, default=None,
+        help="each row in a process of its own (the default on CUDA: a row's speed and peak then do not "
+        "depend on the rows before it)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny sizes on any device (a smoke test)")
     add_json_arg(p)
     a = p.parse_args(argv)
     if a.quick:
-        a.tokens, a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab = "256,512", 64, 2, 4, 2, 128, 128
+        a.tokens = a.tokens or "256,512"
+        a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab = 64, 2, 4, 2, 128, 128
         a.iters, a.warmup, a.sdpa_max, a.checkpoint_from = 2, 1, 512, 512
+    a.tokens = a.tokens or "8192,32768,65536,131072,262144"
     rows = [r for r in a.rows.split(",") if r]
     for r in rows:
         if r not in ROWS:
             p.error(f"--rows: {r!r} is not one of {', '.join(ROWS)}")
+    if a.isolate is None:
+        a.isolate = a.device == "cuda"
+    if a.isolate:
+        return _isolated(a, rows, argv if argv is not None else sys.argv[1:])
     import transformers as tf
 
     from usp_graph.ops import cudnn_kernel
@@ -201,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
                 record["loss"] = float(losses[-1])
                 if not a.no_profile:
                     record["profile_ms"] = _profile(step, device, a.top)
+                if a.gaps:
+                    record["gaps"] = _gaps(step, device, a.gaps)
+                if a.memory_top:
+                    record["memory_at_peak"] = _memory_at_peak(step, device, a.memory_top)
             except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
                 record["error"] = f"{type(e).__name__}: {e}"[:1500]
             del compiled, model
@@ -212,7 +350,81 @@ def main(argv: list[str] | None = None) -> int:
                     f"kernels {record.get('kernels')}  profile {record.get('profile_ms')}  "
                     f"(compile+warmup {record['compile_and_warmup_s']} s)"
                 )
+                for key in ("gaps", "memory_at_peak"):
+                    if record.get(key):
+                        print(f"  {row:13s} {key}: {json.dumps(record[key])}")
             out.write(settings={k: v for k, v in vars(a).items() if k != "json"}, cudnn=cudnn, **record)
+    return 0
+
+
+def _strip(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """`argv` without the options `names` (each with its value, as `--name v` or `--name=v`)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in names:
+            skip = "=" not in arg and name not in ("--isolate", "--no-isolate")
+            continue
+        out.append(arg)
+    return out
+
+
+def _isolated(a: argparse.Namespace, rows: list[str], argv: list[str]) -> int:
+    """Every (length, row) in a fresh process, `--repeat` rounds with the row order reversed on every
+    other round; each run's JSON line gains `round` and `position`, and a summary line per length
+    gives each row's median time over the rounds, its largest peak and its speed against flex."""
+    base = _strip(argv, ("--tokens", "--rows", "--repeat", "--json", "--isolate", "--no-isolate"))
+    summary = Results(a.json, bench="long_summary", device=a.device)
+    for tokens in a.tokens.split(","):
+        runs: dict[str, list[dict[str, Any]]] = {r: [] for r in rows}
+        for rnd in range(a.repeat):
+            order = rows if rnd % 2 == 0 else rows[::-1]
+            for position, row in enumerate(order):
+                with tempfile.TemporaryDirectory() as tmp:
+                    path = Path(tmp) / "row.jsonl"
+                    cmd = [
+                        sys.executable,
+                        __file__,
+                        *base,
+                        "--no-isolate",
+                        "--tokens",
+                        tokens,
+                        "--rows",
+                        row,
+                        "--json",
+                        str(path),
+                    ]
+                    done = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False)
+                    lines = path.read_text().splitlines() if path.exists() else []
+                if not lines:
+                    print(f"  {row}: the process wrote no result (exit {done.returncode})")
+                    continue
+                for line in lines:
+                    record = {**json.loads(line), "round": rnd, "position": position, "isolated": True}
+                    runs[row].append(record)
+                    if a.json is not None:
+                        with Path(a.json).open("a") as f:
+                            f.write(json.dumps(record, default=str) + "\n")
+        table = {}
+        for row, recs in runs.items():
+            ok = [r for r in recs if "ms" in r]
+            if ok:
+                table[row] = {
+                    "ms": round(statistics.median(r["ms"] for r in ok), 2),
+                    "ms_all": [r["ms"] for r in ok],
+                    "peak_gib": max(r["peak_gib"] or 0 for r in ok),
+                }
+            elif recs:
+                table[row] = {"error": recs[0].get("error", "no result")[:300]}
+        flex = table.get("flex", {}).get("ms")
+        for t in table.values():
+            if flex and "ms" in t:
+                t["x_flex"] = round(flex / t["ms"], 3)
+        print(f"T={tokens} over {a.repeat} round(s), each row in its own process: {json.dumps(table)}")
+        summary.write(tokens=int(tokens), rounds=a.repeat, rows=table)
     return 0
 
 
