@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
@@ -94,3 +96,337 @@ def test_positions_from_the_models_own_table_get_the_same_verdict_eager_and_comp
         with pytest.raises(ValueError, match="position table"):
             _bert(path, False)
     torch._dynamo.reset()
+
+
+# ---- one table of forms, both paths ---------------------------------------------------------------
+# Each decision of `usp_graph.graph_inputs` (cross- or self-attention, positions counted along the
+# row, convolutions along the sequence, attention without SDPA) in several forms, as small fp64
+# modules. Every form runs under packed documents through eager `attention_mode` and through
+# `torch.compile(backend="usp")` and must get the table's verdict on both: refused with the same
+# message class, or each document's own result (fp64, against each document run alone) and the
+# same bits on both paths.
+#
+# B batch (1), L tokens (12), D width, H heads, S key/value tokens of cross-attention
+
+L_, D_, H_ = 12, 8, 2
+DOCS = (5, 3, 4)
+KV_DOCS = (2, 4, 3)
+ROW_META = AttentionMetadata.from_lengths(DOCS, max_docs=4)
+KV_META = AttentionMetadata.from_lengths(KV_DOCS, max_docs=4)
+PACKED_POS = torch.cat([torch.arange(n) for n in DOCS])[None]
+
+CROSS = "cross-attention.*kv"
+ROW_POSITIONS = "counts or mixes tokens along the whole row.*looks up positions that count along the row"
+CONVOLUTION = "counts or mixes tokens along the whole row.*convolves along the sequence"
+NOT_SDPA = 'without scaled_dot_product_attention.*attn_implementation="usp"'
+
+
+def _heads(t):
+    return t.unflatten(-1, (H_, -1)).transpose(1, 2)
+
+
+def _attend(q, k, v, *, causal=True):
+    return (
+        F.scaled_dot_product_attention(_heads(q), _heads(k), _heads(v), is_causal=causal)
+        .transpose(1, 2)
+        .flatten(-2)
+    )
+
+
+class _QKV(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(D_, D_), nn.Linear(D_, D_), nn.Linear(D_, D_)
+
+    def forward(self, x):
+        return _attend(self.q(x), self.k(x), self.v(x))
+
+
+# -- cross- or self-attention: decided on positive evidence only (keys from part of what the
+#    queries come from); unknown provenance (an input through layout ops) is no evidence
+
+
+class _FusedProjection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D_, 3 * D_)
+
+    def forward(self, x):
+        return _attend(*self.qkv(x).chunk(3, -1))
+
+
+class _FusedPassedIn(nn.Module):
+    """q, k, v cut from one projection the caller computed: views of one input."""
+
+    def forward(self, qkv):
+        q, k, v = qkv.unflatten(-1, (3, D_)).unbind(-2)
+        return _attend(q, k, v)
+
+
+class _RawInputs(nn.Module):
+    """q, k, v handed in as three tensors: nothing says they are different streams."""
+
+    def forward(self, q, k, v):
+        return _attend(q, k, v)
+
+
+class _Modulated(_QKV):
+    """The tokens modulated by a per-sample conditioning vector (a diffusion transformer's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mod = nn.Linear(D_, D_)
+
+    def forward(self, x, c):
+        return super().forward(x * (1 + self.mod(c))[:, None])
+
+
+class _Cross(_QKV):
+    """Queries from the tokens, keys and values from a text encoder's states."""
+
+    def forward(self, x, text):
+        return _attend(self.q(x), self.k(text), self.v(text), causal=False)
+
+
+class _MemoryKeys(_QKV):
+    """Keys and values from learned memory tokens: another stream, of its own length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory = nn.Parameter(torch.randn(1, 9, D_))
+
+    def forward(self, x):
+        m = self.memory.expand(x.shape[0], -1, -1)
+        return _attend(self.q(x), self.k(m), self.v(m), causal=False)
+
+
+# -- positions counted along the row: refused whatever makes them, unless the caller passed them
+
+
+class _Positions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(64, D_), nn.Embedding(80, D_)
+        self.attn = _QKV()
+        self.register_buffer("table", torch.arange(64)[None], persistent=False)
+
+    def positions(self, ids, pos):
+        return pos
+
+    def forward(self, ids, pos=None):
+        return self.attn(self.tok(ids) + self.pos(self.positions(ids, pos)))
+
+
+class _Arange(_Positions):
+    def positions(self, ids, pos):
+        return torch.arange(ids.shape[-1])[None]
+
+
+class _ArangeOffset(_Positions):  # BART's learned positions: offset 2
+    def positions(self, ids, pos):
+        return torch.arange(ids.shape[-1]) + 2
+
+
+class _ArangeExpanded(_Positions):
+    def positions(self, ids, pos):
+        return torch.arange(ids.shape[-1], device=ids.device).expand(ids.shape)
+
+
+class _CumsumOfOnes(_Positions):
+    def positions(self, ids, pos):
+        return torch.ones_like(ids).cumsum(-1) - 1
+
+
+class _FromInputIds(_Positions):
+    """RoBERTa's create_position_ids_from_input_ids (padding index 1), here with no padding."""
+
+    def positions(self, ids, pos):
+        mask = ids.ne(1).int()
+        return (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + 1
+
+
+class _OwnTable(_Positions):  # BERT without position_ids: its buffer sliced to the row
+    def positions(self, ids, pos):
+        return self.table[:, : ids.shape[1]]
+
+
+class _OwnTableOffset(_Positions):
+    def positions(self, ids, pos):
+        return self.table[:, 3 : ids.shape[1] + 3]
+
+
+class _PassedOffset(_Positions):
+    def positions(self, ids, pos):
+        return pos + 2
+
+
+class _RotaryFromArange(nn.Module):
+    """Rotary positions from arange over the row: relative, so a document's attention does not
+    depend on where it starts. No embedding of positions, nothing to refuse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.attn = nn.Embedding(64, D_), _QKV()
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        half = D_ // H_ // 2
+        angle = torch.arange(ids.shape[-1], dtype=x.dtype)[:, None] * 0.3 ** torch.arange(half, dtype=x.dtype)
+        cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
+
+        def rotate(t):  # per head: (B, H, L, K)
+            a, b = t.chunk(2, -1)
+            return t * cos + torch.cat([-b, a], -1) * sin
+
+        q, k, v = (_heads(f(x)) for f in (self.attn.q, self.attn.k, self.attn.v))
+        out = F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)
+        return out.transpose(1, 2).flatten(-2)
+
+
+# -- convolutions: along the sequence and wider than one token mix neighbouring documents
+
+
+class _Conv1dModule(nn.Module):  # LFM2's short causal convolution
+    def __init__(self, width: int = 3, groups: int = D_) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(D_, D_, width, padding=width - 1, groups=groups)
+        self.attn = _QKV()
+
+    def forward(self, x):
+        return self.attn(self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2))
+
+
+class _FunctionalConv(nn.Module):
+    def __init__(self, conv=F.conv1d) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(D_, 1, 4))
+        self.attn, self.conv_fn = _QKV(), conv
+
+    def forward(self, x):
+        y = self.conv_fn(x.transpose(1, 2), self.weight, None, 1, 3, 1, D_)
+        return self.attn(y[..., : x.shape[1]].transpose(1, 2))
+
+
+class _ConvOverFeatures(nn.Module):
+    """A convolution along each token's features, not along the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.attn = nn.Conv1d(1, 1, 3, padding=1), _QKV()
+
+    def forward(self, x):
+        return self.attn(self.conv(x.reshape(-1, 1, D_)).reshape(x.shape))
+
+
+# -- attention computed without SDPA
+
+
+class _MatmulSoftmax(_QKV):
+    def forward(self, x):
+        q, k, v = (_heads(f(x)) for f in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2) / D_**0.5
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+        return (scores.masked_fill(causal, float("-inf")).softmax(-1) @ v).transpose(1, 2).flatten(-2)
+
+
+class _SoftmaxGate(_QKV):
+    """A softmax over features (a gate), beside SDPA: no attention scores."""
+
+    def forward(self, x):
+        return super().forward(x * torch.softmax(x, dim=-1))
+
+
+def _x(seed: int = 0, length: int = L_):
+    return torch.randn(1, length, D_, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+_IDS = torch.randint(2, 64, (1, L_), generator=torch.Generator().manual_seed(3))  # no padding index 1
+
+# name -> (module class, inputs, verdict: a message class refused, or None: each document's own result,
+# kv: whether documents(..., kv=KV_META) gives the key/value stream's documents)
+FORMS = {
+    # cross- or self-attention
+    "self_separate_projections": (_QKV, lambda: {"x": _x()}, None, False),
+    "self_fused_projection": (_FusedProjection, lambda: {"x": _x()}, None, False),
+    "self_fused_passed_in": (
+        _FusedPassedIn,
+        lambda: {"qkv": _x(1).repeat(1, 1, 3) * torch.arange(1.0, 4.0).repeat_interleave(D_)},
+        None,
+        False,
+    ),
+    "self_raw_inputs": (_RawInputs, lambda: {"q": _x(1), "k": _x(2), "v": _x(3)}, None, False),
+    "self_modulated": (_Modulated, lambda: {"x": _x(), "c": _x(4, 1)[:, 0]}, None, False),
+    "cross_without_kv": (_Cross, lambda: {"x": _x(), "text": _x(5, sum(KV_DOCS))}, CROSS, False),
+    "cross_with_kv": (_Cross, lambda: {"x": _x(), "text": _x(5, sum(KV_DOCS))}, None, True),
+    "cross_same_length_without_kv": (_Cross, lambda: {"x": _x(), "text": _x(6)}, CROSS, False),
+    "memory_keys": (_MemoryKeys, lambda: {"x": _x()}, CROSS, False),
+    # positions
+    "positions_arange": (_Arange, lambda: {"ids": _IDS}, ROW_POSITIONS, False),
+    "positions_arange_offset": (_ArangeOffset, lambda: {"ids": _IDS}, ROW_POSITIONS, False),
+    "positions_arange_expanded": (_ArangeExpanded, lambda: {"ids": _IDS}, ROW_POSITIONS, False),
+    "positions_cumsum_of_ones": (_CumsumOfOnes, lambda: {"ids": _IDS}, ROW_POSITIONS, False),
+    "positions_from_input_ids": (_FromInputIds, lambda: {"ids": _IDS}, ROW_POSITIONS, False),
+    "positions_own_table": (_OwnTable, lambda: {"ids": _IDS}, ROW_POSITIONS, False),
+    "positions_own_table_offset": (_OwnTableOffset, lambda: {"ids": _IDS}, ROW_POSITIONS, False),
+    "positions_passed": (_Positions, lambda: {"ids": _IDS, "pos": PACKED_POS}, None, False),
+    "positions_passed_offset": (_PassedOffset, lambda: {"ids": _IDS, "pos": PACKED_POS}, None, False),
+    "positions_rotary_from_arange": (_RotaryFromArange, lambda: {"ids": _IDS}, None, False),
+    # convolutions
+    "conv1d_module": (_Conv1dModule, lambda: {"x": _x()}, CONVOLUTION, False),
+    "conv1d_functional": (_FunctionalConv, lambda: {"x": _x()}, CONVOLUTION, False),
+    "conv1d_torch": (lambda: _FunctionalConv(torch.conv1d), lambda: {"x": _x()}, CONVOLUTION, False),
+    "conv1d_pointwise": (lambda: _Conv1dModule(width=1, groups=1), lambda: {"x": _x()}, None, False),
+    "conv1d_over_features": (_ConvOverFeatures, lambda: {"x": _x()}, None, False),
+    # attention without SDPA
+    "matmul_softmax": (_MatmulSoftmax, lambda: {"x": _x()}, NOT_SDPA, False),
+    "softmax_gate": (_SoftmaxGate, lambda: {"x": _x()}, None, False),
+}
+
+
+def _per_document(model, inputs, kv: bool):
+    """Each document run alone (its slice of every token input; under kv, its key document)."""
+    outs, start, kv_start = [], 0, 0
+    for i, n in enumerate(DOCS):
+        piece = {}
+        for name, t in inputs.items():
+            if name == "text" and kv:
+                piece[name] = t[:, kv_start : kv_start + KV_DOCS[i]]
+            elif name in ("c", "text"):
+                piece[name] = t
+            else:
+                piece[name] = t[:, start : start + n]
+        outs.append(model(**piece))
+        start += n
+        kv_start += KV_DOCS[i] if kv else 0
+    return torch.cat(outs, 1)
+
+
+def _run(path: str, model, inputs, kv: bool):
+    extra = {"kv": KV_META} if kv else {}
+    if path == "eager":
+        with attention_mode(ROW_META, **extra):
+            return model(**inputs)
+    compiled = compile_usp(model)
+    with documents(ROW_META, **extra):
+        return compiled(**inputs)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_each_form_gets_the_same_verdict_eager_and_compiled(form):
+    make, inputs_of, refused, kv = FORMS[form]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = make().double()
+    inputs = inputs_of()
+    got = {}
+    for path in ("eager", "compiled"):
+        if refused is not None:
+            with pytest.raises(ValueError, match=refused):
+                _run(path, model, inputs, kv)
+        else:
+            got[path] = _run(path, model, inputs, kv)
+    torch._dynamo.reset()
+    if refused is None:
+        ref = _per_document(model, inputs, kv)
+        assert (got["eager"] - ref).abs().max() <= 1e-10, form
+        assert torch.equal(got["eager"], got["compiled"]), form

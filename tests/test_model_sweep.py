@@ -246,7 +246,8 @@ def test_positions_counted_along_the_row_are_refused_under_packed_documents(cls)
     fn = compile_usp(model)
     torch.testing.assert_close(fn(ids), model(ids), rtol=0, atol=0)  # one document per row: fine
     with pytest.raises(
-        ValueError, match="counts or mixes tokens along the whole row.*embeds arange positions"
+        ValueError,
+        match="counts or mixes tokens along the whole row.*looks up positions that count along the row",
     ):
         with usp_graph.documents(meta):
             fn(ids)
@@ -259,7 +260,8 @@ def test_positions_counted_along_the_row_are_refused_under_packed_documents(cls)
         s += n
     # eager refuses the same model the same way, and runs it with the caller's positions
     with pytest.raises(
-        ValueError, match="counts or mixes tokens along the whole row.*embedding of positions"
+        ValueError,
+        match="counts or mixes tokens along the whole row.*embedding looks up positions that count",
     ):
         with usp_graph.attention_mode(meta):
             model(ids)
@@ -310,7 +312,9 @@ def test_a_convolution_along_the_sequence_is_refused_under_packed_documents(cls)
     ):
         with usp_graph.documents(AttentionMetadata.from_lengths((5, 1, 6, 4), max_docs=6)):
             fn(x)
-    with pytest.raises(ValueError, match="counts or mixes tokens along the whole row.*convolution along"):
+    with pytest.raises(
+        ValueError, match="counts or mixes tokens along the whole row.*conv1d convolves along the sequence"
+    ):
         with usp_graph.attention_mode(AttentionMetadata.from_lengths((5, 1, 6, 4), max_docs=6)):
             model(x)
     with usp_graph.attention_mode():  # one document per row
@@ -360,7 +364,7 @@ def test_row_positions_and_sequence_convolutions_are_refused_under_context_paral
         assert r.pop("sharded_positions_err") <= 1e-12, r
         for key, msg in r.items():
             what = (
-                "embedding of positions|embeds arange|reach the queries"
+                "looks up positions that count along the row|reach the queries"
                 if key.startswith("positions")
                 else "convol"
             )

@@ -19,6 +19,13 @@ inputs from here, so they name, tag, size and check them one way:
   compile backend (no capacity baked into compiled code).
 
 Placeholder names and ``meta["usp_input"]`` tags are what graph files record; they never change.
+
+It also holds the rules eager `attention_mode` and the compiled backend both decide by, each from
+the facts it can read (values op by op in eager, the graph and Dynamo's example inputs compiled):
+`is_cross_attention` (cross- or self-attention, on positive evidence only),
+`positions_count_along_row` (positions counted along the row by the model itself),
+`convolution_length` (a convolution along the sequence), `is_score_softmax` (attention computed
+without SDPA), and the refusals they lead to (`row_mixers_error`, `attention_without_sdpa_error`).
 """
 
 from __future__ import annotations
@@ -37,14 +44,26 @@ __all__ = [
     "INPUT_META",
     "MetadataInputs",
     "MetadataValues",
+    "LAYOUT_OPS",
+    "ROW_POSITIONS",
+    "SEQUENCE_CONVOLUTION",
     "add_metadata_inputs",
+    "attention_without_sdpa_error",
     "call_tokens",
     "check_token_count",
+    "convolution_length",
+    "counts_along_row",
     "find_kv_metadata_inputs",
     "find_metadata_inputs",
+    "is_cross_attention",
+    "is_row_length",
+    "is_score_softmax",
+    "known_equal",
     "metadata_symint",
     "metadata_values",
     "per_row_cu_seqlens",
+    "positions_count_along_row",
+    "row_mixers_error",
     "static_metadata_values",
 ]
 
@@ -249,31 +268,73 @@ def static_metadata_values(
     return metadata_values(fake_mode, max_seqlen=metadata.max_seqlen, cu_seqlens=cu)
 
 
-def row_mixers_error(who: str, found, *, cp: bool) -> ValueError:
-    """The refusal of what counts or mixes tokens along a whole row outside attention (positions
-    from arange, a convolution over the sequence: `found` describes each) when the row is not one
-    sequence: packed documents, or (`cp`) one rank's shard of it. Eager `attention_mode` and the
-    compiled backend both raise it."""
-    where = "; ".join(found)
-    if cp:
-        return ValueError(
-            f"context parallelism, but {who} counts or mixes tokens along the whole row outside attention ({where}): "
-            "each rank holds only its shard of the row, so positions from arange restart at 0 on every rank and a "
-            "convolution misses its neighbour's tokens; pass position_ids sharded with cp.shard (a model whose "
-            "forward takes them), or run the model without context parallelism"
-        )
-    return ValueError(
-        f"packed documents, but {who} counts or mixes tokens along the whole row outside attention ({where}), "
-        "which would not restart at each document: positions from arange rather than from the position ids, or a "
-        "convolution over the sequence; pass position_ids to a model whose forward takes them, or run it without "
-        "packed documents (outside documents(...), attention_mode without metadata), one document per batch row"
-    )
+# ------------------------------------------------------------------------------------------------
+# Rules both paths apply. Eager `attention_mode` (mode.py, op by op on concrete tensors) and the
+# compiled backend (sites.py and backend/compiler.py, from the graph and Dynamo's example inputs)
+# each gather the facts below their own way, then decide by these functions, so the same model gets
+# the same verdict (issue 30: two implementations of one rule drift apart). tests/test_attention_rules.py
+# runs one table of forms through both paths.
+
+# Ops that move or copy a tensor without mixing its tokens with anything else. A query or key that is
+# an input of the call (or a tensor from outside an attention_mode block) through these alone has no
+# provenance either path can read: lengths decide (`is_cross_attention`).
+LAYOUT_OPS = frozenset(
+    {
+        "view", "reshape", "transpose", "permute", "contiguous", "expand", "unsqueeze", "squeeze",
+        "clone", "slice", "getitem", "__getitem__", "to", "_to_copy", "flatten", "unflatten", "alias",
+        "t", "chunk", "split", "unbind", "narrow", "select", "movedim", "view_as", "reshape_as",
+        "expand_as", "detach",
+    }
+)  # fmt: skip
+
+
+def known_equal(a: Any, b: Any) -> bool:
+    """a == b provably, ints or SymInts, without adding a guard to a shape environment."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+def is_row_length(length: Any, lengths: Any) -> bool:
+    """Whether `length` is provably one of `lengths` (the token lengths of the attention calls)."""
+    return any(known_equal(length, n) for n in lengths)
+
+
+def is_cross_attention(
+    q_inputs: frozenset | None, k_inputs: frozenset | None, q_length: Any, k_length: Any
+) -> bool:
+    """Whether an attention call's keys come from another token stream than its queries.
+
+    `q_inputs` / `k_inputs`: the inputs each is computed from (graph inputs that are data, or the
+    tensors from outside an attention_mode block, by storage), or None where it is such an input
+    itself through layout ops only (`LAYOUT_OPS`), whose provenance is unknown. Self-attention
+    computes its keys from every input its queries come from (the token stream and what modulates
+    it); keys from only part of them (a text encoder's states feeding a video model's queries) are
+    cross-attention, whatever the lengths. Unknown provenance is no evidence: the lengths decide,
+    the reading SDPA's own caller gives (issue 30: q, k, v cut from one fused projection were
+    refused as cross-attention)."""
+    if q_inputs is None or k_inputs is None:
+        return not known_equal(q_length, k_length)
+    return not q_inputs <= k_inputs
+
+
+def convolution_length(x_shape: Any, w_shape: Any) -> Any | None:
+    """The length a 1-D convolution (input (B, C, L), weight (O, C/groups, K)) mixes tokens along,
+    when its kernel is wider than one (K not provably 1: a pointwise convolution mixes channels
+    only); else None. A short causal convolution of a hybrid model (LFM2's, Mamba's) along a packed
+    row mixes the end of one document into the next."""
+    if w_shape is None or x_shape is None or len(w_shape) != 3 or len(x_shape) < 2:
+        return None
+    if known_equal(w_shape[-1], 1):
+        return None
+    return x_shape[-1]
 
 
 def counts_along_row(values: Any) -> bool:
-    """Positions that count up by one along the whole last dim (0, 1, 2, ... or from any start):
-    a position table a model keeps for itself (BERT's ``position_ids`` buffer), which under packed
-    documents does not restart at each document. Read on concrete integer values only."""
+    """Positions that count up by one along the whole last dim (0, 1, 2, ... or from any start),
+    on every row. Read on concrete integer values only (False for fake, meta or float tensors)."""
     if not isinstance(values, torch.Tensor) or values.is_floating_point() or values.is_complex():
         return False
     if values.dim() == 0 or values.shape[-1] < 2 or values.dtype == torch.bool:
@@ -285,6 +346,52 @@ def counts_along_row(values: Any) -> bool:
     if values.is_meta or is_fake(values) or type(values) is not torch.Tensor:
         return False
     return bool((values[..., 1:] - values[..., :-1] == 1).all())
+
+
+def positions_count_along_row(index: Any, passed_lengths: Any, world: int = 1) -> bool:
+    """Whether an embedding lookup's concrete integer `index` is positions counted along the row by
+    the model itself, which packed documents (or a rank's shard of the row) cannot restart.
+
+    Any source: ``arange`` over the row (BART, OPT, GPT-2 without position ids), a ``cumsum`` of
+    ones (RoBERTa's positions from input ids with no padding), a slice of the model's own position
+    table (BERT's ``position_ids`` buffer), each with any offset or expansion: the values count up
+    by one along the whole row. `passed_lengths`: the row lengths of the inputs of the call the
+    index is computed from whose own values count along their row. Positions the caller passed are
+    the caller's word and never refused: an input as long as the row, or under context parallelism
+    (`world` ranks) as long as the global row, of which ``cp.shard`` takes this rank's part. A
+    model's own table is longer than the row (BERT's: max_position_embeddings)."""
+    if not counts_along_row(index):
+        return False
+    length = index.shape[-1]
+    return not any(n in (length, length * world) for n in passed_lengths)
+
+
+ROW_POSITIONS = (
+    "looks up positions that count along the row (from arange, a cumsum or the model's own position table)"
+)
+SEQUENCE_CONVOLUTION = "convolves along the sequence"
+
+
+def row_mixers_error(who: str, found, *, cp: bool) -> ValueError:
+    """The refusal of what counts or mixes tokens along a whole row outside attention (positions
+    counted along the row, a convolution over the sequence: `found` describes each) when the row
+    is not one sequence: packed documents, or (`cp`) one rank's shard of it. Eager
+    `attention_mode` and the compiled backend both raise it."""
+    where = "; ".join(found)
+    if cp:
+        return ValueError(
+            f"context parallelism, but {who} counts or mixes tokens along the whole row outside attention ({where}): "
+            "each rank holds only its shard of the row, so positions from arange restart at 0 on every rank and a "
+            "convolution misses its neighbour's tokens; pass position_ids sharded with cp.shard (a model whose "
+            "forward takes them), or run the model without context parallelism"
+        )
+    return ValueError(
+        f"packed documents, but {who} counts or mixes tokens along the whole row outside attention ({where}), "
+        "which would not restart at each document: positions counted along the row rather than the position ids "
+        "passed in, or a convolution over the sequence; pass position_ids to a model whose forward takes them, or "
+        "run it without packed documents (outside documents(...), attention_mode without metadata), one document "
+        "per batch row"
+    )
 
 
 # ------------------------------------------------------------------------------------------------

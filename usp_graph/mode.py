@@ -11,7 +11,18 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .graph_inputs import attention_without_sdpa_error, counts_along_row, is_score_softmax, row_mixers_error
+from .graph_inputs import (
+    LAYOUT_OPS,
+    ROW_POSITIONS,
+    SEQUENCE_CONVOLUTION,
+    attention_without_sdpa_error,
+    convolution_length,
+    counts_along_row,
+    is_cross_attention,
+    is_score_softmax,
+    positions_count_along_row,
+    row_mixers_error,
+)
 from .metadata import AttentionMetadata
 from .sdpa import SDPA_OP, sdpa_to_usp
 
@@ -104,15 +115,21 @@ class _SDPAToUSP(TorchFunctionMode):
         # differ: checked against the keys of each later cross-attention call (see _is_kv_stream).
         self._query_self: list[frozenset[int]] = []
         self._same = kv is None or metadata is None or _same_documents(metadata, kv)  # one check per block
-        # Under packed documents or CP: the lengths of the aranges each tensor is computed from,
-        # what counts or mixes tokens along a whole row outside attention (described, with its
-        # sequence length), and the sequence lengths attention calls ran on. Eager's reading of
-        # the compiled backend's refusals (backend/compiler.py `_row_position_embeddings`,
-        # `_arange_positions_in_attention`).
+        # Tensors moved by layout ops alone from tensors of unknown provenance (from outside the
+        # block, parameters): they have none either (`graph_inputs.is_cross_attention`).
+        self._layout_only = _Streams()
+        # Under packed documents or CP, what counts or mixes tokens along a whole row outside
+        # attention (described, with its sequence length) and the sequence lengths attention calls
+        # ran on: the rules of `graph_inputs`, which the compiled backend applies to its graph
+        # (backend/compiler.py `_row_position_embeddings`, `_arange_positions_in_attention`).
+        # `_aranged`: the lengths of the aranges a tensor is computed from (positions counted over
+        # a rank's shard); `_counting`: the row lengths of the tensors from outside the block whose
+        # values count along their row (the caller's position ids) a tensor is computed from.
         self._aranged = _Streams()
+        self._counting = _Streams()
+        self._outside_counts: dict[int, tuple[weakref.ref, int | None]] = {}
         self._row_mixers: set[tuple[str, int]] = set()  # a set: bounded however long the block
         self._lengths: set[int] = set()
-        self._inside: dict[int, bool] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -130,9 +147,14 @@ class _SDPAToUSP(TorchFunctionMode):
         if self.track:
             self._follow_rows(func, args, kwargs, out)
             roots = self.streams.inputs(args) | self.streams.inputs(kwargs.values())
+            name = getattr(func, "__name__", "")
+            unknown = name in LAYOUT_OPS and all(
+                self._provenance(t) is None for t in _tensors((*args, *kwargs.values()))
+            )
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 self.streams.note(t, roots)
-            name = getattr(func, "__name__", "")
+                if unknown:
+                    self._layout_only.note(t, frozenset())
             if args and isinstance(args[0], torch.Tensor) and (name == "__setitem__" or _in_place(name)):
                 # A write into a tensor (or a view of it: t[..., :k].copy_(x)) adds what it writes
                 # to what the tensor, and the tensor it views, hold.
@@ -143,55 +165,61 @@ class _SDPAToUSP(TorchFunctionMode):
         return out
 
     def _follow_rows(self, func, args, kwargs, out) -> None:
-        """Record what counts or mixes tokens along the row: an embedding of positions made by
-        `arange` from no outside tensor, a 1-D convolution wider than one along the sequence."""
-        # `_aranged` roots: the lengths of the aranges a tensor is computed from. Positions built
-        # per document (a cat of aranges) have a length of their own, not the row's.
+        """Record what counts or mixes tokens along the row (`graph_inputs.positions_count_along_row`,
+        `graph_inputs.convolution_length`), and the facts those rules read."""
         name = getattr(func, "__name__", "")
+        tensors = list(_tensors((*args, *kwargs.values())))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
         if name == "arange" and isinstance(out, torch.Tensor):
             self._aranged.note(out, frozenset({out.numel()}))
         else:
-            lengths = frozenset().union(
-                *(r for r in map(self._aranged.of, _tensors((*args, *kwargs.values()))) if r is not None)
-            )
+            lengths = frozenset().union(*(r for r in map(self._aranged.of, tensors) if r is not None))
             if lengths:
-                for t in out if isinstance(out, (tuple, list)) else (out,):
+                for t in outs:
                     self._aranged.note(t, lengths)
+        counting = frozenset().union(*(self._counting_lengths(t) for t in tensors))
+        if counting:
+            for t in outs:
+                self._counting.note(t, counting)
         if func in _EMBEDDINGS:
             index = args[0] if args else kwargs.get("input")
-            if (
-                isinstance(index, torch.Tensor)
-                and index.dim() > 0
-                and not index.is_floating_point()
-                and index.shape[-1] in (self._aranged.of(index) or ())
-                and not self.streams.inputs((index,))
-            ):
-                self._mixes("an embedding of positions made by arange", index.shape[-1])
-            elif (
-                self.cp is None  # a rank's shard of the global positions counts along its shard too
-                and isinstance(index, torch.Tensor)
-                and index.dim() > 0
-                and self.streams.of(index) is not None  # sliced inside the block
-                and index._base is not None
-                and index._base.numel() > index.numel()
-                and self._documents_inside_rows(index.shape[-1])
-                and counts_along_row(index)
-            ):
-                # A slice of a longer table of positions the model keeps (BERT's position_ids
-                # buffer, used when the call passes none): counts along the row, not per document.
-                self._mixes(
-                    "an embedding of positions sliced from the model's own position table", index.shape[-1]
-                )
+            if isinstance(index, torch.Tensor) and index.dim() > 0:
+                world = self.cp.world if self.cp is not None else 1
+                if positions_count_along_row(index, self._counting_lengths(index), world):
+                    self._mixes(f"an embedding {ROW_POSITIONS}", index.shape[-1])
         elif func in _CONV1D:
             x, w = (args + (None, None))[:2]
             w = kwargs.get("weight", w)
-            if (
-                isinstance(x, torch.Tensor)
-                and isinstance(w, torch.Tensor)
-                and w.dim() == 3
-                and w.shape[-1] > 1
-            ):
-                self._mixes("a convolution along the sequence", x.shape[-1])
+            if isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor):
+                length = convolution_length(tuple(x.shape), tuple(w.shape))
+                if length is not None:
+                    self._mixes(f"conv1d {SEQUENCE_CONVOLUTION}", length)
+
+    def _counting_lengths(self, t: torch.Tensor) -> frozenset[int]:
+        """The row lengths of the tensors from outside the block whose values count along their row
+        that `t` is computed from (itself, when it is one)."""
+        made = self._counting.of(t)
+        if made is not None:
+            return made
+        if self.streams.of(t) is not None or isinstance(t, torch.nn.Parameter) or t.is_floating_point():
+            return frozenset()
+        entry = self._outside_counts.get(id(t))
+        if entry is None or entry[0]() is not t:
+            try:
+                entry = (weakref.ref(t), t.shape[-1] if counts_along_row(t) else None)
+            except TypeError:
+                return frozenset()
+            if len(self._outside_counts) > 1024:
+                self._outside_counts = {k: v for k, v in self._outside_counts.items() if v[0]() is not None}
+            self._outside_counts[id(t)] = entry
+        return frozenset() if entry[1] is None else frozenset({int(entry[1])})
+
+    def _provenance(self, t: torch.Tensor) -> frozenset[int] | None:
+        """The roots `graph_inputs.is_cross_attention` reads: None for a tensor from outside the
+        block, or moved from such tensors by layout ops alone."""
+        if self._layout_only.of(t) is not None:
+            return None
+        return self.streams.of(t)
 
     def _refuse_other_attention(self, func, args, kwargs) -> None:
         """Under packed documents, attention not computed by SDPA (`graph_inputs.is_score_softmax`,
@@ -213,15 +241,6 @@ class _SDPAToUSP(TorchFunctionMode):
             raise attention_without_sdpa_error(
                 "the model", [f"a softmax over {tuple(x.shape)} attention scores (matmul + softmax)"]
             )
-
-    def _documents_inside_rows(self, length: int) -> bool:
-        """Whether some document of the metadata starts inside a row of `length` tokens (then
-        positions counting along the row are wrong); one read of the boundaries per length."""
-        got = self._inside.get(length)
-        if got is None:
-            cu = self.metadata.cu_seqlens.tolist()
-            got = self._inside[length] = any(0 < c < cu[-1] and c % max(1, length) for c in cu)
-        return got
 
     def _mixes(self, what: str, length: int) -> None:
         self._row_mixers.add((what, int(length)))
@@ -300,12 +319,11 @@ class _SDPAToUSP(TorchFunctionMode):
             )
 
     def _is_cross(self, query, key) -> bool:
-        """The eager reading of `sites.is_cross_attention`: keys computed from only part of what
-        the queries come from; keys or queries handed in from outside say nothing (lengths decide)."""
-        q_roots, k_roots = self.streams.of(query), self.streams.of(key)
-        if q_roots is None or k_roots is None:
-            return query.shape[-2] != key.shape[-2]
-        return not q_roots <= k_roots
+        """`graph_inputs.is_cross_attention`, on the provenance followed op by op (the compiled
+        backend reads it from the graph: `sites.is_cross_attention`)."""
+        return is_cross_attention(
+            self._provenance(query), self._provenance(key), query.shape[-2], key.shape[-2]
+        )
 
 
 def _bind_window_sdpa(args, kwargs) -> list:

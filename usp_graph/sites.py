@@ -28,6 +28,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .graph_inputs import LAYOUT_OPS, known_equal
+from .graph_inputs import is_cross_attention as cross_attention_rule
 from .masks import MaskForm, mask_form
 from .sdpa import SDPA_OP
 
@@ -176,13 +178,7 @@ def _shape(node: Any) -> tuple[Any, ...] | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def _known_equal(a: Any, b: Any) -> bool:
-    """a == b provably (without adding a guard to a shape environment)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return bool(statically_known_true(a == b))
+_known_equal = known_equal
 
 
 def _site(node: fx.Node, form: str, read_masks: bool = True) -> AttentionSite:
@@ -366,35 +362,19 @@ def _int(x: Any) -> int | None:
     return int(x)
 
 
-# Ops that move a tensor without mixing its tokens with anything: a key that is one of the graph's
-# inputs through these alone belongs to no stream the graph can see.
-_LAYOUT = {
-    "view",
-    "reshape",
-    "transpose",
-    "permute",
-    "contiguous",
-    "expand",
-    "unsqueeze",
-    "squeeze",
-    "clone",
-    "slice",
-    "getitem",
-    "to",
-    "_to_copy",
-    "flatten",
-    "unflatten",
-    "alias",
-    "t",
-}
-
-
 def _strip_layout(node: Any) -> Any:
-    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method"):
+    """The node `node` moves or copies through layout ops alone (`graph_inputs.LAYOUT_OPS`), into
+    the outer graph from a checkpointed region's inputs."""
+    while isinstance(node, fx.Node):
+        if node.op == "placeholder" and isinstance(node.meta.get("usp_outer"), fx.Node):
+            node = node.meta["usp_outer"]
+            continue
+        if node.op not in ("call_function", "call_method"):
+            break
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         if isinstance(node.target, torch._ops.OpOverload):
             name = node.target._opname
-        if name not in _LAYOUT or not node.args or not isinstance(node.args[0], fx.Node):
+        if name not in LAYOUT_OPS or not node.args or not isinstance(node.args[0], fx.Node):
             break
         node = node.args[0]
     return node
@@ -490,29 +470,29 @@ def _writes_into(node: fx.Node) -> list[fx.Node]:
             name = _op_name(user)
             if user.target is operator.setitem or (name.endswith("_") and not name.endswith("__")):
                 writes.append(user)
-            elif name in _LAYOUT:
+            elif name in LAYOUT_OPS:
                 stack.append(user)
     return writes
 
 
-def is_cross_attention(query: Any, key: Any) -> bool:
-    """Whether the keys come from another token stream than the queries, by data flow.
+def provenance(node: Any) -> frozenset[fx.Node] | None:
+    """The data inputs of the graph `node` is computed from (`stream_inputs`), or None when it is an
+    input itself through layout ops only (its provenance is unknown): the facts
+    `graph_inputs.is_cross_attention` decides from, read from the graph."""
+    if not isinstance(node, fx.Node) or _strip_layout(node).op == "placeholder":
+        return None
+    return stream_inputs(node)
 
-    Self-attention computes its keys from every input its queries come from (the token stream,
-    and what modulates it); keys computed from only part of them (a text encoder's states feeding
-    a video model's queries) are cross-attention, whatever the lengths. Keys handed to the graph
-    as an input (through layout ops only) say nothing: they count as self-attention when the
-    lengths are equal, the reading SDPA's caller gives them."""
+
+def is_cross_attention(query: Any, key: Any) -> bool:
+    """Whether the keys come from another token stream than the queries, by data flow: the graph's
+    reading of `graph_inputs.is_cross_attention` (eager `attention_mode` reads it op by op)."""
     if not isinstance(query, fx.Node) or not isinstance(key, fx.Node):
         return False
-    q0, k0 = _strip_layout(query), _strip_layout(key)
-    k_ins = stream_inputs(key)
-    if q0.op == "placeholder" or k0.op == "placeholder":
-        qv, kv = node_value(query), node_value(key)
-        if isinstance(qv, torch.Tensor) and isinstance(kv, torch.Tensor):
-            return not _known_equal(qv.shape[-2], kv.shape[-2])
+    qv, kv = node_value(query), node_value(key)
+    if not isinstance(qv, torch.Tensor) or not isinstance(kv, torch.Tensor):
         return False
-    return not stream_inputs(query) <= k_ins
+    return cross_attention_rule(provenance(query), provenance(key), qv.shape[-2], kv.shape[-2])
 
 
 # Higher-order ops whose first argument is a body graph called with the remaining arguments

@@ -33,7 +33,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..graph_inputs import counts_along_row, is_score_softmax
+from ..graph_inputs import (
+    ROW_POSITIONS,
+    SEQUENCE_CONVOLUTION,
+    convolution_length,
+    counts_along_row,
+    is_row_length,
+    is_score_softmax,
+    positions_count_along_row,
+)
 from ..passes.base import PipelineRun, tag_nodes
 from ..sites import ancestors, body_call, find_sites, node_value, source_location, stream_inputs
 from .arguments import argument_names, find_argument
@@ -272,7 +280,7 @@ class _Compile:
             world=world,
             device=device,
             kept=kept,
-            row_positions=_row_position_embeddings(gm, todo, self.example_inputs),
+            row_positions=_row_position_embeddings(gm, todo, self.example_inputs, world=world),
             shard_positions=_arange_positions_in_attention(todo) if opts.cp is not None else (),
             other_attention=_attention_without_sdpa(gm, todo),
             positions=_placeholder_index(self.dynamo_gm, positions),
@@ -308,21 +316,25 @@ class _Compile:
 
 
 def _row_position_embeddings(
-    gm: fx.GraphModule, sites: Sequence[Any], example_inputs: Sequence[Any] = ()
+    gm: fx.GraphModule, sites: Sequence[Any], example_inputs: Sequence[Any] = (), *, world: int = 1
 ) -> list[str]:
-    """What mixes or counts tokens along the whole row outside attention, which packed documents
-    cannot restart: embedding lookups of indices made by ``arange`` in the graph, from no input of
-    the call, as long as an attention call's sequence (learned absolute positions of a model whose
-    forward takes no position ids, e.g. BART's), and 1-D convolutions with a kernel wider than one
-    along such a sequence (the short causal convolutions of hybrid models, e.g. LFM2's). Packed
-    documents would leak across their boundaries: `MetadataFeed` refuses them. Described as
-    ``name at file:line`` and what it does."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    """What counts or mixes tokens along the whole row outside attention, which packed documents
+    (and a rank's shard of the row) cannot restart, read from the graph for the rules of
+    `usp_graph.graph_inputs` (eager `attention_mode` applies the same ones op by op):
 
+    - an embedding lookup, its index as long as an attention call's sequence, whose values on the
+      call's example inputs count along the row (`graph_inputs.positions_count_along_row`: arange,
+      a cumsum of ones, a slice of the model's own position table, with any offset), unless an
+      input they come from counts so itself (the caller's position ids);
+    - a 1-D convolution with a kernel wider than one along such a sequence
+      (`graph_inputs.convolution_length`: the short causal convolutions of hybrid models, LFM2's).
+
+    `MetadataFeed` refuses them under packed documents and context parallelism. Described as
+    ``name at file:line`` and what it does."""
     lengths = [s.q_shape[-2] for s in sites] + [s.k_shape[-2] for s in sites]
     graphs = _graphs_with_bodies(gm.graph)  # a checkpointed region's body hides its ops
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    examples = dict(zip(placeholders, example_inputs, strict=False)) if example_inputs else {}
+    concrete = _Concrete(dict(zip(placeholders, example_inputs, strict=False)) if example_inputs else {})
     found = []
     embeddings = [
         n for g in graphs for n in g.find_nodes(op="call_function", target=torch.nn.functional.embedding)
@@ -332,32 +344,78 @@ def _row_position_embeddings(
         val = node_value(index)
         if not isinstance(index, fx.Node) or not isinstance(val, torch.Tensor) or val.is_floating_point():
             continue
-        if val.dim() == 0 or not any(statically_known_true(val.shape[-1] == n) for n in lengths):
+        if val.dim() == 0 or not is_row_length(val.shape[-1], lengths):
             continue
-        if stream_inputs(index):
-            continue
-        where = source_location(node)
-        at = f" at {where}" if where else ""
-        if _made_by_arange(index):
-            found.append(f"{node.name}{at} embeds arange positions")
-        elif any(counts_along_row(examples.get(p)) for p in ancestors([index]) if p.op == "placeholder"):
-            # From a table of positions the model keeps (BERT's position_ids buffer, sliced to the
-            # row when the call passes none): read on the table's concrete value.
-            found.append(f"{node.name}{at} embeds positions sliced from the model's own position table")
+        passed = {x.shape[-1] for p in stream_inputs(index) if counts_along_row(x := concrete.input(p))}
+        if positions_count_along_row(concrete(index), passed, world):
+            where = source_location(node)
+            found.append(f"{node.name}" + (f" at {where}" if where else "") + f" {ROW_POSITIONS}")
     convs = (torch.conv1d, torch.nn.functional.conv1d)
     for node in (n for g in graphs for n in g.nodes):
         if node.op != "call_function" or node.target not in convs or not node.args:
             continue
         x = node_value(node.args[0])
         w = node_value(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"))
-        if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or w.dim() != 3:
+        if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
             continue
-        if statically_known_true(w.shape[-1] == 1):
-            continue  # a pointwise convolution mixes channels only
-        if any(statically_known_true(x.shape[-1] == n) for n in lengths):
+        length = convolution_length(tuple(x.shape), tuple(w.shape))
+        if length is not None and is_row_length(length, lengths):
             where = source_location(node)
-            found.append(f"{node.name}" + (f" at {where}" if where else "") + " convolves along the sequence")
+            found.append(f"{node.name}" + (f" at {where}" if where else "") + f" {SEQUENCE_CONVOLUTION}")
     return found
+
+
+class _Concrete:
+    """Concrete values of small subgraphs, computed from the example inputs Dynamo compiles with
+    (real tensors): what eager `attention_mode` sees as values, for the rules that read values
+    (`graph_inputs.positions_count_along_row`). None where a value cannot be had cheaply and
+    safely: an op writing in place, a higher-order op, a subgraph of more than `budget` nodes."""
+
+    def __init__(self, examples: Mapping[fx.Node, Any], budget: int = 96) -> None:
+        self.values: dict[fx.Node, Any] = {}
+        for p, x in examples.items():
+            if isinstance(x, torch.SymInt):
+                x = _hint(x)
+            self.values[p] = x
+        self.budget = budget
+
+    def input(self, node: fx.Node) -> Any:
+        return self.values.get(node)
+
+    def __call__(self, node: fx.Node) -> Any:
+        try:
+            with torch.no_grad():
+                return self._eval(node, [self.budget])
+        except Exception:  # no value: no evidence either way
+            return None
+
+    def _eval(self, node: Any, budget: list[int]) -> Any:
+        if not isinstance(node, fx.Node):
+            return node
+        if node in self.values:
+            return self.values[node]
+        if node.op == "placeholder":
+            outer = node.meta.get("usp_outer")
+            if not isinstance(outer, fx.Node):
+                raise LookupError(node.name)
+            value = self._eval(outer, budget)
+        elif node.op in ("call_function", "call_method"):
+            budget[0] -= 1
+            name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+            if budget[0] < 0 or isinstance(node.target, torch._ops.HigherOrderOperator):
+                raise LookupError(node.name)
+            if name.endswith("_") and not name.endswith("__"):
+                raise LookupError(node.name)
+            args = fx.node.map_arg(node.args, lambda n: self._eval(n, budget))
+            kwargs = fx.node.map_arg(node.kwargs, lambda n: self._eval(n, budget))
+            if node.op == "call_function":
+                value = node.target(*args, **kwargs)
+            else:
+                value = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            raise LookupError(node.name)
+        self.values[node] = value
+        return value
 
 
 _SOFTMAX_TARGETS = {torch.softmax, torch.nn.functional.softmax, torch.special.softmax, torch._softmax}
@@ -436,11 +494,6 @@ def _arange_positions_in_attention(sites: Sequence[Any]) -> list[str]:
 
 def _is_arange(n: fx.Node) -> bool:
     return n.target is torch.arange or getattr(n.target, "__name__", "").startswith("arange")
-
-
-def _made_by_arange(node: fx.Node) -> bool:
-    """Whether `node` is computed from an ``arange`` (through checkpoint bodies to their operands)."""
-    return any(n.op == "call_function" and _is_arange(n) for n in ancestors([node]))
 
 
 def _positions_input(gm: fx.GraphModule, sites: Sequence[Any], opts: UspOptions, name: str) -> fx.Node | None:
