@@ -117,6 +117,9 @@ PACKED_POS = torch.cat([torch.arange(n) for n in DOCS])[None]
 
 CROSS = "cross-attention.*kv"
 ROW_POSITIONS = "counts or mixes tokens along the whole row.*looks up positions that count along the row"
+POSITIONS_IN_ATTENTION = (
+    "counts or mixes tokens along the whole row.*counts positions along the row that reach the queries"
+)
 CONVOLUTION = "counts or mixes tokens along the whole row.*convolves along the sequence"
 NOT_SDPA = 'without scaled_dot_product_attention.*attn_implementation="usp"'
 
@@ -260,18 +263,20 @@ class _PassedOffset(_Positions):
         return pos + 2
 
 
-class _RotaryFromArange(nn.Module):
-    """Rotary positions from arange over the row: relative, so a document's attention does not
-    depend on where it starts. No embedding of positions, nothing to refuse."""
+class _Rotary(nn.Module):
+    """Rotary positions (relative in exact arithmetic) from the position ids passed in."""
 
     def __init__(self) -> None:
         super().__init__()
         self.tok, self.attn = nn.Embedding(64, D_), _QKV()
 
-    def forward(self, ids):
+    def positions(self, ids, pos):
+        return pos
+
+    def forward(self, ids, pos=None):
         x = self.tok(ids)
         half = D_ // H_ // 2
-        angle = torch.arange(ids.shape[-1], dtype=x.dtype)[:, None] * 0.3 ** torch.arange(half, dtype=x.dtype)
+        angle = self.positions(ids, pos)[0].to(x.dtype)[:, None] * 0.3 ** torch.arange(half, dtype=x.dtype)
         cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
 
         def rotate(t):  # per head: (B, H, L, K)
@@ -281,6 +286,32 @@ class _RotaryFromArange(nn.Module):
         q, k, v = (_heads(f(x)) for f in (self.attn.q, self.attn.k, self.attn.v))
         out = F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)
         return out.transpose(1, 2).flatten(-2)
+
+
+class _RotaryFromArange(_Rotary):
+    """A decoder called without position ids counts its rotary positions along the row."""
+
+    def positions(self, ids, pos):
+        return torch.arange(ids.shape[-1])[None]
+
+
+class _RotaryFromFloatArange(_Rotary):
+    def positions(self, ids, pos):
+        return torch.arange(ids.shape[-1], dtype=torch.float64)[None]
+
+
+class _ArangeAsIndex(_QKV):
+    """An arange over the row used to select tokens (a packed layout's permutation, here the
+    identity), not as positions: it reaches the queries only as an index."""
+
+    def __init__(self, getitem: bool = False) -> None:
+        super().__init__()
+        self.getitem = getitem
+
+    def forward(self, x):
+        order = torch.arange(x.shape[1])
+        perm = torch.zeros_like(order).scatter(0, order, order)
+        return super().forward(x[:, perm] if self.getitem else x.index_select(1, perm))
 
 
 # -- convolutions: along the sequence and wider than one token mix neighbouring documents
@@ -370,7 +401,16 @@ FORMS = {
     "positions_own_table_offset": (_OwnTableOffset, lambda: {"ids": _IDS}, ROW_POSITIONS, False),
     "positions_passed": (_Positions, lambda: {"ids": _IDS, "pos": PACKED_POS}, None, False),
     "positions_passed_offset": (_PassedOffset, lambda: {"ids": _IDS, "pos": PACKED_POS}, None, False),
-    "positions_rotary_from_arange": (_RotaryFromArange, lambda: {"ids": _IDS}, None, False),
+    "positions_rotary_passed": (_Rotary, lambda: {"ids": _IDS, "pos": PACKED_POS}, None, False),
+    "positions_rotary_from_arange": (_RotaryFromArange, lambda: {"ids": _IDS}, POSITIONS_IN_ATTENTION, False),
+    "positions_rotary_from_float_arange": (
+        _RotaryFromFloatArange,
+        lambda: {"ids": _IDS},
+        POSITIONS_IN_ATTENTION,
+        False,
+    ),
+    "arange_as_index_select": (_ArangeAsIndex, lambda: {"x": _x()}, None, False),
+    "arange_as_getitem_index": (lambda: _ArangeAsIndex(getitem=True), lambda: {"x": _x()}, None, False),
     # convolutions
     "conv1d_module": (_Conv1dModule, lambda: {"x": _x()}, CONVOLUTION, False),
     "conv1d_functional": (_FunctionalConv, lambda: {"x": _x()}, CONVOLUTION, False),

@@ -170,6 +170,31 @@ def test_bart_packed_documents_with_gradient_checkpointing():
 
     row = sweep_one("bart_nopos")
     assert row["packed"][0] == "ok" and row["bitwise"][0] == "ok" and row["ckpt"][0] == "ok", row
+    # the sweep's columns for issue 30: every graph file of the compile dump written; attention
+    # computed without SDPA refused on both paths; no position_ids argument to leave out
+    assert row["dumps"][0] == "ok" and row["dumps"][1] >= 3, row["dumps"]
+    eager_impl = row["eager_flex"][0]
+    assert eager_impl is not None and {v[0] for v in eager_impl.values()} == {"ERR"}, eager_impl
+    assert all("without scaled_dot_product_attention" in v[1] for v in eager_impl.values()), eager_impl
+    assert row["no_pos"] is None
+
+
+@pytest.mark.slow
+def test_sweep_columns_of_an_encoder_that_counts_its_own_positions():
+    """RoBERTa without position_ids counts them from its input ids (a cumsum over the row): refused
+    under packed documents, compiled and eager, as is its "eager" attention; its table row says so."""
+    pytest.importorskip("transformers")
+    from tools.sweep_models import sweep_one, table
+
+    row = sweep_one("roberta")
+    assert row["packed"][0] == "ok" and row["bitwise"][0] == "ok", row
+    for paths in (row["no_pos"], row["eager_flex"][0]):
+        assert set(paths) == {"compiled", "eager"} and all(v[0] == "ERR" for v in paths.values()), paths
+    assert all("position" in v[1] for v in row["no_pos"].values()), row["no_pos"]
+    assert row["dumps"][0] == "ok", row["dumps"]
+    line = next(x for x in table([row]).splitlines() if x.startswith("| roberta"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[-3].split(" / ")[0] == "refused" and cells[-2:] == ["refused", "ok"], line
 
 
 class _MaskThenBreak(nn.Module):
@@ -272,6 +297,18 @@ def test_positions_counted_along_the_row_are_refused_under_packed_documents(cls)
         assert torch.equal(model(ids, pos_docs), out)
 
 
+class _OwnTablePositions(_RowPositions):
+    """Positions sliced from a table the model keeps (BERT's position_ids buffer, used when the
+    call passes none): under context parallelism each rank's slice restarts at 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.arange(64)[None], persistent=False)
+
+    def forward(self, ids_BL, pos_BL=None):
+        return super().forward(ids_BL, self.table[:, : ids_BL.shape[-1]] if pos_BL is None else pos_BL)
+
+
 class _ShortConv(nn.Module):
     """A hybrid block: a depthwise causal convolution over the sequence (LFM2's, Mamba's), then
     attention. The convolution would mix the end of one packed document into the next."""
@@ -331,6 +368,7 @@ def _row_mixers_under_cp(rank: int, world: int) -> dict:
     out = {}
     for name, model, inp in (
         ("positions", _RowPositions().double(), ids),
+        ("positions_own_table", _OwnTablePositions().double(), ids),
         ("conv", _ShortConv().double(), x),
         ("conv_checkpointed", _ShortConvCheckpointed().double(), x),
     ):

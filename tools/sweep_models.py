@@ -14,6 +14,15 @@ no document crosses a row). Checks, each printed as ok / FAIL / refused / ERR / 
 - bitwise: the same compiled call vs eager ``attention_mode(meta)``: output and grads equal.
 - ckpt: ``gradient_checkpointing_enable()``, compiled again: matches each document alone and
   rewrote as many attention calls as without checkpointing, keeping none as SDPA.
+- dumps: the packed compile ran with option ``dump_dir``: every graph it made wrote its graph
+  file (``summary.json`` records no failure; joint, forward and backward of each trained graph).
+- eager / flex: the family built with ``attn_implementation="eager"`` and ``"flex_attention"``
+  (attention computed without SDPA), forward under packed documents, compiled and eager
+  ``attention_mode``: refused, or each document's own result ("n/a": the family has no such
+  implementation). A cell names both paths when their verdicts differ.
+- no position_ids: the family called without ``position_ids`` under packed documents, compiled
+  and eager (positions the model counts itself): refused, or each document's own result ("-": the
+  forward takes none, so the packed check already ran without them).
 
 ``--cp ulysses`` (or any strategy) checks context parallelism instead, on 2 gloo ranks: the rows
 sharded over the ranks, eager, compiled, and compiled with gradient checkpointing, against every
@@ -31,8 +40,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -155,6 +166,97 @@ def _short(exc: BaseException) -> str:
     return text[:300]
 
 
+def _verdict(run, ref_out: torch.Tensor, tol: float) -> tuple:
+    """("ok" | "FAIL", max err of the output vs each document alone) or ("ERR", message)."""
+    try:
+        with torch.no_grad():
+            out = run()
+        err = max_err(out, ref_out)
+        return ("ok" if err <= tol else "FAIL", err)
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        return ("ERR", _short(_own_error(exc)))
+
+
+def _own_error(exc: BaseException) -> BaseException:
+    """usp_graph's ValueError behind what torch.compile (or a compiled function the model calls,
+    transformers' flex_attention) raised, else `exc` itself."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ValueError):
+            return e
+        todo += [getattr(e, "inner_exception", None), e.__cause__, e.__context__]
+    return exc
+
+
+def _both_paths(model, batch: Batch, takes, ref_out: torch.Tensor, tol: float) -> dict:
+    """The forward under packed documents, compiled (``documents``) and eager (``attention_mode``)."""
+    torch._dynamo.reset()
+    args = (batch.ids, batch.pos, getattr(batch, "tgt", None), getattr(batch, "tgt_pos", None))
+    fn = torch.compile(model, backend="usp", options={"inner": "aot_eager"})
+    out = {}
+    for path, call, block in (("compiled", fn, batch.documents), ("eager", model, batch.attention_mode)):
+
+        def run(call=call, block=block):
+            with block():
+                return forward(call, batch.kind, *args, takes=takes)
+
+        out[path] = _verdict(run, ref_out, tol)
+    torch._dynamo.reset()
+    return out
+
+
+def without_sdpa(name: str, impl: str, batch: Batch, ref_out: torch.Tensor, tol: float) -> dict | None:
+    """Family `name` built with attention computed without SDPA (``attn_implementation=impl``),
+    under packed documents on both paths; None where the family has no such implementation."""
+    try:
+        model = make_sweep_model(name)
+        model.set_attn_implementation(impl)
+    except Exception:  # noqa: BLE001 - the family does not offer `impl`
+        return None
+    model.train()
+    return _both_paths(model, batch, lambda n, m=model: _takes(m, n), ref_out, tol)
+
+
+def without_position_ids(model, batch: Batch, ref_out: torch.Tensor, tol: float) -> dict:
+    """The family called without position ids (its own positions) under packed documents."""
+    takes = lambda n, m=model: _takes(m, n) and not n.endswith("position_ids")  # noqa: E731
+    return _both_paths(model, batch, takes, ref_out, tol)
+
+
+def dumps_written(root: str) -> tuple:
+    """("ok", graph files written) when every graph of a compile dump wrote its graph files
+    (joint, forward and backward of a trained graph), else ("FAIL", what is missing)."""
+    written, missing = 0, []
+    for graph_dir in sorted(p for p in os.scandir(root) if p.is_dir()):
+        summary = os.path.join(graph_dir.path, "summary.json")
+        if not os.path.exists(summary):
+            missing.append(f"{graph_dir.name}: no summary.json")
+            continue
+        with open(summary) as f:
+            manifest = json.load(f)
+        files = manifest.get("graph_files", {})
+        for what, error in manifest.get("failed", {}).items():
+            missing.append(f"{graph_dir.name}: {what}: {error}")
+        for graph, entry in files.items():
+            if entry.get("error") is not None:
+                missing.append(f"{graph_dir.name}: {graph}: {entry['error']}")
+            elif not os.path.exists(os.path.join(graph_dir.path, entry.get("file", f"{graph}.uspg"))):
+                missing.append(f"{graph_dir.name}: {graph}: file absent")
+            else:
+                written += 1
+        trained = "joint" in manifest.get("graphs", {})
+        for graph in ("joint", "forward", "backward") if trained else ():
+            if graph not in files:
+                missing.append(f"{graph_dir.name}: no {graph} graph file")
+    if not written:
+        missing.append("no graph file")
+    return ("FAIL", "; ".join(missing)) if missing else ("ok", written)
+
+
 def sweep_one(name: str) -> dict:
     """Run the three checks on family `name`; a dict of results."""
     spec = SWEEP_SPECS[name]
@@ -175,14 +277,21 @@ def sweep_one(name: str) -> dict:
         row["build"] = "the plain model (each document alone): " + _short(exc)
         return row
 
+    row["eager_flex"] = [
+        without_sdpa(name, impl, batch, ref_out, spec.tol) for impl in ("eager", "flex_attention")
+    ]
+    row["no_pos"] = without_position_ids(model, batch, ref_out, spec.tol) if takes("position_ids") else None
     reports: list = []
-    fn = torch.compile(model, backend="usp", options={"inner": "aot_eager", "on_compile": reports.append})
+    dump_dir = tempfile.mkdtemp(prefix=f"usp_sweep_{name}_")
+    options = {"inner": "aot_eager", "on_compile": reports.append, "dump_dir": dump_dir}
+    fn = torch.compile(model, backend="usp", options=options)
     try:
         out, got = packed(fn, model, batch, batch.documents(), takes)
         err = max(max_err(out, ref_out), max_err(got, ref))
         row["packed"] = ("ok" if err <= spec.tol else "FAIL", err)
         row["sites"] = sum(len(r.rewritten) for r in reports)
         row["kept"] = [k for r in reports for k in r.kept]
+        row["dumps"] = dumps_written(dump_dir)
     except Exception as exc:  # noqa: BLE001
         row["packed"] = ("ERR", _short(exc))
         row["trace"] = traceback.format_exc()
@@ -313,25 +422,62 @@ def _cell(value) -> str:
     return f"{status} {detail:.1e}"
 
 
+def _short_cell(value) -> str:
+    """A cell of the new columns: refused / ok / FAIL err / ERR."""
+    if value is None:
+        return "-"
+    cell = _cell(value)
+    return "ok" if cell.startswith("ok") else cell
+
+
+def _paths_cell(paths: dict | None, *, missing: str = "-") -> str:
+    """Compiled's verdict, and eager's beside it when its class differs."""
+    if paths is None:
+        return missing
+    compiled, eager = _short_cell(paths.get("compiled")), _short_cell(paths.get("eager"))
+    same = compiled.split()[0] == eager.split()[0]
+    return compiled if same else f"{compiled} (eager: {eager})"
+
+
+def _paths_notes(family: str, column: str, paths: dict | None) -> list[str]:
+    notes = []
+    for path, value in (paths or {}).items():
+        if value is not None and (value[0] == "FAIL" or (value[0] == "ERR" and _cell(value) == "ERR")):
+            notes.append(f"{family}: {column} ({path}): {value[1]}")
+    return notes
+
+
 def table(rows: list[dict]) -> str:
-    head = "| family | kind | packed (max err) | bitwise | ckpt (max err) | sites | tol |"
-    lines = [head, "| --- | --- | --- | --- | --- | --- | --- |"]
+    head = (
+        "| family | kind | packed (max err) | bitwise | ckpt (max err) | sites | tol "
+        "| eager / flex attention | no position_ids | dumps |"
+    )
+    lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     notes = []
     for r in rows:
         if "build" in r:
-            lines.append(f"| {r['family']} | {r['kind']} | ERR | - | - | - | - |")
+            lines.append(f"| {r['family']} | {r['kind']} | ERR | - | - | - | - | - | - | - |")
             notes.append(f"{r['family']}: build: {r['build']}")
             continue
         bit = r.get("bitwise")
         bit_cell = "-" if bit is None else ("ok" if bit[0] == "ok" else bit[0])
+        impls = r.get("eager_flex") or [None, None]
+        impl_cell = " / ".join(_paths_cell(p, missing="n/a") for p in impls)
+        dumps = r.get("dumps")
+        dump_cell = "-" if dumps is None else dumps[0]
         lines.append(
             f"| {r['family']} | {r['kind']} | {_cell(r.get('packed'))} | {bit_cell} | {_cell(r.get('ckpt'))} "
-            f"| {r.get('sites', '-')} | {r['tol']:.0e} |"
+            f"| {r.get('sites', '-')} | {r['tol']:.0e} | {impl_cell} | {_paths_cell(r.get('no_pos'))} | {dump_cell} |"
         )
         for key in ("packed", "bitwise", "ckpt"):
             v = r.get(key)
             if v is not None and v[0] == "ERR":
                 notes.append(f"{r['family']}: {key}: {v[1]}")
+        for impl, paths in zip(("eager", "flex_attention"), impls, strict=True):
+            notes += _paths_notes(r["family"], f'attn_implementation="{impl}"', paths)
+        notes += _paths_notes(r["family"], "no position_ids", r.get("no_pos"))
+        if dumps is not None and dumps[0] != "ok":
+            notes.append(f"{r['family']}: dumps: {dumps[1]}")
         if r.get("ckpt_why"):
             notes.append(f"{r['family']}: ckpt: {r['ckpt_why']}")
         if r.get("kept"):
@@ -380,7 +526,9 @@ def main(argv=None) -> int:
             row["seconds"] = time.perf_counter() - t0
             rows.append(row)
             print(
-                f"{name}: {row.get('packed')} {row.get('bitwise')} {row.get('ckpt')} ({row['seconds']:.1f} s)",
+                f"{name}: {row.get('packed')} {row.get('bitwise')} {row.get('ckpt')} {row.get('dumps')} "
+                f"{[_paths_cell(p, missing='n/a') for p in row.get('eager_flex') or ()]} "
+                f"{_paths_cell(row.get('no_pos'))} ({row['seconds']:.1f} s)",
                 flush=True,
             )
             if args.trace and row.get("trace"):

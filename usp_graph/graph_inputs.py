@@ -41,10 +41,12 @@ import torch.fx as fx
 from .metadata import AttentionMetadata
 
 __all__ = [
+    "INDEX_ARGUMENTS",
     "INPUT_META",
     "MetadataInputs",
     "MetadataValues",
     "LAYOUT_OPS",
+    "POSITIONS_IN_ATTENTION",
     "ROW_POSITIONS",
     "SEQUENCE_CONVOLUTION",
     "add_metadata_inputs",
@@ -56,6 +58,7 @@ __all__ = [
     "find_kv_metadata_inputs",
     "find_metadata_inputs",
     "is_cross_attention",
+    "is_position_candidate",
     "is_row_length",
     "is_score_softmax",
     "known_equal",
@@ -65,6 +68,7 @@ __all__ = [
     "positions_count_along_row",
     "row_mixers_error",
     "static_metadata_values",
+    "value_arguments",
 ]
 
 # Placeholder tag: {"kind": "param" | "buffer" | "batch" | "cu_seqlens" | "max_seqlen"
@@ -333,11 +337,12 @@ def convolution_length(x_shape: Any, w_shape: Any) -> Any | None:
 
 
 def counts_along_row(values: Any) -> bool:
-    """Positions that count up by one along the whole last dim (0, 1, 2, ... or from any start),
-    on every row. Read on concrete integer values only (False for fake, meta or float tensors)."""
-    if not isinstance(values, torch.Tensor) or values.is_floating_point() or values.is_complex():
+    """Values that count up by one along the whole last dim (0, 1, 2, ... or from any start), on
+    every row: positions. Read on concrete values only (False for fake or meta tensors); integer
+    or floating point (rotary angles are computed from either)."""
+    if not isinstance(values, torch.Tensor) or values.is_complex() or values.dtype == torch.bool:
         return False
-    if values.dim() == 0 or values.shape[-1] < 2 or values.dtype == torch.bool:
+    if values.dim() == 0 or values.shape[-1] < 2:
         return False
     from torch._subclasses.fake_tensor import is_fake
 
@@ -345,30 +350,66 @@ def counts_along_row(values: Any) -> bool:
     # is compiling.
     if values.is_meta or is_fake(values) or type(values) is not torch.Tensor:
         return False
+    if torch._C._functorch.is_functorch_wrapped_tensor(values):  # inside vmap / grad: no values
+        return False
     return bool((values[..., 1:] - values[..., :-1] == 1).all())
 
 
-def positions_count_along_row(index: Any, passed_lengths: Any, world: int = 1) -> bool:
-    """Whether an embedding lookup's concrete integer `index` is positions counted along the row by
-    the model itself, which packed documents (or a rank's shard of the row) cannot restart.
-
-    Any source: ``arange`` over the row (BART, OPT, GPT-2 without position ids), a ``cumsum`` of
-    ones (RoBERTa's positions from input ids with no padding), a slice of the model's own position
-    table (BERT's ``position_ids`` buffer), each with any offset or expansion: the values count up
-    by one along the whole row. `passed_lengths`: the row lengths of the inputs of the call the
-    index is computed from whose own values count along their row. Positions the caller passed are
-    the caller's word and never refused: an input as long as the row, or under context parallelism
-    (`world` ranks) as long as the global row, of which ``cp.shard`` takes this rank's part. A
-    model's own table is longer than the row (BERT's: max_position_embeddings)."""
-    if not counts_along_row(index):
+def is_position_candidate(shape: Any, floating: bool, from_inputs: bool) -> bool:
+    """Whether a tensor may hold positions worth reading the values of: at least one dim, a last dim
+    of two or more; an integer tensor, or a floating point one of at most two dims computed from no
+    data input of the call (an arange for rotary angles; never an activation)."""
+    if len(shape) == 0 or (isinstance(shape[-1], int) and shape[-1] < 2):
         return False
-    length = index.shape[-1]
+    return not floating or (len(shape) <= 2 and not from_inputs)
+
+
+def positions_count_along_row(values: Any, passed_lengths: Any, world: int = 1) -> bool:
+    """Whether concrete `values` are positions counted along the row by the model itself, which
+    packed documents (or a rank's shard of the row) cannot restart.
+
+    Any source: ``arange`` over the row (BART, OPT, GPT-2 without position ids, the rotary
+    positions of a decoder called without them), a ``cumsum`` of ones (RoBERTa's positions from
+    input ids with no padding), a slice of the model's own position table (BERT's ``position_ids``
+    buffer), each with any offset or expansion: the values count up by one along the whole row.
+    `passed_lengths`: the row lengths of the inputs of the call they are computed from whose own
+    values count along their row. Positions the caller passed are the caller's word and never
+    refused: an input as long as the row, or under context parallelism (`world` ranks) as long as
+    the global row, of which ``cp.shard`` takes this rank's part. A model's own table is longer
+    than the row (BERT's: max_position_embeddings).
+
+    Both paths refuse such positions when an embedding looks them up or an attention call's
+    queries or keys are computed from them (rotary embeddings: relative in exact arithmetic, but
+    computed in fp32 by transformers, and some scalings depend on the positions themselves)."""
+    if not counts_along_row(values):
+        return False
+    length = values.shape[-1]
     return not any(n in (length, length * world) for n in passed_lengths)
+
+
+# Arguments (by position, the tensor first, as both the function and the method forms take them)
+# that select, gather or scatter rather than compute: positions that flow into a call only through
+# them do not reach what it selects (a permutation built from an arange, diffusers' packed layouts).
+INDEX_ARGUMENTS = {
+    "index_select": 2, "gather": 2, "scatter": 2, "scatter_add": 2, "scatter_reduce": 2, "index_add": 2,
+    "index_copy": 2, "index_fill": 2, "take": 1, "take_along_dim": 1, "getitem": 1, "__getitem__": 1,
+    "index": 1, "index_put": 1, "_unsafe_index": 1,
+}  # fmt: skip
+
+
+def value_arguments(name: str, args: Any, kwargs: Mapping[str, Any]) -> list[Any]:
+    """The arguments of a call to `name` whose values flow into its result: all but its index
+    argument (`INDEX_ARGUMENTS`), positional or by keyword (``index``, ``indices``)."""
+    skip = INDEX_ARGUMENTS.get(name)
+    out = [a for i, a in enumerate(args) if i != skip]
+    out += [v for k, v in kwargs.items() if skip is None or k not in ("index", "indices")]
+    return out
 
 
 ROW_POSITIONS = (
     "looks up positions that count along the row (from arange, a cumsum or the model's own position table)"
 )
+POSITIONS_IN_ATTENTION = "counts positions along the row that reach the queries or keys"
 SEQUENCE_CONVOLUTION = "convolves along the sequence"
 
 

@@ -13,15 +13,18 @@ from torch.overrides import TorchFunctionMode
 
 from .graph_inputs import (
     LAYOUT_OPS,
+    POSITIONS_IN_ATTENTION,
     ROW_POSITIONS,
     SEQUENCE_CONVOLUTION,
     attention_without_sdpa_error,
     convolution_length,
     counts_along_row,
     is_cross_attention,
+    is_position_candidate,
     is_score_softmax,
     positions_count_along_row,
     row_mixers_error,
+    value_arguments,
 )
 from .metadata import AttentionMetadata
 from .sdpa import SDPA_OP, sdpa_to_usp
@@ -121,11 +124,12 @@ class _SDPAToUSP(TorchFunctionMode):
         # Under packed documents or CP, what counts or mixes tokens along a whole row outside
         # attention (described, with its sequence length) and the sequence lengths attention calls
         # ran on: the rules of `graph_inputs`, which the compiled backend applies to its graph
-        # (backend/compiler.py `_row_position_embeddings`, `_arange_positions_in_attention`).
-        # `_aranged`: the lengths of the aranges a tensor is computed from (positions counted over
-        # a rank's shard); `_counting`: the row lengths of the tensors from outside the block whose
-        # values count along their row (the caller's position ids) a tensor is computed from.
-        self._aranged = _Streams()
+        # (backend/compiler.py `_row_position_embeddings`).
+        # `_positions`: the row lengths of the positions counted along the row by the model
+        # (`graph_inputs.positions_count_along_row`) a tensor is computed from; `_counting`: the
+        # row lengths of the tensors from outside the block whose values count along their row
+        # (the caller's position ids) a tensor is computed from.
+        self._positions = _Streams()
         self._counting = _Streams()
         self._outside_counts: dict[int, tuple[weakref.ref, int | None]] = {}
         self._row_mixers: set[tuple[str, int]] = set()  # a set: bounded however long the block
@@ -145,8 +149,8 @@ class _SDPAToUSP(TorchFunctionMode):
             self._refuse_other_attention(func, args, kwargs)
         out = func(*args, **kwargs)
         if self.track:
-            self._follow_rows(func, args, kwargs, out)
             roots = self.streams.inputs(args) | self.streams.inputs(kwargs.values())
+            self._follow_rows(func, args, kwargs, out, roots)
             name = getattr(func, "__name__", "")
             unknown = name in LAYOUT_OPS and all(
                 self._provenance(t) is None for t in _tensors((*args, *kwargs.values()))
@@ -164,27 +168,30 @@ class _SDPAToUSP(TorchFunctionMode):
                     target = target._base
         return out
 
-    def _follow_rows(self, func, args, kwargs, out) -> None:
+    def _follow_rows(self, func, args, kwargs, out, roots: frozenset[int]) -> None:
         """Record what counts or mixes tokens along the row (`graph_inputs.positions_count_along_row`,
         `graph_inputs.convolution_length`), and the facts those rules read."""
-        name = getattr(func, "__name__", "")
         tensors = list(_tensors((*args, *kwargs.values())))
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        if name == "arange" and isinstance(out, torch.Tensor):
-            self._aranged.note(out, frozenset({out.numel()}))
-        else:
-            lengths = frozenset().union(*(r for r in map(self._aranged.of, tensors) if r is not None))
-            if lengths:
-                for t in outs:
-                    self._aranged.note(t, lengths)
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+        world = self.cp.world if self.cp is not None else 1
         counting = frozenset().union(*(self._counting_lengths(t) for t in tensors))
-        if counting:
-            for t in outs:
+        # Positions reach a result through its values, not through an index it selects by.
+        values = _tensors(value_arguments(getattr(func, "__name__", ""), args, kwargs))
+        positions = frozenset().union(*(r for r in map(self._positions.of, values) if r is not None))
+        for t in outs:
+            if counting:
                 self._counting.note(t, counting)
+            if positions:
+                self._positions.note(t, positions)
+            if (
+                not isinstance(t, torch.nn.Parameter)
+                and is_position_candidate(tuple(t.shape), t.is_floating_point(), bool(roots))
+                and positions_count_along_row(t, counting, world)
+            ):
+                self._positions.note(t, frozenset({int(t.shape[-1])}))
         if func in _EMBEDDINGS:
             index = args[0] if args else kwargs.get("input")
             if isinstance(index, torch.Tensor) and index.dim() > 0:
-                world = self.cp.world if self.cp is not None else 1
                 if positions_count_along_row(index, self._counting_lengths(index), world):
                     self._mixes(f"an embedding {ROW_POSITIONS}", index.shape[-1])
         elif func in _CONV1D:
@@ -252,19 +259,18 @@ class _SDPAToUSP(TorchFunctionMode):
             raise row_mixers_error("the model", found, cp=self.cp is not None)
 
     def _attention(self, query, key, value, *args, **kwargs):
-        if self.cp is not None and isinstance(query, torch.Tensor) and query.dim() >= 2:
-            made = (self._aranged.of(query) or frozenset()) | (self._aranged.of(key) or frozenset())
-            if query.shape[-2] in made:
-                raise row_mixers_error(
-                    "the model",
-                    ["positions made by arange over the rank's shard reach the queries or keys"],
-                    cp=True,
-                )
         if self.track:
             self._lengths.update(
                 int(x.shape[-2]) for x in (query, key) if isinstance(x, torch.Tensor) and x.dim() >= 2
             )
             self._check_rows()
+            if any(
+                isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-2] in (self._positions.of(x) or ())
+                for x in (query, key)
+            ):
+                raise row_mixers_error(
+                    "the model", [f"the model {POSITIONS_IN_ATTENTION}"], cp=self.cp is not None
+                )
         extra = {}
         if self.track and self._is_cross(query, key):
             if self.metadata is None:  # under CP: one document per (global) row of both streams

@@ -418,7 +418,7 @@ def ancestors(nodes) -> list[fx.Node]:
         if isinstance(outer, fx.Node):
             stack.append(outer)
         stack.extend(n.all_input_nodes)
-        stack.extend(_writes_into(n))
+        stack.extend(writes_into(n))
     return list(seen)
 
 
@@ -443,7 +443,7 @@ def stream_inputs(node: fx.Node) -> frozenset[fx.Node]:
                 found.add(n)
             continue
         stack.extend(n.all_input_nodes)
-        stack.extend(_writes_into(n))
+        stack.extend(writes_into(n))
     return frozenset(found)
 
 
@@ -455,7 +455,7 @@ def _op_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", "")
 
 
-def _writes_into(node: fx.Node) -> list[fx.Node]:
+def writes_into(node: fx.Node) -> list[fx.Node]:
     """In-place writes into `node` or a view of it (``t[..., :k].copy_(x)``, ``t[i] = x``): what
     they write is part of what `node` holds (DeepSeek's MLA assembles its keys this way)."""
     writes, seen, stack = [], set(), [node]

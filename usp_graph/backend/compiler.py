@@ -34,16 +34,19 @@ import torch
 import torch.fx as fx
 
 from ..graph_inputs import (
+    POSITIONS_IN_ATTENTION,
     ROW_POSITIONS,
     SEQUENCE_CONVOLUTION,
     convolution_length,
     counts_along_row,
+    is_position_candidate,
     is_row_length,
     is_score_softmax,
     positions_count_along_row,
+    value_arguments,
 )
 from ..passes.base import PipelineRun, tag_nodes
-from ..sites import ancestors, body_call, find_sites, node_value, source_location, stream_inputs
+from ..sites import ancestors, body_call, find_sites, node_value, source_location, stream_inputs, writes_into
 from .arguments import argument_names, find_argument
 from .dump import AOT_GRAPHS, GraphDump, site_record, usp_op_counts
 from .inputs import MetadataFeed, check_not_guarded, metadata_hints, shared_rows
@@ -281,7 +284,6 @@ class _Compile:
             device=device,
             kept=kept,
             row_positions=_row_position_embeddings(gm, todo, self.example_inputs, world=world),
-            shard_positions=_arange_positions_in_attention(todo) if opts.cp is not None else (),
             other_attention=_attention_without_sdpa(gm, todo),
             positions=_placeholder_index(self.dynamo_gm, positions),
             positions_by=(
@@ -350,6 +352,7 @@ def _row_position_embeddings(
         if positions_count_along_row(concrete(index), passed, world):
             where = source_location(node)
             found.append(f"{node.name}" + (f" at {where}" if where else "") + f" {ROW_POSITIONS}")
+    found += _positions_in_attention(sites, concrete, world)
     convs = (torch.conv1d, torch.nn.functional.conv1d)
     for node in (n for g in graphs for n in g.nodes):
         if node.op != "call_function" or node.target not in convs or not node.args:
@@ -467,33 +470,78 @@ def _graphs_with_bodies(graph: fx.Graph) -> list[fx.Graph]:
     return out
 
 
-def _arange_positions_in_attention(sites: Sequence[Any]) -> list[str]:
-    """Aranges as long as an attention call's (local) sequence, made from no input of the call,
-    that its queries or keys are computed from: positions counted over the rank's shard (rotary
-    embeddings of a model called without position ids). Under context parallelism every rank's
-    shard would restart at 0: `MetadataFeed` refuses them. Described as ``name at file:line``."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    lengths = [site.q_shape[-2] for site in sites]  # a list: SymInts do not hash
-    found = []
-    for n in ancestors([x for site in sites for x in (site.query, site.key)]):  # one walk for all sites
-        if n.op != "call_function" or not _is_arange(n):
-            continue
+def _positions_in_attention(sites: Sequence[Any], concrete: _Concrete, world: int) -> list[str]:
+    """Positions counted along the row by the model (`graph_inputs.positions_count_along_row`, on
+    the values `concrete` computes) that the queries or keys of an attention call are computed from:
+    the rotary positions of a decoder called without position ids, counted over the packed row (or
+    the rank's shard). Described as ``name at file:line``, the first node of each such chain."""
+    lengths = [s.q_shape[-2] for s in sites] + [s.k_shape[-2] for s in sites]
+    flagged: dict[fx.Node, None] = {}
+    for n in _value_ancestors([x for site in sites for x in (site.query, site.key)]):  # one walk for all
         val = node_value(n)
-        if not isinstance(val, torch.Tensor) or val.dim() != 1 or stream_inputs(n):
+        if not isinstance(val, torch.Tensor) or val.dim() == 0 or not is_row_length(val.shape[-1], lengths):
             continue
-        if any(statically_known_true(val.shape[0] == length) for length in lengths):
-            where = source_location(n)
-            found.append(
-                f"{n.name}"
-                + (f" at {where}" if where else "")
-                + " counts positions that reach the queries or keys"
-            )
+        floating = val.is_floating_point()
+        if not is_position_candidate(tuple(val.shape), floating, floating and _from_inputs(n)):
+            continue
+        passed = {x.shape[-1] for p in stream_inputs(n) if counts_along_row(x := concrete.input(p))}
+        if positions_count_along_row(concrete(n), passed, world):
+            flagged[n] = None
+    found = []
+    for n in flagged:
+        if any(a in flagged for a in _value_ancestors(n.all_input_nodes)):
+            continue  # reported where the chain starts
+        where = source_location(n)
+        found.append(f"{n.name}" + (f" at {where}" if where else "") + f" {POSITIONS_IN_ATTENTION}")
     return found
 
 
-def _is_arange(n: fx.Node) -> bool:
-    return n.target is torch.arange or getattr(n.target, "__name__", "").startswith("arange")
+def _value_ancestors(nodes: Sequence[Any]) -> list[fx.Node]:
+    """`sites.ancestors`, but not through the index argument of a call that selects by it
+    (`graph_inputs.value_arguments`): what the values of `nodes` are computed from."""
+    seen: dict[fx.Node, None] = {}
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen[n] = None
+        if n.op == "placeholder":
+            outer = n.meta.get("usp_outer")
+            stack.append(outer)
+            continue
+        if n.op in ("call_function", "call_method"):
+            name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+            if isinstance(n.target, torch._ops.OpOverload):
+                name = n.target._opname
+            fx.node.map_arg(value_arguments(str(name), n.args, n.kwargs), stack.append)
+        else:
+            stack.extend(n.all_input_nodes)
+        stack.extend(writes_into(n))
+    return list(seen)
+
+
+def _from_inputs(node: fx.Node) -> bool:
+    """Whether `node` is computed from a tensor input of the call other than a parameter (data or
+    a buffer): what eager `attention_mode` counts as a tensor from outside its block."""
+    for p in ancestors([node]):
+        if p.op != "placeholder" or isinstance(p.meta.get("usp_outer"), fx.Node):
+            continue
+        val = node_value(p)
+        if isinstance(val, torch.Tensor) and val.dim() > 0 and not _is_parameter(p):
+            return True
+    return False
+
+
+def _is_parameter(p: fx.Node) -> bool:
+    if isinstance(node_value(p), torch.nn.Parameter):
+        return True
+    if p.meta.get("usp_input", {}).get("kind") == "param":
+        return True
+    source = getattr(p, "_dynamo_source", None)
+    text = getattr(source, "name", None)
+    text = text() if callable(text) else (text or "")
+    return "._parameters[" in text
 
 
 def _positions_input(gm: fx.GraphModule, sites: Sequence[Any], opts: UspOptions, name: str) -> fx.Node | None:

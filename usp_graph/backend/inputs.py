@@ -208,7 +208,6 @@ class MetadataFeed:
         device: torch.device | None,
         kept: Sequence[AttentionSite],
         row_positions: Sequence[str] = (),
-        shard_positions: Sequence[str] = (),
         other_attention: Sequence[str] = (),
         positions: int | None = None,
         positions_by: str = "mask",
@@ -223,7 +222,6 @@ class MetadataFeed:
         self.device = device
         self.kept = [f"{s.name} ({s.reason})" for s in kept]
         self.row_positions = list(row_positions)
-        self.shard_positions = list(shard_positions)
         self.other_attention = list(other_attention)
         self._per_row: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (b, span) -> (cu, span)
         self.batch = self.length = self.kv_length = None
@@ -262,8 +260,6 @@ class MetadataFeed:
             raise attention_without_sdpa_error(f"compiled graph {self.graph}", self.other_attention)
         if self.row_positions and (packed or self.cp is not None):
             raise row_mixers_error(f"compiled graph {self.graph}", self.row_positions, cp=self.cp is not None)
-        if self.shard_positions and self.cp is not None:
-            raise row_mixers_error(f"compiled graph {self.graph}", self.shard_positions, cp=True)
         if self.mode != "inputs":
             return ()
         b, length = self.batch(args), self.length(args)
