@@ -36,15 +36,69 @@ def test_plan_key_depends_on_shapes_and_settings_not_boundary_values():
     key_a = cudnn_kernel.plan_key(q, k, a, 70, 70, True, 0.125, (-1, -1), square=True)
     key_b = cudnn_kernel.plan_key(q, k, b, 70, 70, True, 0.125, (-1, -1), square=True)
     assert key_a == key_b and hash(key_a) == hash(key_b)
-    assert (key_a.slots, key_a.s_q, key_a.heads, key_a.kv_heads, key_a.head_dim) == (3, 70, 4, 2, 64)
+    # 3 slots and S = 70 round up to their buckets: 3 and 96
+    assert (key_a.slots, key_a.s_q, key_a.heads, key_a.kv_heads, key_a.head_dim) == (3, 96, 4, 2, 64)
     # each setting is part of the key
-    assert cudnn_kernel.plan_key(q, k, a, 71, 70, True, 0.125, (-1, -1), square=True) != key_a
+    assert cudnn_kernel.plan_key(q, k, a, 97, 70, True, 0.125, (-1, -1), square=True) != key_a
     assert cudnn_kernel.plan_key(q, k, a, 70, 70, False, 0.125, (-1, -1), square=True) != key_a
     assert cudnn_kernel.plan_key(q, k, a, 70, 70, True, 0.25, (-1, -1), square=True) != key_a
     assert cudnn_kernel.plan_key(q, k, a, 70, 70, True, 0.125, (8, -1), square=True) != key_a
     assert cudnn_kernel.plan_key(q, k, a, 70, 70, True, 0.125, (-1, -1), square=False) != key_a
-    assert cudnn_kernel.plan_key(q, k, _cu(0, 30, 100), 70, 70, True, 0.125, (-1, -1), square=True) != key_a
+    assert (
+        cudnn_kernel.plan_key(q, k, _cu(0, 30, 100, 100, 100), 70, 70, True, 0.125, (-1, -1), square=True)
+        != key_a
+    )
     assert cudnn_kernel.plan_key(q.half(), k.half(), a, 70, 70, True, 0.125, (-1, -1), square=True) != key_a
+
+
+def test_buckets_are_powers_of_two_and_one_and_a_half_times_them():
+    assert [cudnn_kernel.bucket(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
+    for n in [*range(1, 3000), 20832, 83299, 2**20 + 1]:
+        b = cudnn_kernel.bucket(n)
+        assert n <= b <= max(2, 1.5 * n) and cudnn_kernel.bucket(b) == b
+
+
+def test_batches_with_other_document_counts_and_lengths_share_a_graph():
+    """A training run's batches each hold other documents (count and longest one): their keys fall
+    into a few buckets, so the graphs are built (and checked against flash) a few times, not every
+    step. Deterministic backward keys stay exact (workspace ~ N x S^2)."""
+    q, k, _ = _qkv(4096, 4, 2, 64)
+    gen = torch.Generator().manual_seed(0)
+    fwd, bwd, det = set(), set(), set()
+    for _ in range(50):
+        n = int(torch.randint(17, 25, (1,), generator=gen))
+        cuts = torch.sort(torch.randperm(4095, generator=gen)[: n - 1] + 1).values.tolist()
+        cu = _cu(0, *cuts, 4096)
+        longest = int((cu[1:] - cu[:-1]).max())
+        fwd.add(cudnn_kernel.plan_key(q, k, cu, longest, longest, True, 0.125, (-1, -1), square=True))
+        bwd.add(
+            cudnn_kernel.plan_key(
+                q, k, cu, longest, longest, True, 0.125, (-1, -1), square=True, backward=True
+            )
+        )
+        det.add(cudnn_kernel.plan_key(q, k, cu, longest, longest, True, 0.125, (-1, -1), square=True,
+                                      backward=True, deterministic=True))  # fmt: skip
+    assert len(fwd) <= 4 and len(bwd) == len(fwd)
+    assert {key.slots for key in fwd} == {24}  # 17..24 documents: one bucket
+    assert len(det) > 10  # exact: N in 17..24 and S per batch
+
+
+def test_slot_metadata_pads_with_empty_slots_at_the_end():
+    cu_q, cu_k = _cu(0, 3, 3, 10), _cu(2, 4, 9, 9)
+    (seq_q, seq_k), (off_q, off_k, off_s) = cudnn_kernel.slot_metadata(cu_q, cu_k, 8, 2, 64, 6)
+    assert seq_q.shape == seq_k.shape == (6, 1, 1, 1) and seq_q.dtype == torch.int32
+    assert seq_q.flatten().tolist() == [3, 0, 7, 0, 0, 0] and seq_k.flatten().tolist() == [2, 5, 0, 0, 0, 0]
+    assert off_q.shape == off_k.shape == off_s.shape == (7, 1, 1, 1)
+    assert off_q.flatten().tolist() == [0, 3 * 512, 3 * 512, 10 * 512, 10 * 512, 10 * 512, 10 * 512]
+    assert off_k.flatten().tolist() == [2 * 128, 4 * 128, 9 * 128, 9 * 128, 9 * 128, 9 * 128, 9 * 128]
+    assert off_s.flatten().tolist() == [0, 24, 24, 80, 80, 80, 80]
+    # one boundary tensor: one lengths tensor for queries and keys, padded or not
+    (same_q, same_k), _ = cudnn_kernel.slot_metadata(cu_q, cu_q, 8, 8, 64, 6)
+    assert same_q is same_k
+    (exact, _), _ = cudnn_kernel.slot_metadata(cu_q, cu_q, 8, 8, 64, 3)
+    assert exact.flatten().tolist() == [3, 0, 7]
+    with pytest.raises(ValueError, match="a graph for 2 slots cannot run 3 documents"):
+        cudnn_kernel.slot_metadata(cu_q, cu_q, 8, 8, 64, 2)
 
 
 def test_plan_key_padded_length_is_clamped_to_the_token_count():
@@ -52,6 +106,11 @@ def test_plan_key_padded_length_is_clamped_to_the_token_count():
     key = cudnn_kernel.plan_key(q, k[:40], _cu(0, 100), 10**6, 10**6, False, 1.0, (-1, -1), square=False)
     assert (key.s_q, key.s_k) == (100, 40)
     assert cudnn_kernel.plan_key(q[:0], k, _cu(0, 0), 0, 5, False, 1.0, (-1, -1), square=False).s_q == 1
+    # a bucket past the token count is the token count
+    assert cudnn_kernel.plan_key(q, k, _cu(0, 100), 90, 90, False, 1.0, (-1, -1), square=True).s_q == 96
+    assert (
+        cudnn_kernel.plan_key(q[:95], k[:95], _cu(0, 95), 90, 90, False, 1.0, (-1, -1), square=True).s_q == 95
+    )
 
 
 def test_backward_key_adds_totals_rounded_to_64_and_determinism():
@@ -249,6 +308,27 @@ def test_cudnn_first_call_disagrees_falls_back_to_flash_for_good(monkeypatch, wh
     # the shape runs flash from then on (a failed forward takes the backward along: one key set)
     assert calls["cudnn_fwd"] == seen["cudnn_fwd"] and calls["cudnn_bwd"] == seen["cudnn_bwd"]
     assert calls["flash_fwd"] == seen["flash_fwd"] + 1 and calls["flash_bwd"] == seen["flash_bwd"] + 1
+
+
+def test_batches_of_other_documents_are_checked_against_flash_once_per_bucket(monkeypatch):
+    calls, args, dout = _fake_cuda(monkeypatch)
+    seen = []
+    fake = cudnn_kernel.cudnn_fwd
+    monkeypatch.setattr(
+        cudnn_kernel, "cudnn_fwd", lambda *a, **kw: seen.append(kw["metadata"]) or fake(*a, **kw)
+    )
+    q, k, v = args[:3]
+    batches = [(0, 40, 41, 41, 128, 128), (0, 70, 90, 100, 128, 128, 128), (0, 1, 66, 128, 128, 128)]
+    with varlen.cuda_kernel("cudnn"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for bounds in batches:  # 5 or 6 slots, longest 65..87: one bucket (6 slots, S 96)
+            cu = _cu(*bounds)
+            longest = int((cu[1:] - cu[:-1]).max())
+            out, lse = varlen._cuda_fwd(q, k, v, cu, cu, longest, longest, True, 0.125)
+            varlen._cuda_bwd(dout, q, k, v, out, lse, cu, cu, longest, longest, True, 0.125)
+    assert calls == {"flash_fwd": 1, "flash_bwd": 1, "cudnn_fwd": 3, "cudnn_bwd": 3}
+    for (seq_q, _), (off_q, _, _) in seen:  # what cuDNN gets: padded to the key's 6 slots
+        assert seq_q.shape == (6, 1, 1, 1) and off_q.shape == (7, 1, 1, 1) and int(seq_q.sum()) == 128
 
 
 def test_cudnn_build_error_warns_and_runs_flash(monkeypatch):

@@ -180,8 +180,7 @@ def plan_sweep(args: argparse.Namespace) -> int:
         s_max = max(lengths)
         kf = ck.plan_key(q, k, cu, s_max, s_max, True, d**-0.5, (-1, -1), square=True)
         kb = ck.plan_key(q, k, cu, s_max, s_max, True, d**-0.5, (-1, -1), square=True, backward=True)
-        seq, _ = ck.seq_lengths(cu, cu)
-        off_q, off_k, off_s = ck.ragged_offsets(cu, cu, h, h, d)
+        (seq, _), (off_q, off_k, off_s) = ck.slot_metadata(cu, cu, h, h, d, kf.slots)
         out, stats = torch.empty_like(q), torch.empty(t, h, 1, dtype=torch.float32, device=device)
         dq, dk, dv = (torch.empty_like(q) for _ in range(3))
         meta = {ck._SEQ_Q: seq, ck._SEQ_K: seq, ck._OFF_Q: off_q, ck._OFF_K: off_k, ck._OFF_S: off_s}

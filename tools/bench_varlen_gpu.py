@@ -351,8 +351,7 @@ def build_cudnn_raw(docs: Docs, causal: bool, device: torch.device) -> tuple[Att
         kf = ck.plan_key(q, k, cu_N1, max_len, max_len, causal, scale, (-1, -1), square=True)
         kb = ck.plan_key(q, k, cu_N1, max_len, max_len, causal, scale, (-1, -1), square=True, backward=True)
         pf, pb = ck._plan("fwd", kf), ck._plan("bwd", kb)
-        seq, _ = ck.seq_lengths(cu_N1, cu_N1)
-        off_q, off_k, off_s = ck.ragged_offsets(cu_N1, cu_N1, h, g, d)
+        (seq, _), (off_q, off_k, off_s) = ck.slot_metadata(cu_N1, cu_N1, h, g, d, kf.slots)
         out, stats = torch.empty_like(q), torch.empty(t, h, 1, dtype=torch.float32, device=q.device)
         dq, dk, dv, do = (torch.empty_like(x) for x in (q, k, v, q))
         meta = {ck._SEQ_Q: seq, ck._SEQ_K: seq, ck._OFF_Q: off_q, ck._OFF_K: off_k, ck._OFF_S: off_s}

@@ -9,7 +9,14 @@ cuDNN's ragged one: a batch of N document slots padded to S, a padding mask (`se
 int32 `(N, 1, 1, 1)`) and ragged offsets (int64 `(N + 1, 1, 1, 1)`, in elements: ``cu * H * K`` for
 Q/O/dQ/dO, ``cu * G * K`` for K/V/dK/dV, ``cu * H`` for the stats), all computed on the device from
 ``cu_seqlens`` on every call. So the graphs depend on shapes and settings only (`PlanKey`): new
-boundaries never rebuild one, and unused capacity (zero-length slots) costs nothing.
+boundaries never rebuild one, and unused capacity (zero-length slots) costs nothing. The slot count
+N and the padded length S are rounded up to the next of 1, 2, 3, 4, 6, 8, 12, ... (powers of two
+and 1.5 times them; S at most the token count), and the metadata is padded with empty slots to
+match (`slot_metadata`): a training run whose batches each hold other documents, with another
+count and another longest one, reuses a handful of graphs instead of building two new ones (and
+checking them against flash) on every step. Empty slots and a longer S cost nothing measurable
+(../shared/FACTS.md, "cuDNN ragged, second probe"). The deterministic backward keeps N and S exact:
+its workspace grows with N x S^2.
 
 What cuDNN leaves to its caller (seen on the H200, ../shared/FACTS.md, "cuDNN ragged, second probe"):
 - rows of O / stats / dQ / dK / dV outside every document are left untouched, and so are O and
@@ -57,6 +64,7 @@ __all__ = [
     "mask_settings",
     "ragged_offsets",
     "seq_lengths",
+    "slot_metadata",
     "cudnn_fwd",
     "cudnn_bwd",
     "deterministic_workspace_limit",
@@ -109,10 +117,22 @@ class PlanKey:
     deterministic: bool = False
 
 
-def _padded(bound: int, total: int) -> int:
-    # S never needs to exceed the token count (a document cannot be longer), and the deterministic
-    # backward's workspace grows with S^2: keep it tight.
-    return max(1, min(int(bound), int(total)))
+def bucket(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and 1.5 times them) >= n:
+    at most 1.5 x n, and only about 1.4 buckets per doubling."""
+    n, p = max(int(n), 1), 1
+    while True:
+        for b in (p, p + p // 2):
+            if b >= n:
+                return b
+        p *= 2
+
+
+def _padded(bound: int, total: int, exact: bool = False) -> int:
+    # S never needs to exceed the token count (a document cannot be longer); the deterministic
+    # backward's workspace grows with S^2: exact there.
+    bound = max(1, int(bound))
+    return max(1, min(bound if exact else bucket(bound), int(total)))
 
 
 def _round64(n: int) -> int:
@@ -133,11 +153,13 @@ def plan_key(
     left, right = window
     if (left, right) != (-1, -1) and is_causal:
         right = 0
+    exact = backward and deterministic  # its workspace grows with N x S^2
+    slots = cu_q.shape[0] - 1
     return PlanKey(
         device=_device_index(q.device),
-        slots=cu_q.shape[0] - 1,
-        s_q=_padded(max_q, q.shape[0]),
-        s_k=_padded(max_k, k.shape[0]),
+        slots=slots if exact else bucket(slots),
+        s_q=_padded(max_q, q.shape[0], exact),
+        s_k=_padded(max_k, k.shape[0], exact),
         heads=q.shape[1],
         kv_heads=k.shape[1],
         head_dim=q.shape[2],
@@ -294,6 +316,7 @@ def _build(kind: str, key: PlanKey, *, all_plans: bool = False) -> _Plan:
 
 
 _plans: dict[tuple[str, PlanKey], _Plan] = {}
+_MAX_PLANS = 64
 _builds = {"fwd": 0, "bwd": 0}  # graphs built in this process (tests and tools read it)
 _runs = {"fwd": 0, "bwd": 0}  # graph executions in this process
 
@@ -315,6 +338,8 @@ def _plan(kind: str, key: PlanKey) -> _Plan:
                     raise
                 except Exception as exc:
                     raise BuildError(f"cannot build the cuDNN {kind} graph for {key}: {exc}") from exc
+                if len(_plans) >= _MAX_PLANS:  # the oldest graph goes (exact deterministic keys can pile up)
+                    del _plans[next(iter(_plans))]
                 _plans[(kind, key)] = plan
                 _builds[kind] += 1
     return plan
@@ -345,6 +370,25 @@ def seq_lengths(cu_q: Tensor, cu_k: Tensor) -> tuple[Tensor, Tensor]:
     return lens[0].view(-1, 1, 1, 1), lens[1].view(-1, 1, 1, 1)
 
 
+def slot_metadata(
+    cu_q: Tensor, cu_k: Tensor, h: int, g: int, d: int, slots: int
+) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
+    """`(seq_lengths(...), ragged_offsets(...))` padded to `slots` document slots (a `PlanKey`'s):
+    the slots past cu_seqlens' own are empty (length 0, offsets repeating the last)."""
+    seq_q, seq_k = seq_lengths(cu_q, cu_k)
+    offsets = ragged_offsets(cu_q, cu_k, h, g, d)
+    extra = slots - seq_q.shape[0]
+    if extra < 0:
+        raise ValueError(f"a graph for {slots} slots cannot run {seq_q.shape[0]} documents")
+    if extra == 0:
+        return (seq_q, seq_k), offsets
+    zeros = seq_q.new_zeros(extra, 1, 1, 1)
+    padded_q = torch.cat((seq_q, zeros))
+    padded_k = padded_q if seq_k is seq_q else torch.cat((seq_k, zeros))
+    offsets = tuple(torch.cat((off, off[-1:].expand(extra, 1, 1, 1))) for off in offsets)
+    return (padded_q, padded_k), offsets  # type: ignore[return-value]
+
+
 def _execute(plan: _Plan, key: PlanKey, pack: dict[int, Tensor]) -> None:
     cudnn = module()
     ws = torch.empty(max(plan.workspace, 1), dtype=torch.uint8, device=pack[_Q].device)
@@ -356,19 +400,20 @@ def _execute(plan: _Plan, key: PlanKey, pack: dict[int, Tensor]) -> None:
 
 def cudnn_fwd(
     q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, is_causal: bool,
-    scale: float, window: tuple[int, int] = (-1, -1), *, square: bool, lengths: tuple[Tensor, Tensor] | None = None,
-    key: PlanKey | None = None, offsets: tuple[Tensor, Tensor, Tensor] | None = None,
+    scale: float, window: tuple[int, int] = (-1, -1), *, square: bool, key: PlanKey | None = None,
+    metadata: tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """`(out_THK, lse_HT)` by cuDNN's ragged forward. `square`: queries and keys share one boundary
-    tensor (every row then lies in a document with keys). `lengths`: `seq_lengths(cu_q, cu_k)`,
-    `key`: `plan_key(...)`, `offsets`: `ragged_offsets(...)`, when the caller has them already."""
+    tensor (every row then lies in a document with keys). `key`: `plan_key(...)`, `metadata`:
+    `slot_metadata(..., key.slots)`, when the caller has them already."""
     if key is None:
         key = plan_key(q, k, cu_q, max_q, max_k, is_causal, scale, window, square=square)
     plan = _plan("fwd", key)
     t_q, h, d = q.shape
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    seq_q, seq_k = lengths if lengths is not None else seq_lengths(cu_q, cu_k)
-    off_q, off_k, off_s = offsets if offsets is not None else ragged_offsets(cu_q, cu_k, h, k.shape[1], d)
+    if metadata is None:
+        metadata = slot_metadata(cu_q, cu_k, h, k.shape[1], d, key.slots)
+    (seq_q, seq_k), (off_q, off_k, off_s) = metadata
     if square:
         out = torch.empty_like(q)
         stats = torch.empty(t_q, h, 1, dtype=torch.float32, device=q.device)
@@ -385,8 +430,7 @@ def cudnn_fwd(
 def cudnn_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor,
     max_q: int, max_k: int, is_causal: bool, scale: float, window: tuple[int, int] = (-1, -1), *, square: bool,
-    lengths: tuple[Tensor, Tensor] | None = None, key: PlanKey | None = None,
-    offsets: tuple[Tensor, Tensor, Tensor] | None = None,
+    key: PlanKey | None = None, metadata: tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """`(dq, dk, dv)` by cuDNN's ragged backward from the forward's `out` and natural-log `lse_HT`
     (+inf rows add nothing; -inf rows see no key and add nothing either). The deterministic
@@ -399,8 +443,9 @@ def cudnn_bwd(
     t_q, h, d = q.shape
     q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
     stats = lse.float().masked_fill(lse == float("-inf"), float("inf")).t().contiguous().view(t_q, h, 1)
-    seq_q, seq_k = lengths if lengths is not None else seq_lengths(cu_q, cu_k)
-    off_q, off_k, off_s = offsets if offsets is not None else ragged_offsets(cu_q, cu_k, h, k.shape[1], d)
+    if metadata is None:
+        metadata = slot_metadata(cu_q, cu_k, h, k.shape[1], d, key.slots)
+    (seq_q, seq_k), (off_q, off_k, off_s) = metadata
     new = torch.empty_like if square else torch.zeros_like  # rows outside every document: zero
     dq, dk, dv = new(q), new(k), new(v)
     pack = {_Q: q, _K: k, _V: v, _O: out, _DO: dout, _STATS: stats, _DQ: dq, _DK: dk, _DV: dv,

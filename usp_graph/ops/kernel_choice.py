@@ -268,10 +268,10 @@ def _flex_checked_or_flash(
     return _checked_or_flash("flex", kind, names, got, flash, key, _flex_checked, _flex_broken, key)
 
 
-def _cudnn_offsets(cu_q, cu_k, q, k):
+def _cudnn_metadata(cu_q, cu_k, q, k, slots):
     h, g, d = q.shape[1], k.shape[1], q.shape[2]
     return per_boundaries(
-        "offsets", cu_q, cu_k, (h, g, d), lambda: cudnn_kernel.ragged_offsets(cu_q, cu_k, h, g, d)
+        "cudnn", cu_q, cu_k, (h, g, d, slots), lambda: cudnn_kernel.slot_metadata(cu_q, cu_k, h, g, d, slots)
     )
 
 
@@ -280,7 +280,7 @@ def cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right
         return math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
     if cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape:
         cu_k = cu_q  # one tensor: one check
-    lengths = checked_lengths(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    checked_lengths(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)  # asserted on the device
 
     def flash() -> tuple[Tensor, Tensor]:
         return flash_kernel.flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
@@ -290,8 +290,8 @@ def cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right
         if _use_cudnn(q, k, v, (key, bkey)):
             try:
                 got = cudnn_kernel.cudnn_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, (left, right),
-                                             square=square, lengths=lengths, key=key,
-                                             offsets=_cudnn_offsets(cu_q, cu_k, q, k))  # fmt: skip
+                                             square=square, key=key,
+                                             metadata=_cudnn_metadata(cu_q, cu_k, q, k, key.slots))  # fmt: skip
             except cudnn_kernel.BuildError as exc:
                 _kernel_failed("cudnn", _cudnn_broken, key, exc)
             else:
@@ -314,7 +314,7 @@ def cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale
         return math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
     if cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape:
         cu_k = cu_q
-    lengths = checked_lengths(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    checked_lengths(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)  # asserted on the device
 
     def flash() -> tuple[Tensor, Tensor, Tensor]:
         return flash_kernel.flash_bwd(
@@ -326,8 +326,8 @@ def cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale
         if _use_cudnn(q, k, v, (key, bkey)):
             try:
                 got = cudnn_kernel.cudnn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale,
-                                             (left, right), square=square, lengths=lengths, key=bkey,
-                                             offsets=_cudnn_offsets(cu_q, cu_k, q, k))  # fmt: skip
+                                             (left, right), square=square, key=bkey,
+                                             metadata=_cudnn_metadata(cu_q, cu_k, q, k, bkey.slots))  # fmt: skip
             except cudnn_kernel.BuildError as exc:
                 _kernel_failed("cudnn", _cudnn_broken, bkey, exc)
             else:
