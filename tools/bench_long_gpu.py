@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,17 +97,20 @@ def _profile(step, device: str, top: int = 0) -> dict[str, Any] | None:
     return out
 
 
-def _gaps(step, device: str, top: int) -> dict[str, Any] | None:
-    """Where the GPU waits during one step: the `top` longest idle gaps between device activities,
-    each with the kernel that ends it, how late the host launched that kernel (ms after the GPU
-    went idle: host-bound when positive), the runtime calls longer than 50 us inside the gap
-    (synchronizations, copies to the host) and the host ops running at the launch, outermost first."""
+def _gaps(step, device: str, top: int, steps: int = 3) -> dict[str, Any] | None:
+    """Where the GPU waits during `steps` back-to-back steps (no synchronization between them, as
+    in the timed loop): the `top` longest idle gaps between device activities, each with the kernel
+    that ends it, how late the host launched that kernel (ms after the GPU went idle: host-bound
+    when positive), the runtime calls longer than 50 us inside the gap and the host ops running at
+    the launch, outermost first; and the `top` longest synchronizing runtime calls with their host ops."""
     if device != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
+        for _ in range(steps):
+            step()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
@@ -119,6 +123,11 @@ def _gaps(step, device: str, top: int) -> dict[str, Any] | None:
     runtime = [e for e in spans if e.get("cat") == "cuda_runtime"]
     launch = {e["args"].get("correlation"): e["ts"] for e in runtime if "args" in e}
     ops = [e for e in spans if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
+
+    def host_at(t: float) -> list[str]:
+        stack = sorted((e for e in ops if e["ts"] <= t <= e["ts"] + e["dur"]), key=lambda e: -e["dur"])
+        return [e["name"][:60] for e in stack][:8]
+
     if not gpu:
         return {"gaps": []}
     gaps, busy, end = [], 0.0, gpu[0]["ts"]
@@ -128,6 +137,7 @@ def _gaps(step, device: str, top: int) -> dict[str, Any] | None:
         busy += max(0.0, e["ts"] + e["dur"] - max(end, e["ts"]))
         end = max(end, e["ts"] + e["dur"])
     out: dict[str, Any] = {
+        "steps": steps,
         "span_ms": round((end - gpu[0]["ts"]) / 1e3, 2),
         "busy_ms": round(busy / 1e3, 2),
         "idle_ms": round(sum(g for g, _, _ in gaps) / 1e3, 2),
@@ -136,38 +146,58 @@ def _gaps(step, device: str, top: int) -> dict[str, Any] | None:
     listed = []
     for gap, start, nxt in sorted(gaps, key=lambda g: -g[0])[:top]:
         at = launch.get(nxt.get("args", {}).get("correlation"), nxt["ts"])
-        syncs = sorted(
+        inside = sorted(
             {
                 f"{e['name']} {e['dur'] / 1e3:.2f}ms"
                 for e in runtime
                 if e["dur"] > 50 and e["ts"] < nxt["ts"] and e["ts"] + e["dur"] > start
             }
         )
-        stack = sorted((e for e in ops if e["ts"] <= at <= e["ts"] + e["dur"]), key=lambda e: -e["dur"])
         listed.append(
             {
                 "ms": round(gap / 1e3, 3),
                 "next": nxt["name"][:80],
                 "host_late_ms": round((at - start) / 1e3, 3),
-                "runtime": syncs[:4],
-                "host": [e["name"][:60] for e in stack][:6],
+                "runtime": inside[:4],
+                "host": host_at(at),
             }
         )
     out["gaps"] = listed
+    by_cat: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
+    for e in gpu:
+        by_cat[e["cat"]] = by_cat.get(e["cat"], 0.0) + e["dur"] / 1e3 / steps
+        n = by_name.setdefault(e["name"][:90], [0.0, 0])
+        n[0] += e["dur"] / 1e3 / steps
+        n[1] += 1
+    out["per_step_ms_by_kind"] = {k: round(v, 2) for k, v in by_cat.items()}
+    out["per_step_top"] = [
+        [round(ms, 2), count // steps, name]
+        for name, (ms, count) in sorted(by_name.items(), key=lambda x: -x[1][0])[:top]
+    ]
+    syncs = sorted(
+        (e for e in runtime if "ynchronize" in e["name"] or e["name"].startswith("cudaMemcpy")),
+        key=lambda e: -e["dur"],
+    )
+    out["syncs"] = [
+        {"ms": round(e["dur"] / 1e3, 3), "call": e["name"], "host": host_at(e["ts"])} for e in syncs[:top]
+    ]
     return out
 
 
-def _memory_at_peak(step, device: str, top: int) -> dict[str, Any] | None:
-    """What is live at the peak of one step: allocated memory before the step, the step's peak, and
-    the `top` largest groups of blocks live at the peak by where they were allocated (the innermost
-    frames outside torch's own dispatch code), GiB."""
+def _memory_at_peak(step, device: str, top: int, steps: int = 3) -> dict[str, Any] | None:
+    """What is live at the peak of `steps` back-to-back steps (as in the timed loop): allocated
+    memory before them, the peak over it, and the `top` largest groups of blocks live at the peak by
+    where they were allocated (the innermost frames outside torch's own dispatch code), GiB."""
     if device != "cuda":
         return None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    torch.cuda.reset_peak_memory_stats()
     try:
-        step()
+        for _ in range(steps):
+            step()
         torch.cuda.synchronize()
         snap = torch.cuda.memory._snapshot()
     finally:
@@ -196,8 +226,10 @@ def _memory_at_peak(step, device: str, top: int) -> dict[str, Any] | None:
     for size, at in peak_live.values():
         groups[at] = groups.get(at, 0) + size
     return {
+        "steps": steps,
         "before_gib": round(base / 2**30, 2),
-        "step_peak_over_before_gib": round(peak / 2**30, 2),
+        "peak_over_before_gib": round(peak / 2**30, 2),
+        "max_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "top": [[round(b / 2**30, 3), at] for at, b in sorted(groups.items(), key=lambda g: -g[1])[:top]],
     }
 
@@ -320,15 +352,33 @@ def main(argv: list[str] | None = None) -> int:
                 with stopwatch(device) as watch:
                     losses = [step() for _ in range(a.warmup)]
                 record["compile_and_warmup_s"] = round(watch.seconds, 1)
+                if a.memory_top:  # right after the warm-up: the steps the timed loop would run next
+                    record["memory_at_peak"] = _memory_at_peak(step, device, a.memory_top)
                 if row.startswith("usp") or row == "sdpa_usp":
                     from kernel_calls import kernel_calls
 
                     _, record["kernels"] = kernel_calls(step)
+                    record["cudnn_workspace_mib"] = {
+                        f"{kind} T={k.total_q} N={k.slots} S={k.s_q}": round(plan.workspace / 2**20, 1)
+                        for (kind, k), plan in cudnn_kernel._plans.items()
+                    }
                 if device == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
-                timing = time_ms(lambda: losses.append(step()), device, warmup=0, reps=a.iters)  # noqa: B023
-                record["ms"] = round(timing.median_ms, 2)
+                if device == "cuda":  # CUDA events around each step, no synchronization between steps
+                    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(a.iters)]  # fmt: skip
+                    record["timed_unix_s"] = [round(time.time(), 2)]
+                    for start, end in events:
+                        start.record()
+                        losses.append(step())
+                        end.record()
+                    torch.cuda.synchronize()
+                    record["timed_unix_s"].append(round(time.time(), 2))
+                    record["ms_each"] = [round(s.elapsed_time(e), 2) for s, e in events]
+                    record["ms"] = round(statistics.median(record["ms_each"]), 2)
+                else:
+                    timing = time_ms(lambda: losses.append(step()), device, warmup=0, reps=a.iters)  # noqa: B023
+                    record["ms"] = round(timing.median_ms, 2)
                 record["peak_gib"] = (
                     round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None
                 )
@@ -337,8 +387,6 @@ def main(argv: list[str] | None = None) -> int:
                     record["profile_ms"] = _profile(step, device, a.top)
                 if a.gaps:
                     record["gaps"] = _gaps(step, device, a.gaps)
-                if a.memory_top:
-                    record["memory_at_peak"] = _memory_at_peak(step, device, a.memory_top)
             except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
                 record["error"] = f"{type(e).__name__}: {e}"[:1500]
             del compiled, model
