@@ -17,9 +17,10 @@ no document crosses a row). Checks, each printed as ok / FAIL / refused / ERR / 
 - dumps: the packed compile ran with option ``dump_dir``: every graph it made wrote its graph
   file (``summary.json`` records no failure; joint, forward and backward of each trained graph).
 - eager / flex: the family built with ``attn_implementation="eager"`` and ``"flex_attention"``
-  (attention computed without SDPA), forward under packed documents, compiled and eager
-  ``attention_mode``: refused, or each document's own result ("n/a": the family has no such
-  implementation). A cell names both paths when their verdicts differ.
+  (attention computed without SDPA; flex in fp32: transformers compiles it with inductor, which
+  has no fp64 CPU kernel), forward under packed documents, compiled and eager ``attention_mode``:
+  refused, or each document's own result ("n/a": the family has no such implementation). A cell
+  names both paths when their verdicts differ.
 - no position_ids: the family called without ``position_ids`` under packed documents, compiled
   and eager (positions the model counts itself): refused, or each document's own result ("-": the
   forward takes none, so the packed check already ran without them).
@@ -217,6 +218,9 @@ def without_sdpa(name: str, impl: str, batch: Batch, ref_out: torch.Tensor, tol:
         model.set_attn_implementation(impl)
     except Exception:  # noqa: BLE001 - the family does not offer `impl`
         return None
+    if impl == "flex_attention":
+        # transformers compiles flex_attention with inductor, whose CPU kernel has no fp64
+        model, tol = model.float(), max(tol, 1e-5)
     model.train()
     return _both_paths(model, batch, lambda n, m=model: _takes(m, n), ref_out, tol)
 

@@ -110,6 +110,7 @@ class _SDPAToUSP(TorchFunctionMode):
         self.kv = kv
         self.cp = cp
         self.calls = 0
+        self.refused: ValueError | None = None  # a refusal found while Dynamo traced this mode
         # With documents, whether a call is cross-attention matters (its keys take other
         # documents), and eager has no graph to read it from: follow the data flow op by op.
         self.track = metadata is not None or cp is not None
@@ -137,6 +138,16 @@ class _SDPAToUSP(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.refused is not None:
+            raise self.refused
+        if torch.compiler.is_compiling() and func not in _SDPA_FUNCS and func is not SDPA_OP:
+            # Dynamo traces this mode inside a function the model compiles itself (transformers
+            # calls flex_attention through torch.compile): an error raised here would reach the
+            # caller as "Unsupported: Observed exception", and the tracking reads values a trace
+            # has none of. A refusal is kept and raised at the next call in eager (`refused`).
+            if self.metadata is not None and getattr(func, "__name__", "") == "flex_attention":
+                self.refused = attention_without_sdpa_error("the model", ["flex_attention"])
+            return func(*args, **kwargs)
         if func in _SDPA_FUNCS:
             self.calls += 1
             return self._attention(*args, **kwargs)
@@ -402,6 +413,8 @@ def attention_mode(
     mode = _SDPAToUSP(metadata, cp, kv)
     with mode, _recompute_checkpoints_in(mode):
         yield mode
+    if mode.refused is not None:
+        raise mode.refused
 
 
 def _in_mode(mode: TorchFunctionMode):
