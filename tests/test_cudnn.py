@@ -122,7 +122,15 @@ def test_backward_key_adds_totals_rounded_to_64_and_determinism():
                                 deterministic=True)  # fmt: skip
     assert (fwd.total_q, fwd.total_k, fwd.deterministic) == (0, 0, False)
     assert (bwd.total_q, bwd.total_k) == (128, 128) and not bwd.deterministic
-    assert det.deterministic and det != bwd
+    assert det.deterministic and det != bwd and (det.total_q, det.total_k) == (128, 128)
+    # token counts share a backward graph within a bucket (more tokens built for than run is fine)
+    q2, k2, _ = _qkv(4000)
+    wide = cudnn_kernel.plan_key(q2, k2, cu, 100, 100, True, 1.0, (-1, -1), square=True, backward=True)
+    assert wide.total_q == 4096 == cudnn_kernel.plan_key(q2[:3073], k2[:3073], cu, 100, 100, True, 1.0, (-1, -1),
+                                                         square=True, backward=True).total_q  # fmt: skip
+    exact = cudnn_kernel.plan_key(q2, k2, cu, 100, 100, True, 1.0, (-1, -1), square=True, backward=True,
+                                  deterministic=True)  # fmt: skip
+    assert exact.total_q == 4032
     # determinism never splits forward keys
     assert (
         cudnn_kernel.plan_key(q, k, cu, 100, 100, True, 1.0, (-1, -1), square=True, deterministic=True) == fwd

@@ -10,11 +10,11 @@ int32 `(N, 1, 1, 1)`) and ragged offsets (int64 `(N + 1, 1, 1, 1)`, in elements:
 Q/O/dQ/dO, ``cu * G * K`` for K/V/dK/dV, ``cu * H`` for the stats), all computed on the device from
 ``cu_seqlens`` on every call. So the graphs depend on shapes and settings only (`PlanKey`): new
 boundaries never rebuild one, and unused capacity (zero-length slots) costs nothing. The slot count
-N and the padded length S are rounded up to the next of 1, 2, 3, 4, 6, 8, 12, ... (powers of two
-and 1.5 times them; S at most the token count), and the metadata is padded with empty slots to
-match (`slot_metadata`): a training run whose batches each hold other documents, with another
-count and another longest one, reuses a handful of graphs instead of building two new ones (and
-checking them against flash) on every step. Empty slots and a longer S cost nothing measurable
+N, the padded length S and the backward's token bound (``max_total_seq_len``) are rounded up to the
+next of 1, 2, 3, 4, 6, 8, 12, ... (powers of two and 1.5 times them; S at most the token count), and
+the metadata is padded with empty slots to match (`slot_metadata`): a training run whose batches
+each hold other documents, another count, another longest one and another token count, reuses a
+handful of graphs instead of building two new ones (and checking them against flash) on every step. Empty slots and a longer S cost nothing measurable
 (../shared/FACTS.md, "cuDNN ragged, second probe"). The deterministic backward keeps N and S exact:
 its workspace grows with N x S^2.
 
@@ -111,7 +111,7 @@ class PlanKey:
     window: tuple[int, int]  # (left, right), causality folded into right; (-1, -1): none
     square: bool  # queries and keys share one boundary tensor: top-left alignment, no pre-fill
     scale: float
-    # the backward's only: max_total_seq_len_q/kv (token counts rounded up to 64), determinism
+    # the backward's only: max_total_seq_len_q/kv (token counts bucketed, rounded up to 64), determinism
     total_q: int = 0
     total_k: int = 0
     deterministic: bool = False
@@ -168,8 +168,8 @@ def plan_key(
         window=(left, right),
         square=square,
         scale=float(scale),
-        total_q=_round64(q.shape[0]) if backward else 0,
-        total_k=_round64(k.shape[0]) if backward else 0,
+        total_q=_round64(q.shape[0] if exact else bucket(q.shape[0])) if backward else 0,
+        total_k=_round64(k.shape[0] if exact else bucket(k.shape[0])) if backward else 0,
         deterministic=deterministic if backward else False,
     )
 
