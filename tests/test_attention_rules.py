@@ -79,6 +79,23 @@ def test_flex_attention_under_packed_documents_is_refused_in_eager():
         assert _eager(model, False).shape == (1, sum(LENGTHS), 64)
 
 
+@pytest.mark.parametrize("path", [_eager, _compiled], ids=["eager", "compiled"])
+def test_a_decoder_called_without_position_ids_is_refused_eager_and_compiled(path):
+    """Llama without position_ids counts its rotary positions along the packed row (an arange over
+    it), not per document; with position_ids it runs (the TABLE above)."""
+    torch._dynamo.reset()
+    model = _model("sdpa")
+    ids = (torch.arange(sum(LENGTHS)) * 5 % 64)[None]
+    with pytest.raises(ValueError, match="counts positions along the row that reach the queries or keys"):
+        if path is _eager:
+            with attention_mode(META):
+                model(input_ids=ids, use_cache=False)
+        else:
+            with documents(META):
+                compile_usp(model)(input_ids=ids, use_cache=False)
+    torch._dynamo.reset()
+
+
 def _bert(path, positions: bool):
     model = make_lm("bert")
     kwargs = {"position_ids": POS} if positions else {}

@@ -394,6 +394,10 @@ def attention_mode(
     keys are not computed from everything its queries are computed from (followed op by op while
     metadata is given); under metadata, such a call without `kv` raises instead of attending with
     the query documents.
+    Under metadata (or `cp`), what would silently cross documents (or shards) is refused with a
+    ValueError, by the rules the compiled backend applies too (`usp_graph.graph_inputs`): attention
+    computed without SDPA, positions the model counts along the row itself (not the position ids
+    passed in) that it embeds or that reach queries or keys, convolutions along the sequence.
     The yielded object counts the calls it routed (`.calls`).
     """
     if metadata is not None and not isinstance(metadata, AttentionMetadata):
