@@ -393,14 +393,15 @@ def positions_count_along_row(values: Any, passed_lengths: Any, world: int = 1) 
 INDEX_ARGUMENTS = {
     "index_select": 2, "gather": 2, "scatter": 2, "scatter_add": 2, "scatter_reduce": 2, "index_add": 2,
     "index_copy": 2, "index_fill": 2, "take": 1, "take_along_dim": 1, "getitem": 1, "__getitem__": 1,
-    "index": 1, "index_put": 1, "_unsafe_index": 1,
+    "index": 1, "index_put": 1, "_unsafe_index": 1, "setitem": 1, "__setitem__": 1,
 }  # fmt: skip
 
 
 def value_arguments(name: str, args: Any, kwargs: Mapping[str, Any]) -> list[Any]:
     """The arguments of a call to `name` whose values flow into its result: all but its index
     argument (`INDEX_ARGUMENTS`), positional or by keyword (``index``, ``indices``)."""
-    skip = INDEX_ARGUMENTS.get(name)
+    in_place = name.endswith("_") and not name.endswith("__")  # index_copy_ indexes as index_copy
+    skip = INDEX_ARGUMENTS.get(name[:-1] if in_place else name)
     out = [a for i, a in enumerate(args) if i != skip]
     out += [v for k, v in kwargs.items() if skip is None or k not in ("index", "indices")]
     return out
