@@ -37,7 +37,7 @@ from ..graph_inputs import (
     per_row_cu_seqlens,
     row_mixers_error,
 )
-from ..metadata import AttentionMetadata
+from ..metadata import AttentionMetadata, fit_to_documents
 from ..passes.base import PASS_META
 from ..sites import AttentionSite
 from .documents import current_documents, current_kv_documents
@@ -45,6 +45,12 @@ from .documents import current_documents, current_kv_documents
 __all__ = ["MetadataInputs", "MetadataFeed", "add_metadata_inputs", "shared_rows", "check_not_guarded"]
 
 PASS_NAME = "usp_backend"
+
+
+def _fit_on_host(cu: torch.Tensor) -> bool:
+    """Whether documents derived from position ids are cut to their count and longest one (one host
+    read per call): on accelerators, where unused slots and an over-long bound cost kernel work."""
+    return cu.device.type not in ("cpu", "meta")
 
 
 def _rows(site: AttentionSite) -> tuple[Any, Any]:
@@ -289,7 +295,10 @@ class MetadataFeed:
                 with torch.no_grad():
                     pos = self.cp.unshard(pos, dim=1)
             cu = cu_seqlens_from_positions(pos, self.capacity)
-            return (cu.to(self.device) if self.device is not None else cu, length * self.world)
+            cu = cu.to(self.device) if self.device is not None else cu
+            if self.capacity is None and _fit_on_host(cu):
+                return fit_to_documents(cu, length * self.world)  # one host read: tight slots and bound
+            return (cu, length * self.world)
         if meta is None:
             return (*self._rows(b, length * self.world), *kv_fed)
         if self.kv_length is None and kv is not None:

@@ -54,12 +54,14 @@ class UspOptions:
         define the documents when no `usp_graph.documents(...)` block is active: a document starts
         at each row start and wherever a position is not its predecessor + 1 (positions restarting
         at 0 per document, the padding-free convention of transformers and TRL). `cu_seqlens` is
-        then computed from that argument on its device, with no host sync and no recompile when
-        boundaries change. None (default): no argument defines documents (a mask the model
-        builds from its position ids still does).
-    max_docs: the document capacity of `documents`-derived metadata (default: one slot per
-        token, always enough; a smaller capacity saves kernel work on CUDA, and a step with more
-        documents fails with an error, never a wrong result).
+        then computed from that argument on its device, with no recompile when boundaries change;
+        on accelerators it is cut to the call's document count (rounded up to 1, 2, 3, 4, 6, 8,
+        12, ...) and longest document by one host read per call (empty slots and an over-long
+        bound are kernel work). None (default): no argument defines documents (a mask the model
+        builds from its position ids still does, sized the same way).
+    max_docs: the document capacity of `documents`-derived metadata (default: sized to each call
+        as above; set, this capacity with the row length as bound and no host read; a step with
+        more documents fails with an error, never a wrong result).
     """
 
     cp: Any = None
