@@ -51,13 +51,6 @@ def test_plan_key_depends_on_shapes_and_settings_not_boundary_values():
     assert cudnn_kernel.plan_key(q.half(), k.half(), a, 70, 70, True, 0.125, (-1, -1), square=True) != key_a
 
 
-def test_buckets_are_powers_of_two_and_one_and_a_half_times_them():
-    assert [cudnn_kernel.bucket(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
-    for n in [*range(1, 3000), 20832, 83299, 2**20 + 1]:
-        b = cudnn_kernel.bucket(n)
-        assert n <= b <= max(2, 1.5 * n) and cudnn_kernel.bucket(b) == b
-
-
 def test_batches_with_other_document_counts_and_lengths_share_a_graph():
     """A training run's batches each hold other documents (count and longest one): their keys fall
     into a few buckets, so the graphs are built (and checked against flash) a few times, not every

@@ -29,9 +29,9 @@ def _positions(lengths: list[int]) -> torch.Tensor:
 
 def test_capacity_buckets():
     assert [capacity_bucket(n) for n in range(0, 14)] == [1, 1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
-    for n in range(1, 5000):
+    for n in [*range(1, 5000), 20832, 83299, 2**20 + 1]:
         b = capacity_bucket(n)
-        assert n <= b <= max(2, 1.5 * n)
+        assert n <= b <= max(2, 1.5 * n) and capacity_bucket(b) == b
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..metadata import capacity_bucket
+
 __all__ = [
     "BuildError",
     "PlanKey",
@@ -117,22 +119,11 @@ class PlanKey:
     deterministic: bool = False
 
 
-def bucket(n: int) -> int:
-    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and 1.5 times them) >= n:
-    at most 1.5 x n, and only about 1.4 buckets per doubling."""
-    n, p = max(int(n), 1), 1
-    while True:
-        for b in (p, p + p // 2):
-            if b >= n:
-                return b
-        p *= 2
-
-
 def _padded(bound: int, total: int, exact: bool = False) -> int:
     # S never needs to exceed the token count (a document cannot be longer); the deterministic
     # backward's workspace grows with S^2: exact there.
     bound = max(1, int(bound))
-    return max(1, min(bound if exact else bucket(bound), int(total)))
+    return max(1, min(bound if exact else capacity_bucket(bound), int(total)))
 
 
 def _round64(n: int) -> int:
@@ -157,7 +148,7 @@ def plan_key(
     slots = cu_q.shape[0] - 1
     return PlanKey(
         device=_device_index(q.device),
-        slots=slots if exact else bucket(slots),
+        slots=slots if exact else capacity_bucket(slots),
         s_q=_padded(max_q, q.shape[0], exact),
         s_k=_padded(max_k, k.shape[0], exact),
         heads=q.shape[1],
@@ -168,8 +159,8 @@ def plan_key(
         window=(left, right),
         square=square,
         scale=float(scale),
-        total_q=_round64(q.shape[0] if exact else bucket(q.shape[0])) if backward else 0,
-        total_k=_round64(k.shape[0] if exact else bucket(k.shape[0])) if backward else 0,
+        total_q=_round64(q.shape[0] if exact else capacity_bucket(q.shape[0])) if backward else 0,
+        total_k=_round64(k.shape[0] if exact else capacity_bucket(k.shape[0])) if backward else 0,
         deterministic=deterministic if backward else False,
     )
 
