@@ -18,8 +18,14 @@ within documents) + backward. Rows, each a fresh model with the same weights:
   under ``usp_graph.documents(meta)``: no mask anywhere.
 - ``sdpa_usp``: ``"sdpa"`` + backend usp under ``documents(meta)``: transformers builds its mask in
   the graph, usp reads it at a probe length and rewrites every SDPA; the mask is dead code.
+- ``sdpa_trainer`` (optional): ``"sdpa"`` + backend usp with no ``documents`` block: the backend
+  reads the documents from the mask transformers builds from the position ids (what a ``Trainer``
+  with ``DataCollatorWithFlattening`` and ``model.compile(backend="usp")`` runs).
 - ``usp_inductor`` (optional): ``"usp"`` + plain ``torch.compile``, documents from the position ids
   inside the graph (no block, no host sync).
+
+``--vary N``: every step takes the next of N batches of other documents (log-normal draws with
+seeds 1..N, each with its own exact metadata), as a training run does, instead of one batch.
 
 ``--checkpoint-from T`` turns activation checkpointing on (every row) from that length on.
 Each row: median ms of ``--iters`` steps after ``--warmup`` (compile excluded), peak memory over
@@ -52,8 +58,9 @@ import usp_graph
 from usp_graph import AttentionMetadata
 from usp_graph.testing import lognormal_lengths
 
-ROWS = ("flex", "sdpa", "usp", "sdpa_usp", "usp_inductor")
-_ATTN = {"flex": "flex_attention", "sdpa": "sdpa", "usp": "usp", "sdpa_usp": "sdpa", "usp_inductor": "usp"}
+ROWS = ("flex", "sdpa", "usp", "sdpa_usp", "sdpa_trainer", "usp_inductor")
+_ATTN = {"flex": "flex_attention", "sdpa": "sdpa", "usp": "usp", "sdpa_usp": "sdpa", "sdpa_trainer": "sdpa",
+         "usp_inductor": "usp"}  # fmt: skip
 
 
 def _mean_doc(tokens: int) -> int:
@@ -234,10 +241,15 @@ def _memory_at_peak(step, device: str, top: int, steps: int = 3) -> dict[str, An
     }
 
 
-def _step(model, compiled, batch: dict[str, torch.Tensor], docs: AttentionMetadata | None):
-    """One train step (loss + backward), under `documents(docs)` when given."""
+def _step(model, compiled, batches: list[dict[str, torch.Tensor]], metas: list[AttentionMetadata] | None):
+    """One train step (loss + backward) on the next of `batches`, under `documents` of its
+    metadata when `metas` are given."""
+    turn = [0]
 
     def step() -> torch.Tensor:
+        i = turn[0] % len(batches)
+        turn[0] += 1
+        batch, docs = batches[i], metas[i] if metas is not None else None
         model.zero_grad(set_to_none=True)
         with usp_graph.documents(docs) if docs is not None else contextlib.nullcontext():
             logits = compiled(
@@ -267,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--top", type=int, default=0, help="list this many kernels of the profiled step")
+    p.add_argument("--vary", type=int, default=1, help="cycle through this many batches of other documents")
     p.add_argument(
         "--gaps", type=int, default=0, help="list this many GPU idle gaps of one step, with their cause"
     )
@@ -313,9 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
     for tokens in (int(t) for t in a.tokens.split(",")):
-        lengths = lognormal_lengths(tokens, _mean_doc(tokens), seed=1)
-        batch = _batch(lengths, a.vocab, device)
-        meta = AttentionMetadata.from_lengths(lengths, max_docs=len(lengths) + 8, device=device)
+        draws = [lognormal_lengths(tokens, _mean_doc(tokens), seed=s) for s in range(1, a.vary + 1)]
+        lengths = draws[0]
+        batches = [_batch(d, a.vocab, device) for d in draws]
+        if a.vary == 1:  # one batch, capacity with room to spare (section 0's setting)
+            metas = [AttentionMetadata.from_lengths(lengths, max_docs=len(lengths) + 8, device=device)]
+        else:  # each batch's own exact metadata, as AttentionMetadata.from_position_ids gives
+            metas = [AttentionMetadata.from_lengths(d, device=device) for d in draws]
         ckpt = tokens >= a.checkpoint_from
         print(f"T={tokens} N={len(lengths)} longest={max(lengths)} checkpointing={ckpt}")
         for row in rows:
@@ -335,17 +352,18 @@ def main(argv: list[str] | None = None) -> int:
             model.train()
             if ckpt:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if row in ("usp", "sdpa_usp"):
+            if row in ("usp", "sdpa_usp", "sdpa_trainer"):
                 compiled = torch.compile(model, backend="usp", options={"inner": inner})
-                docs = meta
+                docs = metas if row != "sdpa_trainer" else None
             else:
                 compiled = torch.compile(model) if device == "cuda" else model
                 docs = None
-            step = _step(model, compiled, batch, docs)
+            step = _step(model, compiled, batches, docs)
             record: dict[str, Any] = {
                 "row": row,
                 "tokens": tokens,
                 "documents": len(lengths),
+                "batches": a.vary,
                 "checkpointing": ckpt,
             }
             try:
@@ -354,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                 record["compile_and_warmup_s"] = round(watch.seconds, 1)
                 if a.memory_top:  # right after the warm-up: the steps the timed loop would run next
                     record["memory_at_peak"] = _memory_at_peak(step, device, a.memory_top)
-                if row.startswith("usp") or row == "sdpa_usp":
+                if row.startswith("usp") or row.startswith("sdpa_"):
                     from kernel_calls import kernel_calls
 
                     _, record["kernels"] = kernel_calls(step)
