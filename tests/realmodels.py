@@ -616,6 +616,8 @@ class _NoPositions(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.width = width
+        # holds the model's dtype (model.float() converts it): the zeros take it
+        self.register_buffer("like", torch.zeros(0, dtype=torch.float64), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return torch.zeros(*input_ids.shape[:2], self.width, dtype=torch.float64)
+        return self.like.new_zeros(*input_ids.shape[:2], self.width)

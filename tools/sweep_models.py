@@ -235,7 +235,7 @@ def dumps_written(root: str) -> tuple:
     """("ok", graph files written) when every graph of a compile dump wrote its graph files
     (joint, forward and backward of a trained graph), else ("FAIL", what is missing)."""
     written, missing = 0, []
-    for graph_dir in sorted(p for p in os.scandir(root) if p.is_dir()):
+    for graph_dir in sorted((p for p in os.scandir(root) if p.is_dir()), key=lambda p: p.name):
         summary = os.path.join(graph_dir.path, "summary.json")
         if not os.path.exists(summary):
             missing.append(f"{graph_dir.name}: no summary.json")
