@@ -323,6 +323,32 @@ class _RotaryFromFloatArange(_Rotary):
         return torch.arange(ids.shape[-1], dtype=torch.float64)[None]
 
 
+class _RotaryTableLookup(_Rotary):
+    """GPT-J's rotary: sines and cosines looked up in a table by position (an index into a table,
+    not a selection within the row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        half = D_ // H_ // 2
+        angle = torch.arange(64.0, dtype=torch.float64)[:, None] * 0.3 ** torch.arange(
+            half, dtype=torch.float64
+        )
+        self.register_buffer("angles", angle, persistent=False)
+
+    def forward(self, ids, pos=None):
+        x = self.tok(ids)
+        angle = self.angles[torch.arange(ids.shape[-1]) if pos is None else pos[0]]
+        cos, sin = angle.cos().repeat(1, 2), angle.sin().repeat(1, 2)
+
+        def rotate(t):
+            a, b = t.chunk(2, -1)
+            return t * cos + torch.cat([-b, a], -1) * sin
+
+        q, k, v = (_heads(f(x)) for f in (self.attn.q, self.attn.k, self.attn.v))
+        out = F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)
+        return out.transpose(1, 2).flatten(-2)
+
+
 class _ArangeAsIndex(_QKV):
     """An arange over the row used to select tokens (a packed layout's permutation, here the
     identity), not as positions: it reaches the queries only as an index."""
@@ -430,6 +456,18 @@ FORMS = {
         _RotaryFromFloatArange,
         lambda: {"ids": _IDS},
         POSITIONS_IN_ATTENTION,
+        False,
+    ),
+    "positions_rotary_table_lookup": (
+        _RotaryTableLookup,
+        lambda: {"ids": _IDS},
+        POSITIONS_IN_ATTENTION,
+        False,
+    ),
+    "positions_rotary_table_lookup_passed": (
+        _RotaryTableLookup,
+        lambda: {"ids": _IDS, "pos": PACKED_POS},
+        None,
         False,
     ),
     "arange_as_index_select": (_ArangeAsIndex, lambda: {"x": _x()}, None, False),

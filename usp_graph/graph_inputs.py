@@ -42,6 +42,7 @@ from .metadata import AttentionMetadata
 
 __all__ = [
     "INDEX_ARGUMENTS",
+    "WRITE_INDEX_ARGUMENTS",
     "INPUT_META",
     "MetadataInputs",
     "MetadataValues",
@@ -394,23 +395,52 @@ def positions_count_along_row(values: Any, passed_lengths: Any, world: int = 1) 
 
 
 # Arguments (by position, the tensor first, as both the function and the method forms take them)
-# that select, gather or scatter rather than compute: positions that flow into a call only through
-# them do not reach what it selects (a permutation built from an arange, diffusers' packed layouts).
+# that index rather than compute. Writes place values at the index (a permutation's scatter, a
+# static cache's cache_position): the index is never a value of the result. Reads select by it:
+# a selection within the row (the source has a dim as long as the index: a packed layout's
+# permutation) is no value either, but a lookup in a table (GPT-J's rotary sines by position) is.
 INDEX_ARGUMENTS = {
-    "index_select": 2, "gather": 2, "scatter": 2, "scatter_add": 2, "scatter_reduce": 2, "index_add": 2,
-    "index_copy": 2, "index_fill": 2, "take": 1, "take_along_dim": 1, "getitem": 1, "__getitem__": 1,
-    "index": 1, "index_put": 1, "_unsafe_index": 1, "setitem": 1, "__setitem__": 1,
+    "index_select": 2, "gather": 2, "take": 1, "take_along_dim": 1, "getitem": 1, "__getitem__": 1,
+    "index": 1, "_unsafe_index": 1,
+}  # fmt: skip
+WRITE_INDEX_ARGUMENTS = {
+    "scatter": 2, "scatter_add": 2, "scatter_reduce": 2, "index_add": 2, "index_copy": 2, "index_fill": 2,
+    "index_put": 1, "setitem": 1, "__setitem__": 1,
 }  # fmt: skip
 
 
-def value_arguments(name: str, args: Any, kwargs: Mapping[str, Any]) -> list[Any]:
-    """The arguments of a call to `name` whose values flow into its result: all but its index
-    argument (`INDEX_ARGUMENTS`), positional or by keyword (``index``, ``indices``)."""
+def value_arguments(
+    name: str, args: Any, kwargs: Mapping[str, Any], shape_of: Callable[[Any], Any] = lambda x: None
+) -> list[Any]:
+    """The arguments of a call to `name` whose values flow into its result: all but the index
+    argument of a write (`WRITE_INDEX_ARGUMENTS`), or of a read that selects within the row
+    (`INDEX_ARGUMENTS`: the source, argument 0, has a dim as long as the index's last), positional
+    or by keyword (``index``, ``indices``). `shape_of`: an argument's shape (None: unknown, then a
+    read counts as a selection)."""
     in_place = name.endswith("_") and not name.endswith("__")  # index_copy_ indexes as index_copy
-    skip = INDEX_ARGUMENTS.get(name[:-1] if in_place else name)
+    key = name[:-1] if in_place else name
+    skip = WRITE_INDEX_ARGUMENTS.get(key)
+    if skip is None and key in INDEX_ARGUMENTS:
+        skip = INDEX_ARGUMENTS[key]
+        index = args[skip] if len(args) > skip else kwargs.get("index", kwargs.get("indices"))
+        source, length = shape_of(args[0]) if args else None, _last_dim(index, shape_of)
+        if source is not None and length is not None and not any(known_equal(d, length) for d in source):
+            skip = None  # a lookup in a table: its values are the positions'
     out = [a for i, a in enumerate(args) if i != skip]
     out += [v for k, v in kwargs.items() if skip is None or k not in ("index", "indices")]
     return out
+
+
+def _last_dim(index: Any, shape_of: Callable[[Any], Any]) -> Any:
+    """The last dim of the first tensor in an index (a tensor, or a tuple of them and slices)."""
+    if isinstance(index, (tuple, list)):
+        for item in index:
+            found = _last_dim(item, shape_of)
+            if found is not None:
+                return found
+        return None
+    shape = shape_of(index)
+    return shape[-1] if shape is not None and len(shape) > 0 else None
 
 
 ROW_POSITIONS = (

@@ -187,7 +187,7 @@ class _SDPAToUSP(TorchFunctionMode):
         world = self.cp.world if self.cp is not None else 1
         counting = frozenset().union(*(self._counting_lengths(t) for t in tensors))
         # Positions reach a result through its values, not through an index it selects by.
-        values = _tensors(value_arguments(getattr(func, "__name__", ""), args, kwargs))
+        values = _tensors(value_arguments(getattr(func, "__name__", ""), args, kwargs, _shape))
         positions = frozenset().union(*(r for r in map(self._positions.of, values) if r is not None))
         for t in outs:
             if counting:
@@ -367,6 +367,10 @@ def _tensors(values):
             yield x
         elif isinstance(x, (list, tuple)):
             yield from _tensors(x)
+
+
+def _shape(x: Any) -> tuple[int, ...] | None:
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else None
 
 
 def _in_place(name: str) -> bool:

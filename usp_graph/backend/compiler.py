@@ -514,11 +514,16 @@ def _value_ancestors(nodes: Sequence[Any]) -> list[fx.Node]:
             name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
             if isinstance(n.target, torch._ops.OpOverload):
                 name = n.target._opname
-            fx.node.map_arg(value_arguments(str(name), n.args, n.kwargs), stack.append)
+            fx.node.map_arg(value_arguments(str(name), n.args, n.kwargs, _node_shape), stack.append)
         else:
             stack.extend(n.all_input_nodes)
         stack.extend(writes_into(n))
     return list(seen)
+
+
+def _node_shape(x: Any) -> tuple[Any, ...] | None:
+    val = node_value(x) if isinstance(x, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _from_inputs(node: fx.Node) -> bool:
