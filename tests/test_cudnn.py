@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 
+from usp_graph.metadata import capacity_bucket
 from usp_graph.ops import boundaries, cudnn_kernel, flash_kernel, kernel_choice, varlen
 
 
@@ -448,3 +449,94 @@ def test_boundary_check_runs_once_per_tensor_and_version(monkeypatch):
     boundaries.checked_lengths(inf_cu, inf_cu, 8, 8, 5, 5)
     boundaries.checked_lengths(inf_cu, inf_cu, 8, 8, 5, 5)  # no version counter: never cached
     assert len(runs) == 7
+
+
+# ------------------------------------------------------------------------------------------------
+# Boundaries with a slot per token (documents derived from position ids on the device) are cut to
+# their documents before a CUDA kernel sees them: one host read per boundary tensor.
+
+
+def _one_slot_per_token(lengths: list[int]) -> torch.Tensor:
+    from usp_graph import masks
+
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    return masks.cu_seqlens_from_positions(pos)  # T + 1 entries, unused slots repeat T
+
+
+def _fit_setup(monkeypatch, lengths):
+    calls, _, _ = _fake_cuda(monkeypatch)
+    monkeypatch.setattr(kernel_choice, "FIT_MIN_TOKENS", 64)
+    seen, reads = [], []
+    fake_fwd, fake_bwd = cudnn_kernel.cudnn_fwd, cudnn_kernel.cudnn_bwd
+    monkeypatch.setattr(
+        cudnn_kernel, "cudnn_fwd", lambda *a, **kw: seen.append(("fwd", a[3], a[5])) or fake_fwd(*a, **kw)
+    )
+    monkeypatch.setattr(
+        cudnn_kernel, "cudnn_bwd", lambda *a, **kw: seen.append(("bwd", a[6], a[8])) or fake_bwd(*a, **kw)
+    )
+    fit = kernel_choice.fit_to_documents
+    monkeypatch.setattr(
+        kernel_choice, "fit_to_documents", lambda cu, bound: reads.append(1) or fit(cu, bound)
+    )
+    t = sum(lengths)
+    q, k, v = _qkv(t, 4, 2, 64, seed=5)
+    dout = _qkv(t, 4, 4, 64, seed=6)[0]
+    return calls, seen, reads, (q, k, v), dout
+
+
+@pytest.mark.parametrize(
+    "lengths", [[40, 1, 47, 40], [1] * 70 + [58], [128]], ids=["mixed", "many-short", "one"]
+)
+def test_a_slot_per_token_is_cut_to_the_documents_once_and_gives_the_same_result(monkeypatch, lengths):
+    calls, seen, reads, (q, k, v), dout = _fit_setup(monkeypatch, lengths)
+    t = sum(lengths)
+    cu = _one_slot_per_token(lengths)
+    want_out, want_lse = varlen._cpu_fwd(q, k, v, cu, cu, t, t, True, 0.125)
+    want_grads = varlen._cpu_bwd(dout, q, k, v, want_out, want_lse, cu, cu, t, t, True, 0.125)
+    with varlen.cuda_kernel("cudnn"):
+        for layer in range(3):  # every layer and the backward share one boundary tensor: one read
+            out, lse = varlen._cuda_fwd(q, k, v, cu, cu, t, t, True, 0.125)
+            grads = varlen._cuda_bwd(dout, q, k, v, out, lse, cu, cu, t, t, True, 0.125)
+            assert _same((out, lse), (want_out, want_lse)) and _same(grads, want_grads), layer
+    assert len(reads) == 1
+    slots = capacity_bucket(len(lengths))
+    for kind, got_cu, got_max in seen:
+        assert got_cu.numel() - 1 == min(slots, t), kind
+        assert got_cu[: len(lengths) + 1].tolist() == torch.cumsum(torch.tensor([0, *lengths]), 0).tolist()
+        assert got_max == max(lengths), kind
+    assert calls["cudnn_fwd"] == 3 and calls["cudnn_bwd"] == 3
+
+
+def test_empty_slots_before_the_last_document_are_kept(monkeypatch):
+    _, seen, _, (q, k, v), _ = _fit_setup(monkeypatch, [128])
+    # 128 tokens, 129 slots: documents of 50 and 78 tokens with empty slots between and after
+    cu = _cu(0, 0, 0, 50, 50, 50, 128, *([128] * 123))
+    assert cu.numel() == 130
+    want = varlen._cpu_fwd(q, k, v, cu, cu, 128, 128, False, 0.125)
+    with varlen.cuda_kernel("cudnn"):
+        got = varlen._cuda_fwd(q, k, v, cu, cu, 128, 128, False, 0.125)
+    assert _same(got, want)
+    ((_, got_cu, got_max),) = seen
+    assert got_cu.tolist() == [0, 0, 0, 50, 50, 50, 128] and got_max == 78
+
+
+@pytest.mark.parametrize("case", ["few-slots", "short", "cross", "capturing"])
+def test_boundaries_are_left_alone_where_cutting_does_not_pay_or_cannot_run(monkeypatch, case):
+    lengths = [40, 1, 47, 40]
+    _, seen, reads, (q, k, v), _ = _fit_setup(monkeypatch, lengths)
+    t = sum(lengths)
+    cu_q = cu_k = _one_slot_per_token(lengths)
+    if case == "few-slots":  # what AttentionMetadata.from_lengths gives: a slot per document
+        cu_q = cu_k = _cu(0, 40, 41, 88, 128)
+    elif case == "short":
+        monkeypatch.setattr(kernel_choice, "FIT_MIN_TOKENS", 4096)
+    elif case == "cross":
+        cu_k = cu_q.clone()
+    else:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with varlen.cuda_kernel("cudnn"):
+        varlen._cuda_fwd(q, k, v, cu_q, cu_k, t, t, True, 0.125)
+    assert reads == []
+    ((_, got_cu, got_max),) = seen
+    assert got_cu is cu_q and got_max == t

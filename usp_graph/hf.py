@@ -17,7 +17,8 @@ nothing would be lost (`usp_mask`). Each attention call then takes its documents
 3. the ``position_ids`` transformers passes to attention, in the padding-free convention
    (``DataCollatorWithFlattening``, flash-attention's): a document starts where a position is 0
    and at each row start. Eager reads them once per forward (one host sync, shared by every
-   layer); compiled code derives the boundaries inside the graph (no host sync, capacity T + 1),
+   layer); compiled code derives the boundaries inside the graph (capacity T + 1; on CUDA the
+   kernels cut them to the documents with one host read per step),
 4. otherwise one document per batch row (SDPA's own semantics).
 
 Causal or bidirectional from the module (``module.is_causal``, or the ``is_causal`` transformers

@@ -349,16 +349,22 @@ def capacity_bucket(n: int) -> int:
 
 
 def fit_to_documents(cu_seqlens: torch.Tensor, bound: int) -> tuple[torch.Tensor, int]:
-    """`cu_seqlens` whose unused slots sit at the end repeating the token count (what
-    `masks.cu_seqlens_from_positions` makes, capacity T + 1), cut to `capacity_bucket` of its
-    document count, and its longest document as the bound: one host read.
+    """`cu_seqlens` cut after its last non-empty slot, to a capacity of `capacity_bucket` of that
+    many slots, and the bound lowered to its longest document: one host read. Every document is
+    kept (empty slots may sit anywhere; those past the last document go), and the bound never
+    rises above `bound`, so a boundary check on the result fails wherever one on the input would.
 
     On CUDA every slot and every token of max_seqlen is kernel work (flash varlen and cuDNN launch
-    blocks for slots x max_seqlen), so a T + 1 capacity with bound L made a 32K-token step 1.9x
-    slower than tight metadata; the read costs one synchronization per compiled call."""
+    blocks for slots x max_seqlen), so one slot per token with bound L (what documents derived from
+    position ids on the device need to be always enough) made a 32K-token step 1.9x slower than
+    tight metadata; the read costs one synchronization."""
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    if lens.numel() == 0:
+    slots = lens.numel()
+    if slots == 0:
         return cu_seqlens, bound
-    count, longest = (int(x) for x in torch.stack(((lens > 0).sum(), lens.max())).tolist())
-    capacity = min(capacity_bucket(count), lens.numel())
+    where = torch.arange(slots, device=lens.device)
+    last, longest = (
+        int(x) for x in torch.stack((torch.where(lens != 0, where, -1).max(), lens.max().long())).tolist()
+    )
+    capacity = min(capacity_bucket(last + 1), slots)
     return cu_seqlens[: capacity + 1], min(max(longest, 1), bound)

@@ -16,7 +16,9 @@ boundary values, so a step runs the same kernels wherever it runs. cuDNN's and f
 forward and first backward per shape are checked against flash varlen on the same inputs; a
 disagreement (or a graph that cannot be built) warns and moves that shape to flash for good.
 Before any of them runs, the boundaries and max_seqlen are checked on the device and asserted
-asynchronously (no host sync; `boundaries.checked_lengths`). Windows run on cuDNN's diagonal band
+asynchronously (no host sync; `boundaries.checked_lengths`). The one exception: boundaries with a
+slot per token (documents derived from position ids on the device) are cut to their documents by
+one host read per boundary tensor, once per step (`_fitted`). Windows run on cuDNN's diagonal band
 or flash's local-attention kernels (flex is windowless only), or the math kernel.
 """
 
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..metadata import fit_to_documents
 from . import cudnn_kernel, flash_kernel, flex_kernel
 from .boundaries import checked_lengths, per_boundaries, same_boundaries
 from .flash_kernel import flash_ok
@@ -275,11 +278,32 @@ def _cudnn_metadata(cu_q, cu_k, q, k, slots):
     )
 
 
+# Boundaries with one slot per token (or more) are what documents derived from position ids on the
+# device carry to be always enough (the "usp" attention implementation compiled without a
+# documents block; the backend's default capacity): flash varlen and cuDNN launch blocks for every
+# slot x max_seqlen, so such a call is cut to its documents by one host read per boundary tensor
+# (once per step: every layer and the backward share the tensor). Not while a CUDA graph is being
+# captured (no sync allowed), and not below FIT_MIN_TOKENS, where the empty slots cost less than
+# the read.
+FIT_MIN_TOKENS = 2048
+
+
+def _fitted(cu_q: Tensor, cu_k: Tensor, t_q: int, max_q: int, max_k: int) -> tuple[Tensor, Tensor, int, int]:
+    if cu_q is not cu_k or cu_q.shape[0] - 1 < t_q or t_q < FIT_MIN_TOKENS:
+        return cu_q, cu_k, max_q, max_k
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return cu_q, cu_k, max_q, max_k
+    top = max(max_q, max_k)
+    cu, bound = per_boundaries("fit", cu_q, cu_k, (top,), lambda: fit_to_documents(cu_q, top))
+    return cu, cu, min(bound, max_q), min(bound, max_k)  # never above a bound given: the check still sees it
+
+
 def cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
     if not flash_ok(q, v):
         return math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
     if cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape:
         cu_k = cu_q  # one tensor: one check
+    cu_q, cu_k, max_q, max_k = _fitted(cu_q, cu_k, q.shape[0], max_q, max_k)
     checked_lengths(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)  # asserted on the device
 
     def flash() -> tuple[Tensor, Tensor]:
@@ -314,6 +338,7 @@ def cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale
         return math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
     if cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape:
         cu_k = cu_q
+    cu_q, cu_k, max_q, max_k = _fitted(cu_q, cu_k, q.shape[0], max_q, max_k)
     checked_lengths(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)  # asserted on the device
 
     def flash() -> tuple[Tensor, Tensor, Tensor]:
