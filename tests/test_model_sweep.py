@@ -309,6 +309,17 @@ class _OwnTablePositions(_RowPositions):
         return super().forward(ids_BL, self.table[:, : ids_BL.shape[-1]] if pos_BL is None else pos_BL)
 
 
+class _RotaryTablePositions(_RowPositions):
+    """Rotary sines looked up in a table by positions from arange over the row (GPT-J's without
+    position ids): under context parallelism each rank's positions restart at 0."""
+
+    def forward(self, ids_BL, pos_BL=None):
+        pos = torch.arange(ids_BL.shape[-1]) if pos_BL is None else pos_BL[0]
+        angle = torch.arange(64.0, dtype=torch.float64)[:, None].expand(64, D // H)[pos]
+        q, k, v = (t.unflatten(-1, (H, -1)).transpose(1, 2) for t in self.qkv(self.tok(ids_BL)).chunk(3, -1))
+        return F.scaled_dot_product_attention(q * angle.cos(), k * angle.cos(), v, is_causal=True)
+
+
 class _ShortConv(nn.Module):
     """A hybrid block: a depthwise causal convolution over the sequence (LFM2's, Mamba's), then
     attention. The convolution would mix the end of one packed document into the next."""
@@ -369,6 +380,7 @@ def _row_mixers_under_cp(rank: int, world: int) -> dict:
     for name, model, inp in (
         ("positions", _RowPositions().double(), ids),
         ("positions_own_table", _OwnTablePositions().double(), ids),
+        ("positions_rotary_table", _RotaryTablePositions().double(), ids),
         ("conv", _ShortConv().double(), x),
         ("conv_checkpointed", _ShortConvCheckpointed().double(), x),
     ):

@@ -424,11 +424,32 @@ def value_arguments(
         skip = INDEX_ARGUMENTS[key]
         index = args[skip] if len(args) > skip else kwargs.get("index", kwargs.get("indices"))
         source, length = shape_of(args[0]) if args else None, _last_dim(index, shape_of)
-        if source is not None and length is not None and not any(known_equal(d, length) for d in source):
-            skip = None  # a lookup in a table: its values are the positions'
+        dim = _indexed_dim(key, args, kwargs, index, shape_of)
+        if source is not None and length is not None:
+            along = source if dim is None or not -len(source) <= dim < len(source) else (source[dim],)
+            if not any(known_equal(d, length) for d in along):
+                skip = None  # a lookup in a table: its values are the positions'
     out = [a for i, a in enumerate(args) if i != skip]
     out += [v for k, v in kwargs.items() if skip is None or k not in ("index", "indices")]
     return out
+
+
+def _indexed_dim(key: str, args: Any, kwargs: Mapping[str, Any], index: Any, shape_of) -> int | None:
+    """The dim of the source a read selects along (None: unknown, any dim may be)."""
+    if key in ("index_select", "gather", "take_along_dim"):
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return dim if isinstance(dim, int) else None
+    if key in ("getitem", "__getitem__", "index", "_unsafe_index"):
+        items = index if isinstance(index, (tuple, list)) else (index,)
+        position = 0
+        for item in items:
+            if item is Ellipsis:
+                return None
+            if shape_of(item) is not None:
+                return position
+            if item is not None:  # None adds a dim to the result, none of the source's
+                position += 1
+    return None
 
 
 def _last_dim(index: Any, shape_of: Callable[[Any], Any]) -> Any:
