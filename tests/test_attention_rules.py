@@ -319,6 +319,10 @@ class _RotaryFromArange(_Rotary):
 
 
 class _RotaryFromFloatArange(_Rotary):
+    """Rotary positions from an arange of floats: not read as positions (a float arange is what
+    rotary embeddings count frequencies with, over the head dim); relative, so each document's own
+    result in fp64."""
+
     def positions(self, ids, pos):
         return torch.arange(ids.shape[-1], dtype=torch.float64)[None]
 
@@ -347,6 +351,34 @@ class _RotaryTableLookup(_Rotary):
         q, k, v = (_heads(f(x)) for f in (self.attn.q, self.attn.k, self.attn.v))
         out = F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)
         return out.transpose(1, 2).flatten(-2)
+
+
+class _RotaryFrequencies(nn.Module):
+    """Rotary positions passed in, frequencies counted by an arange of floats over half a head dim
+    as long as the row (usp's Llama, head dim 8, on a row of 4 tokens was refused): no positions."""
+
+    def __init__(self, half: int) -> None:
+        super().__init__()
+        k = 2 * half
+        self.tok, self.q, self.k, self.v = (
+            nn.Embedding(64, k),
+            nn.Linear(k, k),
+            nn.Linear(k, k),
+            nn.Linear(k, k),
+        )
+        self.half = half
+
+    def forward(self, ids, pos):
+        x = self.tok(ids)
+        freq = 0.5 ** (torch.arange(self.half, dtype=x.dtype) / self.half)  # (K/2,): K/2 == L
+        angle = pos[0].to(x.dtype)[:, None] * torch.cat([freq, freq])
+
+        def rotate(t):
+            a, b = t.chunk(2, -1)
+            return t * angle.cos() + torch.cat([-b, a], -1) * angle.sin()
+
+        q, k, v = (f(x)[:, None] for f in (self.q, self.k, self.v))
+        return F.scaled_dot_product_attention(rotate(q), rotate(k), v, is_causal=True)[:, 0]
 
 
 class _ArangeAsIndex(_QKV):
@@ -452,12 +484,7 @@ FORMS = {
     "positions_passed_offset": (_PassedOffset, lambda: {"ids": _IDS, "pos": PACKED_POS}, None, False),
     "positions_rotary_passed": (_Rotary, lambda: {"ids": _IDS, "pos": PACKED_POS}, None, False),
     "positions_rotary_from_arange": (_RotaryFromArange, lambda: {"ids": _IDS}, POSITIONS_IN_ATTENTION, False),
-    "positions_rotary_from_float_arange": (
-        _RotaryFromFloatArange,
-        lambda: {"ids": _IDS},
-        POSITIONS_IN_ATTENTION,
-        False,
-    ),
+    "positions_rotary_from_float_arange": (_RotaryFromFloatArange, lambda: {"ids": _IDS}, None, False),
     "positions_rotary_table_lookup": (
         _RotaryTableLookup,
         lambda: {"ids": _IDS},
@@ -466,6 +493,12 @@ FORMS = {
     ),
     "positions_rotary_table_lookup_passed": (
         _RotaryTableLookup,
+        lambda: {"ids": _IDS, "pos": PACKED_POS},
+        None,
+        False,
+    ),
+    "rotary_frequencies_as_long_as_the_row": (
+        lambda: _RotaryFrequencies(L_),
         lambda: {"ids": _IDS, "pos": PACKED_POS},
         None,
         False,

@@ -339,8 +339,7 @@ def convolution_length(x_shape: Any, w_shape: Any) -> Any | None:
 
 def counts_along_row(values: Any) -> bool:
     """Values that count up by one along the whole last dim (0, 1, 2, ... or from any start), on
-    every row: positions. Read on concrete values only (False for fake or meta tensors); integer
-    or floating point (rotary angles are computed from either)."""
+    every row: positions. Read on concrete values only (False for fake or meta tensors)."""
     if not isinstance(values, torch.Tensor) or values.is_complex() or values.dtype == torch.bool:
         return False
     if values.dim() == 0 or values.shape[-1] < 2:
@@ -362,13 +361,13 @@ def counts_along_row(values: Any) -> bool:
     return bool((values[..., 1:] - values[..., :-1] == 1).all())
 
 
-def is_position_candidate(shape: Any, floating: bool, from_inputs: bool) -> bool:
-    """Whether a tensor may hold positions worth reading the values of: at least one dim, a last dim
-    of two or more; an integer tensor, or a floating point one of at most two dims computed from no
-    data input of the call (an arange for rotary angles; never an activation)."""
-    if len(shape) == 0 or (isinstance(shape[-1], int) and shape[-1] < 2):
-        return False
-    return not floating or (len(shape) <= 2 and not from_inputs)
+def is_position_candidate(shape: Any, floating: bool) -> bool:
+    """Whether a tensor may hold positions worth reading the values of: an integer tensor of at
+    least one dim, its last two or more. Floating point tensors are never read: an ``arange`` of
+    floats is what rotary embeddings count their frequencies with (over the head dim, which may
+    be as long as the row: usp's Llama on a row of 4 tokens with head dim 8), and reading every
+    float tensor would cost eager a pass over each."""
+    return not floating and len(shape) > 0 and not (isinstance(shape[-1], int) and shape[-1] < 2)
 
 
 def positions_count_along_row(values: Any, passed_lengths: Any, world: int = 1) -> bool:

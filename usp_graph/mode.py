@@ -161,7 +161,7 @@ class _SDPAToUSP(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self.track:
             roots = self.streams.inputs(args) | self.streams.inputs(kwargs.values())
-            self._follow_rows(func, args, kwargs, out, roots)
+            self._follow_rows(func, args, kwargs, out)
             name = getattr(func, "__name__", "")
             unknown = name in LAYOUT_OPS and all(
                 self._provenance(t) is None for t in _tensors((*args, *kwargs.values()))
@@ -179,7 +179,7 @@ class _SDPAToUSP(TorchFunctionMode):
                     target = target._base
         return out
 
-    def _follow_rows(self, func, args, kwargs, out, roots: frozenset[int]) -> None:
+    def _follow_rows(self, func, args, kwargs, out) -> None:
         """Record what counts or mixes tokens along the row (`graph_inputs.positions_count_along_row`,
         `graph_inputs.convolution_length`), and the facts those rules read."""
         tensors = list(_tensors((*args, *kwargs.values())))
@@ -196,7 +196,7 @@ class _SDPAToUSP(TorchFunctionMode):
                 self._positions.note(t, positions)
             if (
                 not isinstance(t, torch.nn.Parameter)
-                and is_position_candidate(tuple(t.shape), t.is_floating_point(), bool(roots))
+                and is_position_candidate(tuple(t.shape), t.is_floating_point())
                 and positions_count_along_row(t, counting, world)
             ):
                 self._positions.note(t, frozenset({int(t.shape[-1])}))

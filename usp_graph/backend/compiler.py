@@ -46,7 +46,7 @@ from ..graph_inputs import (
     value_arguments,
 )
 from ..passes.base import PipelineRun, tag_nodes
-from ..sites import ancestors, body_call, find_sites, node_value, source_location, stream_inputs, writes_into
+from ..sites import body_call, find_sites, node_value, source_location, stream_inputs, writes_into
 from .arguments import argument_names, find_argument
 from .dump import AOT_GRAPHS, GraphDump, site_record, usp_op_counts
 from .inputs import MetadataFeed, check_not_guarded, metadata_hints, shared_rows
@@ -481,8 +481,7 @@ def _positions_in_attention(sites: Sequence[Any], concrete: _Concrete, world: in
         val = node_value(n)
         if not isinstance(val, torch.Tensor) or val.dim() == 0 or not is_row_length(val.shape[-1], lengths):
             continue
-        floating = val.is_floating_point()
-        if not is_position_candidate(tuple(val.shape), floating, floating and _from_inputs(n)):
+        if not is_position_candidate(tuple(val.shape), val.is_floating_point()):
             continue
         passed = {x.shape[-1] for p in stream_inputs(n) if counts_along_row(x := concrete.input(p))}
         if positions_count_along_row(concrete(n), passed, world):
@@ -524,29 +523,6 @@ def _value_ancestors(nodes: Sequence[Any]) -> list[fx.Node]:
 def _node_shape(x: Any) -> tuple[Any, ...] | None:
     val = node_value(x) if isinstance(x, fx.Node) else None
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
-def _from_inputs(node: fx.Node) -> bool:
-    """Whether `node` is computed from a tensor input of the call other than a parameter (data or
-    a buffer): what eager `attention_mode` counts as a tensor from outside its block."""
-    for p in ancestors([node]):
-        if p.op != "placeholder" or isinstance(p.meta.get("usp_outer"), fx.Node):
-            continue
-        val = node_value(p)
-        if isinstance(val, torch.Tensor) and val.dim() > 0 and not _is_parameter(p):
-            return True
-    return False
-
-
-def _is_parameter(p: fx.Node) -> bool:
-    if isinstance(node_value(p), torch.nn.Parameter):
-        return True
-    if p.meta.get("usp_input", {}).get("kind") == "param":
-        return True
-    source = getattr(p, "_dynamo_source", None)
-    text = getattr(source, "name", None)
-    text = text() if callable(text) else (text or "")
-    return "._parameters[" in text
 
 
 def _positions_input(gm: fx.GraphModule, sites: Sequence[Any], opts: UspOptions, name: str) -> fx.Node | None:
