@@ -46,6 +46,7 @@ from ..graph_inputs import (
     value_arguments,
 )
 from ..passes.base import PipelineRun, tag_nodes
+from ..passes.rewrite import keep_repeated_heads
 from ..sites import body_call, find_sites, node_value, source_location, stream_inputs, writes_into
 from .arguments import argument_names, find_argument
 from .dump import AOT_GRAPHS, GraphDump, site_record, usp_op_counts
@@ -160,7 +161,8 @@ class _Compile:
         self.requires_grad: list[bool] = []
         self.usp_ops: dict[str, dict[str, int]] = {}
         self.pipeline = opts.pipeline()
-        self.ctx = CompileContext(cp=opts.cp)
+        # aot_eager promises eager attention_mode's bits: keep repeated K/V as eager sees them
+        self.ctx = CompileContext(cp=opts.cp, read_repeated=opts.inner != "aot_eager")
         self.passes: PipelineRun | None = None
 
     # -- hooks the inner compilers call ----------------------------------------------------------
@@ -194,6 +196,8 @@ class _Compile:
         values = [node_value(p) for p in gm.graph.find_nodes(op="placeholder")]
         fake_mode, env = _fake_mode_and_env(values)
         sites = find_sites(gm)
+        if not self.ctx.read_repeated:  # described as the rewrite will run them
+            keep_repeated_heads(sites)
         rewrite = self.pipeline.enabled("rewrite_sdpa")
         if not rewrite:  # reported like any site the rewrite cannot replace, with why
             sites = [

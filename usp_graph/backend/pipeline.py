@@ -52,6 +52,7 @@ class CompileContext(PassContext):
     positions: the placeholder whose position ids define documents (see `rewrite_sdpa`).
     requires_grad: per input of the compiled graph (AOTAutograd's primals), for the joint's tags.
     metadata_inputs: what the rewrite appended (`add_metadata_inputs`' result), or None.
+    read_repeated: K/V a model repeated are read before the repeat (`rewrite_sdpa`).
     """
 
     shape_env: Any = None
@@ -63,6 +64,7 @@ class CompileContext(PassContext):
     positions: fx.Node | None = None
     requires_grad: Sequence[bool] | None = None
     metadata_inputs: Any = None
+    read_repeated: bool = True
 
 
 def _rewrite(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -77,7 +79,7 @@ def _rewrite(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             max_seqlen=ctx.max_seqlen,
             kv_max_seqlen=ctx.kv_max_seqlen,
         )
-    return rewrite_sdpa(gm, cp=ctx.cp, positions=ctx.positions)
+    return rewrite_sdpa(gm, cp=ctx.cp, positions=ctx.positions, read_repeated=ctx.read_repeated)
 
 
 def _verify(gm: fx.GraphModule, ctx: PassContext) -> PassResult:

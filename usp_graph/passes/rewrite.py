@@ -28,7 +28,7 @@ from ..graph_inputs import (
 )
 from ..metadata import AttentionMetadata
 from ..sdpa import sdpa_to_usp
-from ..sites import AttentionSite, body_call, find_sites, node_value
+from ..sites import AttentionSite, _shape, body_call, find_sites, node_value
 from .base import PASS_META, PassContext, PassResult
 
 __all__ = ["rewrite_sdpa", "metadata_inputs", "INPUT_META", "PASS_NAME"]
@@ -290,12 +290,23 @@ def _replace_site(graph: fx.Graph, site: AttentionSite, out: fx.Node) -> None:
     graph.erase_node(node)
 
 
+def keep_repeated_heads(sites: Any) -> None:
+    """Sites that `find_sites` let read K/V before a model's repeat read the repeated K/V again
+    (what eager `attention_mode` sees; see `rewrite_sdpa`'s `read_repeated`)."""
+    for site in sites:
+        if site.repeated:
+            site.key, site.value = site.repeated
+            site.k_shape, site.v_shape = _shape(site.key), _shape(site.value)
+            site.enable_gqa, site.repeated = False, ()
+
+
 def rewrite_sdpa(
     gm: fx.GraphModule,
     *,
     metadata: AttentionMetadata | None = None,
     cp: Any = None,
     positions: fx.Node | None = None,
+    read_repeated: bool = True,
 ) -> PassResult:
     """SDPA(q_BHLK, k_BGLK, v_BGLK, is_causal, scale, enable_gqa)
     -> unpack(usp::varlen_fwd(pack(q), pack(k), pack(v), cu_seqlens_N1, cu_seqlens_N1, max_seqlen, max_seqlen))
@@ -312,10 +323,18 @@ def rewrite_sdpa(
     in the graph, that the metadata describes those documents, or without metadata derives it from
     them. `positions` (a position-ids input of the graph) does the same for every self-attention site.
 
+    `read_repeated`: a site whose K/V a model repeated from fewer heads reads them before the
+    repeat (the kernel and its saved activations hold G heads). False keeps the repeat, as eager
+    `attention_mode` sees it: the same values, but the gradient reaching the unrepeated K/V then
+    has the repeat's layout, so a reduction over it (a K norm's weight gradient) adds in eager's
+    order. The backend passes False for its bitwise inner compiler (aot_eager).
+
     matches: the number of sites rewritten.
     """
     sites = find_sites(gm)
     todo = [s for s in sites if s.rewritable]
+    if not read_repeated:
+        keep_repeated_heads(todo)
     cu = ms = None
     if todo:
         cu, ms = metadata_inputs(gm, metadata=metadata, like=node_value(todo[0].query))
