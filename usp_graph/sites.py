@@ -404,9 +404,10 @@ def is_weight(node: fx.Node) -> bool:
     return not _ARGUMENT.match(text)
 
 
-def ancestors(nodes) -> list[fx.Node]:
+def ancestors(nodes, inputs: Any = None) -> list[fx.Node]:
     """Every node the `nodes` are computed from (themselves included), through the bodies of
-    higher-order ops to the outer call's arguments (``meta["usp_outer"]``)."""
+    higher-order ops to the outer call's arguments (``meta["usp_outer"]``). `inputs(node)`: the
+    arguments to follow (default: all of the node's inputs)."""
     seen: dict[fx.Node, None] = {}
     stack = list(nodes)
     while stack:
@@ -417,7 +418,7 @@ def ancestors(nodes) -> list[fx.Node]:
         outer = n.meta.get("usp_outer") if n.op == "placeholder" else None
         if isinstance(outer, fx.Node):
             stack.append(outer)
-        stack.extend(n.all_input_nodes)
+        stack.extend(n.all_input_nodes if inputs is None else inputs(n))
         stack.extend(writes_into(n))
     return list(seen)
 

@@ -47,7 +47,7 @@ from ..graph_inputs import (
 )
 from ..passes.base import PipelineRun, tag_nodes
 from ..passes.rewrite import keep_repeated_heads
-from ..sites import body_call, find_sites, node_value, source_location, stream_inputs, writes_into
+from ..sites import ancestors, body_call, find_sites, node_value, source_location, stream_inputs
 from .arguments import argument_names, find_argument
 from .dump import AOT_GRAPHS, GraphDump, site_record, usp_op_counts
 from .inputs import MetadataFeed, check_not_guarded, metadata_hints, shared_rows
@@ -499,29 +499,22 @@ def _positions_in_attention(sites: Sequence[Any], concrete: _Concrete, world: in
     return found
 
 
+def _value_inputs(n: fx.Node) -> list[Any]:
+    """A node's arguments its values are computed from: not the index argument of a call that
+    selects by it (`graph_inputs.value_arguments`)."""
+    if n.op not in ("call_function", "call_method"):
+        return n.all_input_nodes
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    if isinstance(n.target, torch._ops.OpOverload):
+        name = n.target._opname
+    found: list[Any] = []
+    fx.node.map_arg(value_arguments(str(name), n.args, n.kwargs, _node_shape), found.append)
+    return found
+
+
 def _value_ancestors(nodes: Sequence[Any]) -> list[fx.Node]:
-    """`sites.ancestors`, but not through the index argument of a call that selects by it
-    (`graph_inputs.value_arguments`): what the values of `nodes` are computed from."""
-    seen: dict[fx.Node, None] = {}
-    stack = list(nodes)
-    while stack:
-        n = stack.pop()
-        if not isinstance(n, fx.Node) or n in seen:
-            continue
-        seen[n] = None
-        if n.op == "placeholder":
-            outer = n.meta.get("usp_outer")
-            stack.append(outer)
-            continue
-        if n.op in ("call_function", "call_method"):
-            name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-            if isinstance(n.target, torch._ops.OpOverload):
-                name = n.target._opname
-            fx.node.map_arg(value_arguments(str(name), n.args, n.kwargs, _node_shape), stack.append)
-        else:
-            stack.extend(n.all_input_nodes)
-        stack.extend(writes_into(n))
-    return list(seen)
+    """`sites.ancestors` through `_value_inputs`: what the values of `nodes` are computed from."""
+    return ancestors(nodes, _value_inputs)
 
 
 def _node_shape(x: Any) -> tuple[Any, ...] | None:
