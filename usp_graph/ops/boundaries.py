@@ -74,7 +74,7 @@ def boundaries_ok(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(ok, lengths_q, lengths_k): `ok` a 0-d bool tensor on the boundaries' device, true iff cu_q
     runs 0..t_q, cu_k stays in 0..t_k, both are non-decreasing, and no document is longer than its
-    max_seqlen; the per-slot lengths (int32 `(N,)`) as a by-product the cuDNN kernel reuses."""
+    max_seqlen; the per-slot lengths (int32 `(N,)`) as a by-product."""
     if cu_q is cu_k:  # one boundary tensor (self-attention)
         lens = torch.diff(cu_q)
         ends = torch.stack((cu_q[0], cu_q[-1] - t_q))
