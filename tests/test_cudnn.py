@@ -198,6 +198,62 @@ def test_missing_package_means_unavailable_and_build_error(monkeypatch):
         cudnn_kernel.module.cache_clear()
 
 
+def _frame_keeping_build(kind, key, **kwargs):
+    """A build that, like cuDNN frontend 1.32's, keeps an exception it caught in a local of its
+    frame: a cycle (exception -> traceback -> frame -> exception) holding the frame's callers."""
+    try:
+        raise RuntimeError("no engine for heuristic mode A")
+    except RuntimeError as exc:
+        failure = exc  # noqa: F841 - the cycle
+    return cudnn_kernel._Plan(graph=None, workspace=0)
+
+
+def test_a_graph_build_keeps_no_caller_frame_alive(monkeypatch):
+    """The first backward builds its graph: whatever the build leaves in reference cycles must not
+    hold that backward's frames (its gradients) until Python's next full collection."""
+    import contextlib
+    import gc
+    import weakref
+
+    monkeypatch.setattr(cudnn_kernel, "module", lambda: object())
+    monkeypatch.setattr(cudnn_kernel, "_build", _frame_keeping_build)
+    monkeypatch.setattr(cudnn_kernel, "_plans", {})
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    q, k, _ = _qkv(8)
+    key = cudnn_kernel.plan_key(q, k, _cu(0, 8), 8, 8, False, 1.0, (-1, -1), square=True)
+
+    def backward_like() -> weakref.ref:
+        gradient = torch.ones(1024)  # a local of a frame below the build
+        cudnn_kernel._plan("bwd", key)
+        return weakref.ref(gradient)
+
+    gc.collect()
+    gc.disable()  # only reference counting frees it, as between two of Python's full collections
+    try:
+        gradient = backward_like()
+        assert gradient() is None, "the graph build kept its caller's frame (and its tensors) alive"
+        assert cudnn_kernel._plans[("bwd", key)].workspace == 0
+    finally:
+        gc.enable()
+
+
+def test_a_graph_build_error_reaches_the_caller(monkeypatch):
+    def failing(kind, key, **kwargs):
+        raise ValueError("bad graph")
+
+    import contextlib
+
+    monkeypatch.setattr(cudnn_kernel, "module", lambda: object())
+    monkeypatch.setattr(cudnn_kernel, "_build", failing)
+    monkeypatch.setattr(cudnn_kernel, "_plans", {})
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    q, k, _ = _qkv(8)
+    key = cudnn_kernel.plan_key(q, k, _cu(0, 8), 8, 8, False, 1.0, (-1, -1), square=True)
+    with pytest.raises(cudnn_kernel.BuildError, match="bad graph") as info:
+        cudnn_kernel._plan("fwd", key)
+    assert isinstance(info.value.__cause__, ValueError) and ("fwd", key) not in cudnn_kernel._plans
+
+
 def test_importing_usp_graph_does_not_import_cudnn():
     code = "import sys, usp_graph, usp_graph.ops.varlen; print('cudnn' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

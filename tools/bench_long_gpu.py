@@ -198,13 +198,48 @@ def _memory_at_peak(step, device: str, top: int, steps: int = 3) -> dict[str, An
     where they were allocated (the innermost frames outside torch's own dispatch code), GiB."""
     if device != "cuda":
         return None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-    torch.cuda.reset_peak_memory_stats()
-    try:
+    with _memory_history(top) as result:
         for _ in range(steps):
             step()
+    return {"steps": steps, **result}
+
+
+def _where(frames: list[dict[str, Any]], depth: int = 3) -> str:
+    """An allocation's site: its innermost `depth` Python frames outside torch's dispatch code."""
+    keep = [
+        f for f in frames
+        if not any(s in f["filename"] for s in ("torch/_ops.py", "torch/utils/", "torch/_tensor.py", "torch/_prims", "torch/_refs", "torch/_decomp"))
+    ]  # fmt: skip
+    return " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in keep[:depth]) or "?"
+
+
+def _live_now(top: int) -> dict[str, Any]:
+    """The `top` largest groups of blocks allocated now, by site (history recorded from the start of
+    the process: `--memory-from-start`), GiB."""
+    snap = torch.cuda.memory._snapshot()
+    groups: dict[str, int] = {}
+    for seg in snap["segments"]:
+        for block in seg["blocks"]:
+            if block["state"] == "active_allocated":
+                at = _where(block.get("frames", []), 6)
+                groups[at] = groups.get(at, 0) + block["size"]
+    return {
+        "allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
+        "top": [[round(b / 2**30, 3), at] for at, b in sorted(groups.items(), key=lambda g: -g[1])[:top]],
+    }
+
+
+@contextlib.contextmanager
+def _memory_history(top: int):
+    """Records the allocator's history over the block; the dict it yields is filled on exit with
+    the peak and the `top` groups live at it (see `_memory_at_peak`)."""
+    result: dict[str, Any] = {}
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        yield result
         torch.cuda.synchronize()
         snap = torch.cuda.memory._snapshot()
     finally:
@@ -214,16 +249,9 @@ def _memory_at_peak(step, device: str, top: int, steps: int = 3) -> dict[str, An
     now = peak = 0
     peak_live: dict[int, tuple[int, str]] = {}
 
-    def where(frames: list[dict[str, Any]]) -> str:
-        keep = [
-            f for f in frames
-            if not any(s in f["filename"] for s in ("torch/_ops.py", "torch/utils/", "torch/_tensor.py", "torch/_prims", "torch/_refs", "torch/_decomp"))
-        ]  # fmt: skip
-        return " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in keep[:3]) or "?"
-
     for e in trace:
         if e["action"] == "alloc":
-            live[e["addr"]] = (e["size"], where(e.get("frames", [])))
+            live[e["addr"]] = (e["size"], _where(e.get("frames", [])))
             now += e["size"]
             if now > peak:
                 peak, peak_live = now, dict(live)
@@ -232,13 +260,12 @@ def _memory_at_peak(step, device: str, top: int, steps: int = 3) -> dict[str, An
     groups: dict[str, int] = {}
     for size, at in peak_live.values():
         groups[at] = groups.get(at, 0) + size
-    return {
-        "steps": steps,
+    result.update({
         "before_gib": round(base / 2**30, 2),
         "peak_over_before_gib": round(peak / 2**30, 2),
         "max_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "top": [[round(b / 2**30, 3), at] for at, b in sorted(groups.items(), key=lambda g: -g[1])[:top]],
-    }
+    })  # fmt: skip
 
 
 def _step(model, compiled, batches: list[dict[str, torch.Tensor]], metas: list[AttentionMetadata] | None):
@@ -287,6 +314,18 @@ def main(argv: list[str] | None = None) -> int:
         "--memory-top", type=int, default=0, help="list this many allocation sites live at the peak"
     )
     p.add_argument(
+        "--memory-when", choices=("warmup", "timed"), default="warmup",
+        help="--memory-top over three steps after the warm-up, or over the timed steps themselves",
+    )  # fmt: skip
+    p.add_argument(
+        "--memory-from-start", type=int, default=0,
+        help="record the allocator's history from the start; list this many sites live before the timed steps",
+    )  # fmt: skip
+    p.add_argument(
+        "--usp-options", type=json.loads, default={},
+        help='more options for backend usp, as JSON (e.g. \'{"dump_dir": "/tmp/d"}\')',
+    )  # fmt: skip
+    p.add_argument(
         "--repeat", type=int, default=1,
         help="with --isolate: run every row this many times, the order reversed on every other round",
     )  # fmt: skip
@@ -320,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     inner = "inductor" if device == "cuda" else "aot_eager"
     cudnn = device == "cuda" and cudnn_kernel.available()
     out = Results(a.json, bench="long", device=device)
+    if a.memory_from_start and device == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=1, stacks="python")
     print(
         f"cuDNN frontend: {'installed' if cudnn else 'missing'}; torch {torch.__version__}, transformers {tf.__version__}"
     )
@@ -353,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             if ckpt:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if row in ("usp", "sdpa_usp", "sdpa_trainer"):
-                compiled = torch.compile(model, backend="usp", options={"inner": inner})
+                compiled = torch.compile(model, backend="usp", options={"inner": inner, **a.usp_options})
                 docs = metas if row != "sdpa_trainer" else None
             else:
                 compiled = torch.compile(model) if device == "cuda" else model
@@ -370,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                 with stopwatch(device) as watch:
                     losses = [step() for _ in range(a.warmup)]
                 record["compile_and_warmup_s"] = round(watch.seconds, 1)
-                if a.memory_top:  # right after the warm-up: the steps the timed loop would run next
+                if a.memory_top and a.memory_when == "warmup":  # the steps the timed loop would run next
                     record["memory_at_peak"] = _memory_at_peak(step, device, a.memory_top)
                 if row.startswith("usp") or row.startswith("sdpa_"):
                     from kernel_calls import kernel_calls
@@ -383,14 +424,29 @@ def main(argv: list[str] | None = None) -> int:
                 if device == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
+                    if a.memory_from_start:
+                        before_gc = round(torch.cuda.memory_allocated() / 2**30, 2)
+                        gc.collect()
+                        record["live_before_timed"] = {
+                            "before_gc_gib": before_gc,
+                            **_live_now(a.memory_from_start),
+                        }
+                        print(f"  {row:13s} live_before_timed: {json.dumps(record['live_before_timed'])}")
                 if device == "cuda":  # CUDA events around each step, no synchronization between steps
                     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(a.iters)]  # fmt: skip
                     record["timed_unix_s"] = [round(time.time(), 2)]
-                    for start, end in events:
-                        start.record()
-                        losses.append(step())
-                        end.record()
-                    torch.cuda.synchronize()
+                    with (
+                        _memory_history(a.memory_top)
+                        if a.memory_top and a.memory_when == "timed"
+                        else contextlib.nullcontext()
+                    ) as history:
+                        for start, end in events:
+                            start.record()
+                            losses.append(step())
+                            end.record()
+                        torch.cuda.synchronize()
+                    if history is not None:
+                        record["memory_at_peak"] = {"steps": "timed", **history}
                     record["timed_unix_s"].append(round(time.time(), 2))
                     record["ms_each"] = [round(s.elapsed_time(e), 2) for s, e in events]
                     record["ms"] = round(statistics.median(record["ms_each"]), 2)
@@ -400,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
                 record["peak_gib"] = (
                     round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None
                 )
+                if device == "cuda":  # what the tensors asked for, and what the allocator held
+                    stats = torch.cuda.memory_stats()
+                    record["peak_requested_gib"] = round(stats.get("requested_bytes.all.peak", 0) / 2**30, 2)
+                    record["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
                 record["loss"] = float(losses[-1])
                 if not a.no_profile:
                     record["profile_ms"] = _profile(step, device, a.top)
