@@ -25,7 +25,9 @@ within documents) + backward. Rows, each a fresh model with the same weights:
   inside the graph (no block, no host sync).
 
 ``--vary N``: every step takes the next of N batches of other documents (log-normal draws with
-seeds 1..N, each with its own exact metadata), as a training run does, instead of one batch.
+seeds 1..N, each with its own exact metadata), as a training run does, instead of one batch; the
+warm-up runs each batch once at least, and every row's timed steps start at the first batch
+(``ms_mean``: their mean, each batch weighted alike when ``--iters`` is a multiple of N).
 
 ``--checkpoint-from T`` turns activation checkpointing on (every row) from that length on.
 Each row: median ms of ``--iters`` steps after ``--warmup`` (compile excluded), peak memory over
@@ -271,11 +273,10 @@ def _memory_history(top: int):
 def _step(model, compiled, batches: list[dict[str, torch.Tensor]], metas: list[AttentionMetadata] | None):
     """One train step (loss + backward) on the next of `batches`, under `documents` of its
     metadata when `metas` are given."""
-    turn = [0]
 
     def step() -> torch.Tensor:
-        i = turn[0] % len(batches)
-        turn[0] += 1
+        i = step.turn % len(batches)  # type: ignore[attr-defined]
+        step.turn += 1  # type: ignore[attr-defined]
         batch, docs = batches[i], metas[i] if metas is not None else None
         model.zero_grad(set_to_none=True)
         with usp_graph.documents(docs) if docs is not None else contextlib.nullcontext():
@@ -286,6 +287,7 @@ def _step(model, compiled, batches: list[dict[str, torch.Tensor]], metas: list[A
         loss.backward()
         return loss.detach()
 
+    step.turn = 0  # type: ignore[attr-defined]  # the next batch; the timed loop starts every row at 0
     return step
 
 
@@ -409,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             try:
                 with stopwatch(device) as watch:
-                    losses = [step() for _ in range(a.warmup)]
+                    # every batch once at least: a training run's first batches build what the rest reuse
+                    losses = [step() for _ in range(max(a.warmup, a.vary))]
                 record["compile_and_warmup_s"] = round(watch.seconds, 1)
                 if a.memory_top and a.memory_when == "warmup":  # the steps the timed loop would run next
                     record["memory_at_peak"] = _memory_at_peak(step, device, a.memory_top)
@@ -421,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{kind} T={k.total_q} N={k.slots} S={k.s_q}": round(plan.workspace / 2**20, 1)
                         for (kind, k), plan in cudnn_kernel._plans.items()
                     }
+                step.turn = 0  # type: ignore[attr-defined]
                 if device == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
@@ -450,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                     record["timed_unix_s"].append(round(time.time(), 2))
                     record["ms_each"] = [round(s.elapsed_time(e), 2) for s, e in events]
                     record["ms"] = round(statistics.median(record["ms_each"]), 2)
+                    record["ms_mean"] = round(statistics.fmean(record["ms_each"]), 2)
                 else:
                     timing = time_ms(lambda: losses.append(step()), device, warmup=0, reps=a.iters)  # noqa: B023
                     record["ms"] = round(timing.median_ms, 2)
