@@ -83,6 +83,26 @@ def test_eager_usp_attends_within_the_documents_of_the_position_ids(name):
     assert max_err(got, ref_grads) <= tol * 100
 
 
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_positions_restarting_elsewhere_than_0_are_documents_as_transformers_reads_them(path):
+    """Packed position ids that restart at 1, 2 or jump (not the padding-free convention, which
+    restarts at 0): transformers' own "sdpa" reads a document wherever a position is not its
+    predecessor's + 1, and so must "usp" (it attended across them, silently, when it split at 0s)."""
+    ref_model, model = _models("llama")
+    ids, _ = _batch(4)
+    pos = torch.cat([torch.arange(n) + s for n, s in zip(LENGTHS, (1, 1, 7, 2, 3), strict=True)])[None]
+    ref_out, ref_grads = _reference(ref_model, ids, pos)
+    sdpa_out = lm_forward(ref_model, ids, pos).detach()  # transformers' own packed-sequence mask
+    ref_model.zero_grad(set_to_none=True)
+    assert max_err(sdpa_out, ref_out) <= 1e-12
+    run = compile_usp(model) if path == "compiled" else model
+    out = lm_forward(run, ids, pos)
+    weighted_loss(out).backward()
+    assert max_err(out, ref_out) <= 1e-10
+    assert max_err(grads(model), ref_grads) <= 1e-8
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral"])
 def test_eager_usp_under_attention_mode_and_documents_takes_their_documents(name):
     ref_model, model = _models(name)

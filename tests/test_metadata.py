@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from usp_graph import AttentionMetadata
+from usp_graph.masks import cu_seqlens_from_positions
 
 
 def cu_list(meta: AttentionMetadata) -> list[int]:
@@ -136,6 +137,16 @@ def test_from_position_ids_2d_row_start_at_zero_is_a_single_boundary() -> None:
     meta = AttentionMetadata.from_position_ids(torch.tensor([[0, 1, 2], [0, 1, 2]]))
     assert cu_list(meta) == [0, 3, 6]
     assert meta.max_docs == 2
+
+
+def test_from_position_ids_starts_a_document_wherever_a_position_does_not_count_up() -> None:
+    """transformers' reading of packed position ids (find_packed_sequence_indices): restarts at 1
+    or 2 (RoBERTa-style), a jump, a repeat each start a document, not only a 0."""
+    pos = torch.tensor([2, 3, 4, 2, 3, 1, 7, 8, 8, 9, 0])
+    meta = AttentionMetadata.from_position_ids(pos)
+    assert cu_list(meta) == [0, 3, 5, 6, 8, 10, 11]
+    masks_rule = cu_seqlens_from_positions(pos[None], 7)  # the graph's own rule
+    assert masks_rule.tolist() == cu_list(meta)
 
 
 def test_from_position_ids_pads_to_max_docs_and_keeps_explicit_max_seqlen() -> None:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .masks import cu_seqlens_from_positions, document_starts
 from .metadata import AttentionMetadata
 from .sdpa import _is_tracing, sdpa_to_usp, windowed_sdpa
 
@@ -198,9 +199,7 @@ def _positions_eager(position_ids: Any, b: int, length: int) -> AttentionMetadat
     tokens = flat.numel()
     if tokens == 0:
         return None
-    start = flat == 0
-    start[::length] = True
-    starts = start.nonzero().squeeze(1)
+    starts = document_starts(pos_BL).nonzero().squeeze(1)
     cu = torch.cat([starts, starts.new_tensor([tokens])]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     if bool((flat < 0).any()):
@@ -220,14 +219,7 @@ def _positions_in_graph(position_ids: Any, b: int, length: int) -> AttentionMeta
     pos_BL = _rows(position_ids, b, length)
     if pos_BL is None:
         return None
-    flat = pos_BL.reshape(-1)
-    tokens = flat.shape[0]
-    idx = torch.arange(tokens, device=flat.device)
-    start = (flat == 0) | (idx % length == 0)
-    doc = start.long().cumsum(0) - 1
-    slots = torch.arange(tokens + 1, device=flat.device)
-    cu = torch.searchsorted(doc, slots).to(torch.int32)
-    return AttentionMetadata(cu, length, tokens)
+    return AttentionMetadata(cu_seqlens_from_positions(pos_BL), length, pos_BL.shape[0] * pos_BL.shape[1])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ __all__ = [
     "band_of",
     "is_band",
     "segments_of_positions",
+    "document_starts",
     "cu_seqlens_from_positions",
     "check_positions_match",
     "documents_of_mask",
@@ -311,8 +312,10 @@ def documents_of_mask(keep_BLL: Tensor | Rows) -> Tensor:
 # Documents from position ids, inside a graph (fixed shapes, no host sync).
 
 
-def _starts(pos_BL: Tensor) -> Tensor:
-    """(T,) bool: token t starts a document (a row start, or a position that does not count up)."""
+def document_starts(pos_BL: Tensor) -> Tensor:
+    """(T,) bool: token t starts a document: a row start, or a position that is not its
+    predecessor's + 1 (a restart at 0 or anywhere else: transformers' reading of packed position
+    ids, `masking_utils.find_packed_sequence_indices`)."""
     b, length = pos_BL.shape
     flat = pos_BL.reshape(-1)
     idx = torch.arange(flat.shape[0], device=flat.device)
@@ -331,7 +334,7 @@ def cu_seqlens_from_positions(pos_BL: Tensor, capacity: int | None = None) -> Te
     cap = tokens + 1 if capacity is None else capacity
     if tokens == 0:
         return torch.zeros(cap, dtype=torch.int32, device=pos_BL.device)
-    doc = _starts(pos_BL).long().cumsum(0) - 1
+    doc = document_starts(pos_BL).long().cumsum(0) - 1
     slots = torch.arange(cap, device=pos_BL.device)
     return torch.searchsorted(doc, slots).to(torch.int32)
 
@@ -345,7 +348,7 @@ def check_positions_match(cu_seqlens_N1: Tensor, pos_BL: Tensor) -> None:
     meta_start = torch.zeros(tokens + 1, dtype=torch.bool, device=pos_BL.device)
     cu = cu_seqlens_N1.to(pos_BL.device)
     meta_start = meta_start.scatter(0, cu.long().clamp(0, tokens), True)
-    ok = torch.eq(meta_start[:tokens], _starts(pos_BL)).all() & (cu[-1] == tokens) & (cu[0] == 0)
+    ok = torch.eq(meta_start[:tokens], document_starts(pos_BL)).all() & (cu[-1] == tokens) & (cu[0] == 0)
     torch._assert_async(
         ok,
         "usp_graph: the document metadata does not describe the documents the model's position ids "

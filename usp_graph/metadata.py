@@ -173,15 +173,19 @@ class AttentionMetadata:
         max_seqlen: int | None = None,
         device: torch.device | str | None = None,
     ) -> AttentionMetadata:
-        """A document starts wherever the position is 0 and at every row start (rows of a 2-D
-        tensor are flattened row-major, as the tokens are packed)."""
+        """A document starts at every row start and wherever a position is not its predecessor's
+        + 1: a restart at 0 (the padding-free convention) or at any other value (RoBERTa-style
+        positions from 2, a document cut off at the start of a pack). That is how transformers
+        reads packed position ids (`masking_utils.find_packed_sequence_indices`), so usp and the
+        model's own masks agree. Rows of a 2-D tensor are flattened row-major, as the tokens are
+        packed."""
         pos, row_starts = _as_int_list("position_ids", position_ids, allow_2d=True)
         if not pos:
             raise ValueError("position_ids is empty")
         for i, p in enumerate(pos):
             if p < 0:
                 raise ValueError(f"position_ids has a negative position {p} at flat index {i}")
-        starts = sorted(set(row_starts) | {i for i, p in enumerate(pos) if p == 0})
+        starts = sorted(set(row_starts) | {i for i in range(1, len(pos)) if pos[i] != pos[i - 1] + 1})
         return cls._from_starts(starts, len(pos), max_docs, max_seqlen, device)
 
     @classmethod
