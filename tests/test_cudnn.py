@@ -208,19 +208,25 @@ def _frame_keeping_build(kind, key, **kwargs):
     return cudnn_kernel._Plan(graph=None, workspace=0)
 
 
-def test_a_graph_build_keeps_no_caller_frame_alive(monkeypatch):
-    """The first backward builds its graph: whatever the build leaves in reference cycles must not
-    hold that backward's frames (its gradients) until Python's next full collection."""
+def _with_build(monkeypatch, build) -> cudnn_kernel.PlanKey:
+    """`build` in place of the cuDNN graph build (no package, no GPU); a key to ask `_plan` for."""
     import contextlib
-    import gc
-    import weakref
 
     monkeypatch.setattr(cudnn_kernel, "module", lambda: object())
-    monkeypatch.setattr(cudnn_kernel, "_build", _frame_keeping_build)
+    monkeypatch.setattr(cudnn_kernel, "_build", build)
     monkeypatch.setattr(cudnn_kernel, "_plans", {})
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     q, k, _ = _qkv(8)
-    key = cudnn_kernel.plan_key(q, k, _cu(0, 8), 8, 8, False, 1.0, (-1, -1), square=True)
+    return cudnn_kernel.plan_key(q, k, _cu(0, 8), 8, 8, False, 1.0, (-1, -1), square=True)
+
+
+def test_a_graph_build_keeps_no_caller_frame_alive(monkeypatch):
+    """The first backward builds its graph: whatever the build leaves in reference cycles must not
+    hold that backward's frames (its gradients) until Python's next full collection."""
+    import gc
+    import weakref
+
+    key = _with_build(monkeypatch, _frame_keeping_build)
 
     def backward_like() -> weakref.ref:
         gradient = torch.ones(1024)  # a local of a frame below the build
@@ -241,14 +247,7 @@ def test_a_graph_build_error_reaches_the_caller(monkeypatch):
     def failing(kind, key, **kwargs):
         raise ValueError("bad graph")
 
-    import contextlib
-
-    monkeypatch.setattr(cudnn_kernel, "module", lambda: object())
-    monkeypatch.setattr(cudnn_kernel, "_build", failing)
-    monkeypatch.setattr(cudnn_kernel, "_plans", {})
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    q, k, _ = _qkv(8)
-    key = cudnn_kernel.plan_key(q, k, _cu(0, 8), 8, 8, False, 1.0, (-1, -1), square=True)
+    key = _with_build(monkeypatch, failing)
     with pytest.raises(cudnn_kernel.BuildError, match="bad graph") as info:
         cudnn_kernel._plan("fwd", key)
     assert isinstance(info.value.__cause__, ValueError) and ("fwd", key) not in cudnn_kernel._plans
