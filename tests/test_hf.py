@@ -103,6 +103,87 @@ def test_positions_restarting_elsewhere_than_0_are_documents_as_transformers_rea
     torch._dynamo.reset()
 
 
+def _flattened(ids, *, return_position_ids: bool = True) -> dict:
+    """The batch transformers' DataCollatorWithFlattening(return_flash_attn_kwargs=True) makes of
+    the documents of `ids` (LENGTHS): flash-attention's cu_seq_lens_q/k and max_length_q/k."""
+    import transformers
+
+    collate = transformers.DataCollatorWithFlattening(
+        return_flash_attn_kwargs=True, return_position_ids=return_position_ids
+    )
+    docs = per_document(lambda s: ids[:, s], LENGTHS)
+    starts = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+    batch = collate([{"input_ids": docs[0, a:b].tolist()} for a, b in zip(starts, starts[1:], strict=False)])
+    batch.pop("labels", None)
+    return batch
+
+
+def _forward(model, batch: dict) -> torch.Tensor:
+    if model.config.model_type == "bert":
+        return model(**batch).last_hidden_state
+    return model(**batch, use_cache=False).logits
+
+
+@pytest.mark.parametrize(
+    "name,path", [("llama", "eager"), ("llama", "compiled"), ("bert", "eager"), ("bert", "compiled")]
+)
+def test_flash_attention_kwargs_of_the_flattening_collator_are_the_documents(name, path):
+    """DataCollatorWithFlattening(return_flash_attn_kwargs=True) hands transformers cu_seq_lens_q/k,
+    which it passes to attention: "usp" attends within them, as flash-attention does, also where
+    the model keeps the position ids from its attention layers (BERT: per row before)."""
+    ref_model, model = _models(name)
+    ids, pos = _batch(5)
+    ref_out, ref_grads = _reference(ref_model, ids, pos)
+    batch = _flattened(ids)
+    assert torch.equal(batch["position_ids"], pos) and batch["cu_seq_lens_q"].tolist()[-1] == sum(LENGTHS)
+    out = _forward(compile_usp(model) if path == "compiled" else model, batch)
+    weighted_loss(out).backward()
+    tol = LM_SPECS[name].tol
+    assert max_err(out, ref_out) <= tol
+    assert max_err(grads(model), ref_grads) <= tol * 100
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_flash_attention_kwargs_give_documents_where_attention_gets_no_position_ids(path):
+    """ModernBERT keeps the position ids from its attention layers but hands them the collator's
+    cu_seq_lens_q/k: with them each document gets its own result (as with flash-attention); without
+    them, one document per row (as transformers' SDPA), 1e-2 away."""
+    from tests.realmodels import make_sweep_model
+
+    ref, model = make_sweep_model("modernbert"), make_sweep_model("modernbert")
+    model.set_attn_implementation("usp")
+    ids, pos = _batch(7)
+    ids = ids.clamp(min=1)  # 0 is ModernBERT's padding id
+    flash = {k: v for k, v in _flattened(ids).items() if k not in ("input_ids", "position_ids")}
+    ref_out = per_document(
+        lambda s: ref(input_ids=ids[:, s], position_ids=pos[:, s]).last_hidden_state, LENGTHS
+    )
+    weighted_loss(ref_out).backward()
+    ref_grads = grads(ref)
+    run = compile_usp(model) if path == "compiled" else model
+    out = run(input_ids=ids, position_ids=pos, **flash).last_hidden_state
+    weighted_loss(out).backward()
+    assert max_err(out, ref_out) <= 1e-10
+    assert max_err(grads(model), ref_grads) <= 1e-8
+    with torch.no_grad():
+        assert max_err(run(input_ids=ids, position_ids=pos).last_hidden_state, ref_out) > 1e-4
+    torch._dynamo.reset()
+
+
+def test_flash_attention_kwargs_that_disagree_with_the_position_ids_are_refused():
+    _, model = _models("llama")
+    ids, _ = _batch(6)
+    batch = _flattened(ids)
+    batch["position_ids"] = torch.arange(sum(LENGTHS))[None]  # counted along the row: other documents
+    with pytest.raises(UnsupportedAttention, match="count other documents than cu_seq_lens_q"):
+        _forward(model, batch)
+    batch = _flattened(ids)
+    batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, 5, 9], dtype=torch.int32)
+    with pytest.raises(UnsupportedAttention, match="does not describe the 32 tokens"):
+        _forward(model, batch)
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral"])
 def test_eager_usp_under_attention_mode_and_documents_takes_their_documents(name):
     ref_model, model = _models(name)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .masks import cu_seqlens_from_positions, document_starts
+from .masks import check_positions_match, cu_seqlens_from_positions, document_starts
 from .metadata import AttentionMetadata
 from .sdpa import _is_tracing, sdpa_to_usp, windowed_sdpa
 
@@ -117,7 +117,9 @@ def usp_attention_forward(
                 query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, window=window
             )
         else:
-            metadata = _positions_in_graph(kwargs.get("position_ids"), b, lq)
+            metadata = _flash_in_graph(kwargs, b, lq)
+            if metadata is None:
+                metadata = _positions_in_graph(kwargs.get("position_ids"), b, lq)
             out = sdpa_to_usp(
                 query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, metadata=metadata,
                 window=window,
@@ -131,6 +133,8 @@ def usp_attention_forward(
         from .backend.documents import current_documents
 
         metadata = current_documents()
+        if metadata is None:
+            metadata = _flash_eager(kwargs, b, lq)
         if metadata is None:
             metadata = _positions_eager(kwargs.get("position_ids"), b, lq)
         out = sdpa_to_usp(
@@ -211,6 +215,92 @@ def _positions_eager(position_ids: Any, b: int, length: int) -> AttentionMetadat
         _READ.clear()
     _READ[key] = (weakref.ref(position_ids), metadata)
     return metadata
+
+
+def _flash_boundaries(kwargs: dict[str, Any], b: int, length: int) -> Tensor | None:
+    """flash-attention's packed-sequence boundaries, as transformers hands them to attention
+    (``cu_seq_lens_q`` / ``cu_seq_lens_k``: what ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
+    returns), checked in shape: one 1-D integer tensor for queries and keys. None: not given."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None
+    for name, cu in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
+        if cu is not None and (
+            not isinstance(cu, Tensor) or cu.dim() != 1 or cu.is_floating_point() or cu.shape[0] < 2
+        ):
+            raise _refuse(
+                f"{name} must be a 1-D integer tensor (document starts, then the token count), got "
+                f"{getattr(cu, 'shape', type(cu))}",
+                "pass the cu_seq_lens_q/k that DataCollatorWithFlattening(return_flash_attn_kwargs=True) returns",
+            )
+    if cu_q is not None and cu_k is not None and cu_k is not cu_q and cu_k.shape != cu_q.shape:
+        raise _refuse(
+            f"cu_seq_lens_q ({cu_q.shape[0] - 1} documents) and cu_seq_lens_k ({cu_k.shape[0] - 1}) differ",
+            "usp reads one set of documents for queries and keys from these arguments; give the key/value "
+            "stream's documents with usp_graph.documents(meta, kv=kv_meta)",
+        )
+    cu = cu_q if cu_q is not None else cu_k
+    if cu_q is not None and cu_k is not None and cu_k is not cu_q:
+        torch._assert_async(
+            torch.eq(cu_q, cu_k).all(),
+            'attn_implementation="usp": cu_seq_lens_q and cu_seq_lens_k differ; usp reads one set of documents '
+            "for queries and keys from these arguments",
+        )
+    return cu.to(torch.int32)
+
+
+def _flash_eager(kwargs: dict[str, Any], b: int, length: int) -> AttentionMetadata | None:
+    """The documents of flash-attention's kwargs (`_flash_boundaries`), read once per tensor; the
+    position ids, when transformers passes them too, must count the same documents."""
+    cu = _flash_boundaries(kwargs, b, length)
+    if cu is None:
+        return None
+    source = kwargs.get("cu_seq_lens_q")
+    source = source if source is not None else kwargs.get("cu_seq_lens_k")
+    pos = kwargs.get("position_ids")
+    key = (id(source), source._version, b, length, id(pos), getattr(pos, "_version", None))
+    hit = _READ.get(key)
+    if hit is not None and hit[0]() is source:
+        return hit[1]
+    tokens = b * length
+    ends = cu.tolist()
+    if ends[0] != 0 or ends[-1] != tokens or any(y < x for x, y in zip(ends, ends[1:], strict=False)):
+        raise _refuse(
+            f"cu_seq_lens_q {ends[:4]}{'...' if len(ends) > 4 else ''}{ends[-1:]} does not describe the {tokens} "
+            f"tokens of this call ({b} x {length}): it must start at 0, never decrease and end at {tokens}",
+            "pass the boundaries of the packed batch the model is called with",
+        )
+    if pos is not None:
+        counted = _positions_eager(pos, b, length)
+        if counted is not None and counted.cu_seqlens.tolist() != [
+            x for i, x in enumerate(ends) if i == 0 or x != ends[i - 1]
+        ]:
+            raise _refuse(
+                "the position ids transformers passes to attention count other documents than cu_seq_lens_q "
+                "(positions counted along the row, e.g. a model called without position_ids, give rotary angles "
+                "that do not restart at each document)",
+                "pass position_ids restarting at each document too (DataCollatorWithFlattening's default, "
+                "return_position_ids=True)",
+            )
+    longest = max((y - x for x, y in zip(ends, ends[1:], strict=False)), default=0)
+    metadata = AttentionMetadata(cu, longest, tokens)
+    if len(_READ) >= 8:
+        _READ.clear()
+    _READ[key] = (weakref.ref(source), metadata)
+    return metadata
+
+
+def _flash_in_graph(kwargs: dict[str, Any], b: int, length: int) -> AttentionMetadata | None:
+    """The documents of flash-attention's kwargs in a compiled graph: bound L (no value read on the
+    host, no guard on the batch's longest document); checked on the device against the position
+    ids when transformers passes them too."""
+    cu = _flash_boundaries(kwargs, b, length)
+    if cu is None:
+        return None
+    pos_BL = _rows(kwargs.get("position_ids"), b, length)
+    if pos_BL is not None:
+        check_positions_match(cu, pos_BL)
+    return AttentionMetadata(cu, length, b * length)
 
 
 def _positions_in_graph(position_ids: Any, b: int, length: int) -> AttentionMetadata | None:
