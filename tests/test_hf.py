@@ -182,6 +182,9 @@ def test_flash_attention_kwargs_that_disagree_with_the_position_ids_are_refused(
     batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, 5, 9], dtype=torch.int32)
     with pytest.raises(UnsupportedAttention, match="does not describe the 32 tokens"):
         _forward(model, batch)
+    with pytest.raises(RuntimeError, match="does not describe"):  # compiled: checked on the device
+        _forward(compile_usp(model), batch)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral"])

@@ -299,7 +299,13 @@ def _flash_in_graph(kwargs: dict[str, Any], b: int, length: int) -> AttentionMet
         return None
     pos_BL = _rows(kwargs.get("position_ids"), b, length)
     if pos_BL is not None:
-        check_positions_match(cu, pos_BL)
+        check_positions_match(cu, pos_BL)  # also: cu starts at 0 and ends at the call's B x L tokens
+    else:
+        torch._assert_async(
+            (cu[0] == 0) & (cu[-1] == b * length) & (cu[1:] >= cu[:-1]).all(),
+            'attn_implementation="usp": cu_seq_lens_q does not describe the tokens of this call (it must start '
+            "at 0, never decrease and end at batch x length)",
+        )
     return AttentionMetadata(cu, length, b * length)
 
 
