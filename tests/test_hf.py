@@ -168,6 +168,10 @@ def test_flash_attention_kwargs_give_documents_where_attention_gets_no_position_
     assert max_err(grads(model), ref_grads) <= 1e-8
     with torch.no_grad():
         assert max_err(run(input_ids=ids, position_ids=pos).last_hidden_state, ref_out) > 1e-4
+        bad = torch.tensor([0, 5, 9], dtype=torch.int32)  # not the call's 32 tokens
+        error = UnsupportedAttention if path == "eager" else RuntimeError  # compiled: checked on the device
+        with pytest.raises(error, match="does not describe the"):
+            run(input_ids=ids, position_ids=pos, cu_seq_lens_q=bad, cu_seq_lens_k=bad)
     torch._dynamo.reset()
 
 
