@@ -97,11 +97,13 @@ def _compile(model: torch.nn.Module) -> list:
     return reports
 
 
-def _check(trainer_cls, callback: _Steps, reference: torch.nn.Module, reports: list) -> None:
+def _check(
+    trainer_cls, callback: _Steps, reference: torch.nn.Module, reports: list, rewritten: int = 1
+) -> None:
     # The attention ran as usp varlen ops, with nothing left as SDPA, compiled once for both steps'
     # boundaries (other graphs are the pieces of the forward around graph breaks, no attention).
     assert not any(r.kept for r in reports), reports
-    assert len([r for r in reports if r.rewritten]) == 1, reports
+    assert len([r for r in reports if r.rewritten]) == rewritten, reports
     record = trainer_cls.record
     assert len(record) == len(callback.grads) == 2
     for (inputs, params, loss), grads in zip(record, callback.grads, strict=True):
@@ -142,6 +144,27 @@ def test_trainer_with_flattening_collator_trains_each_document_alone(tmp_path):
     )
     trainer.train()
     _check(trainer_cls, steps, reference, reports)
+
+
+def test_trainer_with_usp_attention_and_flash_attention_kwargs_trains_each_document_alone(tmp_path):
+    """attn_implementation="usp" and the collator's flash-attention kwargs (what a flash-attention
+    user's Trainer setup passes): attention takes the documents from cu_seq_lens_q/k."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    model.set_attn_implementation("usp")
+    reports = _compile(model)
+    trainer_cls = _recording(transformers.Trainer)
+    steps = _Steps(model)
+    trainer = trainer_cls(
+        model=model,
+        args=_args(transformers.TrainingArguments, tmp_path),
+        train_dataset=_documents(),
+        data_collator=transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True),
+        callbacks=[steps],
+    )
+    trainer.train()
+    assert all("cu_seq_lens_q" in inputs for inputs, _, _ in trainer_cls.record)
+    _check(trainer_cls, steps, reference, reports, rewritten=0)  # the usp attention needs no rewrite
 
 
 def _tokenizer():
