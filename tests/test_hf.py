@@ -184,6 +184,15 @@ def test_flash_attention_kwargs_that_disagree_with_the_position_ids_are_refused(
     batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, 5, 9], dtype=torch.int32)
     with pytest.raises(UnsupportedAttention, match="does not describe the 32 tokens"):
         _forward(model, batch)
+    for q, k, words in (
+        (batch["cu_seq_lens_q"].double(), None, "must be a 1-D integer tensor"),
+        (torch.tensor([0, 32], dtype=torch.int32), torch.tensor([0, 16, 32], dtype=torch.int32), "differ"),
+    ):
+        with pytest.raises(UnsupportedAttention, match=words):
+            _forward(model, {**batch, "cu_seq_lens_q": q, "cu_seq_lens_k": k})
+    q, k = torch.tensor([0, 16, 32], dtype=torch.int32), torch.tensor([0, 8, 32], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="cu_seq_lens_q and cu_seq_lens_k differ"):  # a device assert
+        _forward(model, {**batch, "cu_seq_lens_q": q, "cu_seq_lens_k": k})
     with pytest.raises(RuntimeError, match="does not describe"):  # compiled: checked on the device
         _forward(compile_usp(model), batch)
     torch._dynamo.reset()
