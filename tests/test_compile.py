@@ -197,7 +197,7 @@ def test_unknown_option_lists_the_valid_keys():
     f = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q), backend="usp", options={"nope": 1})
     with pytest.raises(
         Exception,
-        match=r"\['cp', 'disable', 'documents', 'dump_dir', 'dump_passes', 'inner', 'max_docs', 'on_compile', 'verify'\]",
+        match=r"\['cp', 'disable', 'documents', 'dump_dir', 'dump_passes', 'inductor', 'inner', 'max_docs', 'on_compile', 'verify'\]",
     ) as info:
         f(torch.randn(1, 1, 4, 2))
     assert isinstance(info.value.inner_exception, ValueError)  # Dynamo wraps what a backend raises
@@ -217,8 +217,19 @@ def test_unknown_option_lists_the_valid_keys():
             {"documents": "position_ids", "max_docs": 2.0},
             "option 'max_docs' must be an int or None, got float",
         ),
+        ({"inner": "inductor", "inductor": ["max_autotune"]}, "option 'inductor' must be a dict"),
     ],
-    ids=["verify", "inner", "dump_dir", "cp", "on_compile", "documents", "documents_not_a_name", "max_docs"],
+    ids=[
+        "verify",
+        "inner",
+        "dump_dir",
+        "cp",
+        "on_compile",
+        "documents",
+        "documents_not_a_name",
+        "max_docs",
+        "inductor",
+    ],
 )
 def test_wrong_option_type_is_a_type_error_naming_the_key(options, message):
     with pytest.raises(TypeError, match=message):
@@ -236,6 +247,45 @@ def test_wrong_option_type_is_a_type_error_naming_the_key(options, message):
 def test_bad_documents_options_are_value_errors_saying_what_to_set(options, message):
     with pytest.raises(ValueError, match=message):
         UspOptions.parse(options)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"inductor": {"max_autotune": True}}, "configures inner='inductor', but inner is 'aot_eager'"),
+        ({"inner": "inductor", "inductor": {"max_autotune_typo": True}}, r"\['max_autotune_typo'\] are not"),
+        ({"inner": "inductor", "inductor": {"joint_custom_pre_pass": None}}, "set by the usp backend itself"),
+    ],
+    ids=["not_inductor", "unknown_setting", "backend_setting"],
+)
+def test_bad_inductor_settings_are_value_errors_naming_them(options, message):
+    with pytest.raises(ValueError, match=message):
+        UspOptions.parse(options)
+
+
+def test_inductor_settings_reach_inductor_for_this_compile_only(monkeypatch):
+    import torch._inductor.compile_fx as compile_fx
+    import torch._inductor.config as inductor_config
+
+    seen = []
+    inner = compile_fx.compile_fx_inner
+
+    def spy(*args, **kwargs):
+        seen.append((inductor_config.size_asserts, inductor_config.reorder_for_locality))
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", spy)
+    default = inductor_config.size_asserts
+    opts = UspOptions.parse({"inner": "inductor", "inductor": {"size_asserts": not default}})
+    assert opts.inductor == (("size_asserts", not default),) and hash(opts)
+    f = torch.compile(
+        lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), backend="usp", options=opts
+    )
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    f(q).sum().backward()
+    assert seen and all(s == (not default, False) for s in seen), seen
+    assert inductor_config.size_asserts == default
+    torch._dynamo.reset()
 
 
 def test_bad_kv_documents_are_refused_before_any_call():

@@ -695,7 +695,12 @@ def _inductor(gm: fx.GraphModule, inputs: list[Any], hooks: _Compile) -> Callabl
 
     # reorder_for_locality moves a node's only-used-here producers next to it: every issued
     # collective next to its wait, undoing the overlap pass.
-    with inductor_config.patch(joint_custom_pre_pass=joint_pass, reorder_for_locality=False):
+    settings = {
+        "reorder_for_locality": False,
+        **dict(hooks.opts.inductor or ()),
+        "joint_custom_pre_pass": joint_pass,
+    }
+    with inductor_config.patch(**settings):
         return compile_fx(gm, inputs, inner_compile=inner_compile)
 
 

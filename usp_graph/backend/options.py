@@ -62,6 +62,10 @@ class UspOptions:
     max_docs: the document capacity of `documents`-derived metadata (default: sized to each call
         as above; set, this capacity with the row length as bound and no host read; a step with
         more documents fails with an error, never a wrong result).
+    inductor: settings of ``torch._inductor.config`` (names, dotted for submodules, to values) for
+        ``inner="inductor"``'s compile, as ``torch.compile(..., options=...)`` passes them to
+        inductor (e.g. ``{"max_autotune": True}``); None (default): inductor's own, except that
+        ``reorder_for_locality`` is off (it would move every issued collective next to its wait).
     """
 
     cp: Any = None
@@ -73,6 +77,7 @@ class UspOptions:
     on_compile: Callable[[Any], None] | None = None
     documents: str | None = None
     max_docs: int | None = None
+    inductor: Any = None  # given as a mapping; kept as a tuple of (name, value) pairs
 
     def __post_init__(self) -> None:
         from ..cp import ContextParallel
@@ -125,6 +130,8 @@ class UspOptions:
                 raise ValueError(
                     "option 'max_docs' sizes documents derived with option 'documents'; set that too"
                 )
+        if self.inductor is not None:
+            object.__setattr__(self, "inductor", _inductor_settings(self.inductor, self.inner))
         if self.cp is not None:
             check_cp_matches_process_group(self.cp)
 
@@ -227,3 +234,33 @@ def check_cp_matches_process_group(cp: Any) -> None:
                 raise ValueError(
                     f"option 'cp': its {what[:-5]} {name!r} is not a live group ({e}); {fix}"
                 ) from None
+
+
+# Set by the backend itself around inductor's compile (its joint pass hook).
+_BACKEND_INDUCTOR_SETTINGS = ("joint_custom_pre_pass",)
+
+
+def _inductor_settings(given: Any, inner: str) -> tuple[tuple[str, Any], ...]:
+    """Option `inductor` checked: a mapping of existing ``torch._inductor.config`` names, for
+    ``inner="inductor"``; as sorted (name, value) pairs (the options stay hashable)."""
+    if isinstance(given, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in given):
+        given = dict(given)  # already checked once (dataclasses.replace)
+    if not isinstance(given, Mapping) or not all(isinstance(k, str) for k in given):
+        raise TypeError(
+            "option 'inductor' must be a dict of torch._inductor.config settings (name -> value), "
+            f"got {type(given).__name__}"
+        )
+    if inner != "inductor":
+        raise ValueError(
+            f"option 'inductor' configures inner='inductor', but inner is {inner!r}; set inner='inductor'"
+        )
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    unknown = sorted(k for k in given if k not in known)
+    if unknown:
+        raise ValueError(f"option 'inductor': {unknown} are not torch._inductor.config settings")
+    own = sorted(k for k in given if k in _BACKEND_INDUCTOR_SETTINGS)
+    if own:
+        raise ValueError(f"option 'inductor': {own} are set by the usp backend itself")
+    return tuple(sorted(given.items()))
