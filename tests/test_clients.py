@@ -129,9 +129,18 @@ def _args(cls, tmp_path, **extra):
     )  # fmt: skip
 
 
-def test_trainer_with_flattening_collator_trains_each_document_alone(tmp_path):
+@pytest.mark.parametrize(
+    ("attention", "collator"),
+    [("sdpa", {}), ("usp", {"return_flash_attn_kwargs": True})],
+    ids=["sdpa", "usp_with_flash_attention_kwargs"],
+)
+def test_trainer_with_flattening_collator_trains_each_document_alone(tmp_path, attention, collator):
+    """ "sdpa": the backend reads the documents from the mask transformers builds from the position
+    ids. "usp" with the collator's flash-attention kwargs (a flash-attention user's setup): the
+    attention takes them from cu_seq_lens_q/k, and needs no rewrite."""
     model = _model()
     reference = copy.deepcopy(model)
+    model.set_attn_implementation(attention)
     reports = _compile(model)
     trainer_cls = _recording(transformers.Trainer)
     steps = _Steps(model)
@@ -139,32 +148,12 @@ def test_trainer_with_flattening_collator_trains_each_document_alone(tmp_path):
         model=model,
         args=_args(transformers.TrainingArguments, tmp_path),
         train_dataset=_documents(),
-        data_collator=transformers.DataCollatorWithFlattening(),
+        data_collator=transformers.DataCollatorWithFlattening(**collator),
         callbacks=[steps],
     )
     trainer.train()
-    _check(trainer_cls, steps, reference, reports)
-
-
-def test_trainer_with_usp_attention_and_flash_attention_kwargs_trains_each_document_alone(tmp_path):
-    """attn_implementation="usp" and the collator's flash-attention kwargs (what a flash-attention
-    user's Trainer setup passes): attention takes the documents from cu_seq_lens_q/k."""
-    model = _model()
-    reference = copy.deepcopy(model)
-    model.set_attn_implementation("usp")
-    reports = _compile(model)
-    trainer_cls = _recording(transformers.Trainer)
-    steps = _Steps(model)
-    trainer = trainer_cls(
-        model=model,
-        args=_args(transformers.TrainingArguments, tmp_path),
-        train_dataset=_documents(),
-        data_collator=transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True),
-        callbacks=[steps],
-    )
-    trainer.train()
-    assert all("cu_seq_lens_q" in inputs for inputs, _, _ in trainer_cls.record)
-    _check(trainer_cls, steps, reference, reports, rewritten=0)  # the usp attention needs no rewrite
+    assert all(("cu_seq_lens_q" in inputs) == bool(collator) for inputs, _, _ in trainer_cls.record)
+    _check(trainer_cls, steps, reference, reports, rewritten=1 if attention == "sdpa" else 0)
 
 
 def _tokenizer():
