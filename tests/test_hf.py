@@ -173,6 +173,18 @@ def test_flash_attention_kwargs_give_documents_where_attention_gets_no_position_
     torch._dynamo.reset()
 
 
+def test_flash_attention_kwargs_are_read_once_per_forward_in_eager(monkeypatch):
+    import usp_graph.hf as hf
+
+    _, model = _models("llama")
+    batch = _flattened(_batch(8)[0])
+    reads = []
+    read = hf._flash_boundaries
+    monkeypatch.setattr(hf, "_flash_boundaries", lambda *a: reads.append(1) or read(*a))
+    _forward(model, batch)
+    assert model.config.num_hidden_layers > 1 and len(reads) == 1
+
+
 def test_flash_attention_kwargs_that_disagree_with_the_position_ids_are_refused():
     _, model = _models("llama")
     ids, _ = _batch(6)

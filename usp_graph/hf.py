@@ -190,13 +190,26 @@ def _rows(position_ids: Any, b: int, length: int) -> Tensor | None:
 _READ: dict[tuple[int, int, int, int], tuple[weakref.ref, AttentionMetadata]] = {}
 
 
+def _recalled(key: tuple[Any, ...], source: Tensor) -> AttentionMetadata | None:
+    """What `_remember` kept for `source` under `key` (None: nothing, or another tensor since)."""
+    hit = _READ.get(key)
+    return hit[1] if hit is not None and hit[0]() is source else None
+
+
+def _remember(key: tuple[Any, ...], source: Tensor, metadata: AttentionMetadata) -> AttentionMetadata:
+    if len(_READ) >= 8:
+        _READ.clear()
+    _READ[key] = (weakref.ref(source), metadata)
+    return metadata
+
+
 def _positions_eager(position_ids: Any, b: int, length: int) -> AttentionMetadata | None:
     if position_ids is None:
         return None
     key = (id(position_ids), position_ids._version, b, length)
-    hit = _READ.get(key)
-    if hit is not None and hit[0]() is position_ids:
-        return hit[1]
+    hit = _recalled(key, position_ids)
+    if hit is not None:
+        return hit
     pos_BL = _rows(position_ids, b, length)
     assert pos_BL is not None
     flat = pos_BL.reshape(-1)
@@ -210,11 +223,7 @@ def _positions_eager(position_ids: Any, b: int, length: int) -> AttentionMetadat
         raise _refuse(
             "position_ids hold a negative position", "pass position ids that restart at 0 at each document"
         )
-    metadata = AttentionMetadata(cu, longest, tokens)
-    if len(_READ) >= 8:
-        _READ.clear()
-    _READ[key] = (weakref.ref(position_ids), metadata)
-    return metadata
+    return _remember(key, position_ids, AttentionMetadata(cu, longest, tokens))
 
 
 def _flash_boundaries(kwargs: dict[str, Any], b: int, length: int) -> Tensor | None:
@@ -252,16 +261,17 @@ def _flash_boundaries(kwargs: dict[str, Any], b: int, length: int) -> Tensor | N
 def _flash_eager(kwargs: dict[str, Any], b: int, length: int) -> AttentionMetadata | None:
     """The documents of flash-attention's kwargs (`_flash_boundaries`), read once per tensor; the
     position ids, when transformers passes them too, must count the same documents."""
+    given = [kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids")]
+    source = given[0] if given[0] is not None else given[1]
+    key = (b, length, *((id(t), getattr(t, "_version", None)) for t in given))
+    if isinstance(source, Tensor):  # every layer after the first: read already
+        hit = _recalled(key, source)
+        if hit is not None:
+            return hit
     cu = _flash_boundaries(kwargs, b, length)
     if cu is None:
         return None
-    source = kwargs.get("cu_seq_lens_q")
-    source = source if source is not None else kwargs.get("cu_seq_lens_k")
-    pos = kwargs.get("position_ids")
-    key = (id(source), source._version, b, length, id(pos), getattr(pos, "_version", None))
-    hit = _READ.get(key)
-    if hit is not None and hit[0]() is source:
-        return hit[1]
+    pos = given[2]
     tokens = b * length
     ends = cu.tolist()
     if ends[0] != 0 or ends[-1] != tokens or any(y < x for x, y in zip(ends, ends[1:], strict=False)):
@@ -283,11 +293,7 @@ def _flash_eager(kwargs: dict[str, Any], b: int, length: int) -> AttentionMetada
                 "return_position_ids=True)",
             )
     longest = max((y - x for x, y in zip(ends, ends[1:], strict=False)), default=0)
-    metadata = AttentionMetadata(cu, longest, tokens)
-    if len(_READ) >= 8:
-        _READ.clear()
-    _READ[key] = (weakref.ref(source), metadata)
-    return metadata
+    return _remember(key, source, AttentionMetadata(cu, longest, tokens))
 
 
 def _flash_in_graph(kwargs: dict[str, Any], b: int, length: int) -> AttentionMetadata | None:
