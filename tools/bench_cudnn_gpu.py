@@ -226,6 +226,52 @@ def plan_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def padding_sweep(args: argparse.Namespace) -> int:
+    """The same documents through cuDNN's ragged forward and backward with more document slots N
+    and a longer padded length S than they need (usp buckets both, `metadata.capacity_bucket`, so
+    that a training run's batches share graphs): does the padding cost time? Median of 10 after 3
+    warm-ups, CUDA events, per call."""
+    import dataclasses
+    from functools import partial
+
+    from usp_graph.ops import cudnn_kernel as ck
+    from usp_graph.testing import lognormal_lengths
+
+    device = torch.device(args.device)
+    h, g, d = 16, 4, 128  # bench_long_gpu.py's Llama: 16 query heads, 4 key-value heads
+    print("| T | batch (seed) | N, S needed | N, S run | N x S / T | fwd ms | bwd ms |")
+    print("|---|---|---|---|---|---|---|")
+    for t, mean, seeds in ((65536, 4096, (1, 2, 3, 4)), (131072, 8192, (1,))):
+        for seed in seeds:
+            lengths = lognormal_lengths(t, mean, seed=seed)  # bench_long_gpu.py's batches
+            n, s_max = len(lengths), max(lengths)
+            cu = bv.make_docs(lengths, device).cu_seqlens_N1
+            gen = torch.Generator(device=device).manual_seed(0)
+            q, do = (
+                torch.randn(t, h, d, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2)
+            )
+            k, v = (
+                torch.randn(t, g, d, generator=gen, device=device, dtype=torch.bfloat16) for _ in range(2)
+            )
+            kf = ck.plan_key(q, k, cu, s_max, s_max, True, d**-0.5, (-1, -1), square=True)
+            kb = ck.plan_key(q, k, cu, s_max, s_max, True, d**-0.5, (-1, -1), square=True, backward=True)
+            shapes = [(n, s_max), (kf.slots, s_max), (n, kf.s_q), (kf.slots, kf.s_q), (2 * kf.slots, kf.s_q),
+                      (n, min(2 * kf.s_q, t))]  # fmt: skip
+            for slots, s in dict.fromkeys(shapes):
+                common = {"square": True, "metadata": ck.slot_metadata(cu, cu, h, g, d, slots)}
+                fwd = partial(ck.cudnn_fwd, q, k, v, cu, cu, s_max, s_max, True, d**-0.5,
+                              key=dataclasses.replace(kf, slots=slots, s_q=s, s_k=s), **common)  # fmt: skip
+                out, lse = fwd()
+                bwd = partial(ck.cudnn_bwd, do, q, k, v, out, lse, cu, cu, s_max, s_max, True, d**-0.5,
+                              key=dataclasses.replace(kb, slots=slots, s_q=s, s_k=s), **common)  # fmt: skip
+                ms_f, ms_b = _events_ms(fwd, warmup=3), _events_ms(bwd, warmup=3)
+                print(f"| {t} | {seed} | {n}, {s_max} | {slots}, {s} | {slots * s / t:.2f} | {ms_f:.3f} | {ms_b:.3f} |",
+                      flush=True)  # fmt: skip
+            del q, k, v, do
+            torch.cuda.empty_cache()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="matrix", help=f"comma list out of {', '.join(PRESETS)}")
@@ -234,10 +280,15 @@ def main() -> int:
     ap.add_argument("--plans", action="store_true",
                     help="time every cuDNN plan (engine) of the forward and backward graphs instead, at 64K and "
                          "128K causal, on the issue preset's and the probe's documents")  # fmt: skip
+    ap.add_argument("--padding", action="store_true",
+                    help="time cuDNN's forward and backward on the same documents with more slots and a longer "
+                         "padded length than they need (what usp's bucketing adds)")  # fmt: skip
     add_json_arg(ap)
     args = ap.parse_args()
     if args.plans:
         return plan_sweep(args)
+    if args.padding:
+        return padding_sweep(args)
     runs = (
         [("quick", r) for r in QUICK]
         if args.quick
