@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 import zlib
 
 import pytest
@@ -424,6 +425,47 @@ def test_shard_unshard_roundtrip_and_clear_errors():
             assert "not divisible by 2" in r["indivisible"]
             assert "x 2 CP ranks" in r["token_count"]
             assert "disagree on the document boundaries" in r["disagree"]
+
+
+def _disagreeing_ranks(rank: int, world: int) -> dict:
+    from usp_graph import AttentionMetadata, ContextParallel, attention_mode
+    from usp_graph.distributed import CollectiveError
+
+    out = {}
+    # The same boundaries at another capacity: gathering them blindly would abort a rank (gloo).
+    meta = AttentionMetadata.from_lengths([3, 5], max_docs=8 if rank == 0 else 12)
+    try:
+        ContextParallel("ring", check_metadata=True).assert_same_metadata(meta)
+    except ValueError as e:
+        out["capacity"] = str(e)
+    try:  # each rank would make its subgroups by its own degree
+        ContextParallel("usp", ulysses_degree=2 if rank == 0 else 1)
+    except ValueError as e:
+        out["degree"] = str(e)
+    # One rank checks the usp options while the other is already in an attention call: the two
+    # exchanges meet, and both ranks raise (no gloo abort, no wait for the timeout).
+    try:
+        if rank == 0:
+            ContextParallel("usp", ulysses_degree=2)
+        else:
+            cp = ContextParallel("ring")
+            q = torch.zeros(1, 2, 4 * world, 8, dtype=torch.float64)
+            with attention_mode(AttentionMetadata.from_lengths([4 * world]), cp=cp):
+                F.scaled_dot_product_attention(cp.shard(q, 2), cp.shard(q, 2), cp.shard(q, 2))
+    except CollectiveError as e:
+        out["order"] = str(e)
+    return out
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_on_capacity_or_options_all_get_the_reason():
+    started = time.monotonic()
+    res = run_ranks(_disagreeing_ranks, 2)
+    for r in res:
+        assert "capacity: cu_seqlens holds 9 entries on rank 0, 13 entries on rank 1" in r["capacity"]
+        assert "ulysses_degree=...): 2 on rank 0, 1 on rank 1" in r["degree"]
+        assert "different orders" in r["order"] or "different collective" in r["order"]
+    assert time.monotonic() - started < 20  # verdicts, not the group's timeout
 
 
 def test_bad_strategy_and_options_raise_before_any_collective():

@@ -44,6 +44,7 @@ __all__ = [
     "CollectiveError",
     "agree_sizes",
     "all_gather_into",
+    "gather_ints",
     "all_reduce_sum_ordered",
     "group_name",
     "group_timeout",
@@ -210,6 +211,38 @@ def agree_sizes(
 def _describe(key: tuple[Any, ...]) -> str:
     text = repr(key)
     return text if len(text) <= 300 else text[:300] + "...)"
+
+
+# "usp_ints": the header of `gather_ints`, as long as a size header so that either can meet the other.
+_MAGIC_INTS = int.from_bytes(b"usp_ints", "big") & ((1 << 63) - 1)
+
+
+def gather_ints(op_name: str, pg: dist.ProcessGroup, values: Sequence[int]) -> list[list[int]]:
+    """Every rank's `values` (at most 2 x group size of them, as many on every rank), rank-ordered.
+
+    For checks that ranks agree before anything sized by those values moves. The exchange has the
+    length of `agree_sizes`'s header whatever the values, so a rank that is elsewhere (in another
+    check, or in a collective's size agreement) meets it without a size mismatch, and every rank
+    raises `CollectiveError` instead; a peer that raised, exited or never came is one too."""
+    world = pg.size()
+    if world == 1:
+        return [list(map(int, values))]
+    if len(values) > 2 * world:  # internal: the callers send one or two values
+        raise AssertionError(f"{op_name}: {len(values)} values do not fit a header of {world} ranks")
+    header = [_MAGIC_INTS, _digest((op_name,)), *map(int, values)]
+    header += [0] * (2 + 2 * world - len(header))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else None
+    mine = torch.tensor(header, dtype=torch.int64, device=device)
+    gathered = mine.new_empty(world * mine.numel())
+    run_collective(op_name, pg, lambda: all_gather_into(gathered, mine, pg))
+    rows = gathered.view(world, -1).tolist()
+    elsewhere = [j for j, row in enumerate(rows) if row[0] != _MAGIC_INTS or row[1] != header[1]]
+    if elsewhere:
+        raise CollectiveError(
+            f"{op_name} on process group {pg.group_name!r}: rank(s) {elsewhere} entered another collective "
+            "at this point: the ranks called collectives in different orders (every rank raises this)"
+        )
+    return [row[2 : 2 + len(values)] for row in rows]
 
 
 def all_gather_into(output: Tensor, input: Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Any:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..distributed import all_reduce_sum_ordered, group_timeout
+from ..distributed import all_gather_into, all_reduce_sum_ordered, gather_ints, group_timeout, run_collective
 from ..metadata import AttentionMetadata
 from ..ops.window import NO_WINDOW, check_window
 from .common import reorder_chunks
@@ -222,6 +222,17 @@ class ContextParallel:
                     f"ulysses_degree={ulysses_degree} must divide the CP group size {self.world}"
                 )
             if ring_group is None:
+                # Each rank creates its subgroups by its own degree: ranks that disagree would call
+                # new_group a different number of times and meet only at the group's timeout.
+                degrees = [
+                    row[0] for row in gather_ints("ContextParallel('usp')", self.group, [ulysses_degree])
+                ]
+                if len(set(degrees)) > 1:
+                    raise ValueError(
+                        "CP ranks disagree on ContextParallel('usp', ulysses_degree=...): "
+                        + ", ".join(f"{d} on rank {r}" for r, d in enumerate(degrees))
+                        + "; every rank must pass the same"
+                    )
                 ring_group, ulysses_group = self._make_subgroups(ulysses_degree)
             self.ulysses_degree = ulysses_degree
             self.ring_size = self.world // ulysses_degree
@@ -335,15 +346,27 @@ class ContextParallel:
         )
 
     def assert_same_metadata(self, cu_seqlens: Tensor | AttentionMetadata) -> None:
-        """Debug check: every rank holds the same document boundaries (host sync)."""
+        """Debug check: every rank holds the same document boundaries (host sync). Ranks that
+        disagree, in capacity too, get the same `ValueError` on every rank; one that never arrives
+        is a `CollectiveError` (the group's timeout)."""
         cu = cu_seqlens.cu_seqlens if isinstance(cu_seqlens, AttentionMetadata) else cu_seqlens
-        gathered = [torch.empty_like(cu) for _ in range(self.world)]
-        dist.all_gather(gathered, cu.contiguous(), group=self.group)
-        bad = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+        what = "assert_same_metadata (check_metadata)"
+        sizes = [row[0] for row in gather_ints(f"{what}: capacity", self.group, [cu.numel()])]
+        if len(set(sizes)) > 1:  # gathering the boundaries themselves would need equal sizes
+            raise ValueError(
+                "CP ranks disagree on the document boundaries' capacity: cu_seqlens holds "
+                + ", ".join(f"{n} entries on rank {r}" for r, n in enumerate(sizes))
+                + "; every rank must pass the same global metadata (the same max_docs too)"
+            )
+        mine = cu.reshape(-1).to(torch.int64)
+        gathered = mine.new_empty(self.world * mine.numel())
+        run_collective(what, self.group, lambda: all_gather_into(gathered, mine, self.group))
+        rows = gathered.view(self.world, -1)
+        bad = [r for r in range(self.world) if not torch.equal(rows[r], rows[0])]
         if bad:
             raise ValueError(
                 f"CP ranks disagree on the document boundaries: ranks {bad} differ from rank 0 "
-                f"({gathered[bad[0]].tolist()} vs {gathered[0].tolist()}); every rank must pass the same global metadata"
+                f"({rows[bad[0]].tolist()} vs {rows[0].tolist()}); every rank must pass the same global metadata"
             )
 
     # ---- training helpers ------------------------------------------------------------------------
