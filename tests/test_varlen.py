@@ -106,6 +106,29 @@ def test_rows_that_see_no_key_give_zero_output_and_minus_inf_lse():
     assert torch.equal(dq[:2], torch.zeros_like(dq[:2]))
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (1, 0)], ids=["plain", "window"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_a_nan_query_gives_a_nan_row_not_a_finite_one(is_causal, window):
+    # The CPU flash kernel gives a query row holding a NaN out 0 and lse 0: a finite loss over a NaN
+    # input. usp makes it NaN, as the math attention does; every other row is unchanged bit for bit.
+    gen = torch.Generator().manual_seed(5)
+    cu_q = torch.tensor([0, 4, 6, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 2, 2, 5], dtype=torch.int32)  # doc 0: rows 0-1 see no key (causal); doc 1: none
+    q, k, v = _qkv(gen, 9, 5, 2, 2, 8, torch.float64)
+    clean = varlen_attn(q, k, v, cu_q, cu_k, 4, 3, is_causal=is_causal, return_lse=True, window=window)
+    bad = q.detach().clone()
+    bad[[0, 3, 5, 7], 1, 2] = float("nan")  # head 1 of: a blind row (if causal), a row, a keyless doc, a row
+    out, lse = varlen_attn(bad, k, v, cu_q, cu_k, 4, 3, is_causal=is_causal, return_lse=True, window=window)
+    blind = is_causal or window != (-1, -1)  # row 0 sees no key when causal or windowed (bottom-right)
+    for row in (3, 7) + (() if blind else (0,)):  # rows that see keys
+        assert bool(out[row, 1].isnan().all()) and bool(lse[1, row].isnan()), row
+    for row in (5,) + ((0,) if blind else ()):  # sees no key: out 0, lse -inf, NaN or not
+        assert torch.equal(out[row], torch.zeros_like(out[row])) and lse[1, row] == float("-inf")
+    keep = torch.ones(9, 2, dtype=torch.bool)
+    keep[[0, 3, 5, 7], 1] = False
+    assert torch.equal(out[keep], clean[0][keep]) and torch.equal(lse.t()[keep], clean[1].t()[keep])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_half_precision_close_to_float64_reference(dtype, is_causal):

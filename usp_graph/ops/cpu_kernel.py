@@ -125,8 +125,15 @@ def cpu_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=
         )
         out[sq:eq] = o_doc[0].transpose(0, 1)
         lse[:, sq:eq] = lse_doc[0]
-        if mask is not None and lq > lk:
-            lse[:, sq : sq + lq - lk] = float("-inf")  # rows that see no key (the kernel says 0)
+        if mask is not None and lq > lk:  # rows that see no key: the kernel says lse 0 (and, with a
+            lse[:, sq : sq + lq - lk] = float("-inf")  # NaN query, out NaN)
+            out[sq : sq + lq - lk] = 0
+    # The kernel gives a query row holding a NaN out 0 and lse 0: a finite loss over a NaN input.
+    # Such a row that sees a key is NaN, as in the math attention (and as a NaN key or value is).
+    nan_rows = q.isnan().any(-1).t() & (lse != float("-inf"))  # (H, T)
+    if bool(nan_rows.any()):
+        lse = lse.masked_fill(nan_rows, float("nan"))
+        out = out.masked_fill(nan_rows.t().unsqueeze(-1), float("nan"))
     return out, lse
 
 
