@@ -67,6 +67,13 @@ def files(tmp_path):
     os.mkfifo(fifo)
     (tmp_path / "file").write_text("x")
     (tmp_path / "empty_model").mkdir()
+    for name, config in {
+        "gpt2": '{"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2}',  # attn_pdrop: 0.1 by default
+        "bert_like": '{"model_type": "llama", "attention_dropout": 0.2, "hidden_size": 32}',
+        "broken": '{"model_type": "llama", ',
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(config)
     (tmp_path / "dir").mkdir()
     return tmp_path
 
@@ -95,6 +102,14 @@ BAD = [
     (["--text", "{t}/missing"], "No such file"),
     (["--model", "{t}/empty_model"], "no config.json there"),
     (["--model", "{t}/file"], "not a directory"),
+    (["--model", "{t}/gpt2"], "dropout inside attention (attn_pdrop=0.1)"),
+    (["--model", "{t}/bert_like"], "dropout inside attention (attention_dropout=0.2)"),
+    (["--model", "{t}/broken"], "transformers cannot read its config.json"),
+    (["--cp-strategy", "halo"], "must be one of allgather_kv, ulysses, ring, usp; got 'halo' (halo needs"),
+    (["--cp-strategy", "auto"], "must be one of allgather_kv, ulysses, ring, usp; got 'auto'"),
+    (["--cp", "0"], "--cp must be >= 1, got 0"),
+    (["--dp", "0"], "--dp must be >= 1, got 0"),
+    (["--cp", "3"], "--dp x --cp must multiply to the 1 ranks launched (given: --cp 3)"),
     (["--resume", "{t}/missing"], "no such directory"),
     (["--resume", "{t}/dir"], "no checkpoint there"),
 ]

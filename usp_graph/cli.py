@@ -415,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the training recipe: a transformers LM on packed documents, CP x FSDP2, checkpointing (torchrun)",
         description="Train a transformers causal LM (tiny Llama by default) on packed documents with context "
         "parallelism, data parallelism or FSDP2, activation checkpointing and torch.compile(backend='usp'); "
-        "save and resume with torch.distributed.checkpoint. One process as is; several with "
+        "save and resume (the recipe's own checkpoint format: raw tensor bytes and a JSON index, "
+        "no pickle). One process as is; several with "
         "torchrun --nproc-per-node N -m usp_graph train ...",
     )
     from .train import add_arguments

@@ -1,5 +1,5 @@
 """A training recipe: a transformers causal LM on packed documents, context parallel (usp_graph),
-data parallel or FSDP2, activation checkpointing, compile, distributed checkpoints.
+data parallel or FSDP2, activation checkpointing, compile, checkpoints that resume on any layout.
 
     torchrun --nproc-per-node 4 -m usp_graph.train --dp 2 --cp 2 --fsdp --steps 20
     usp-graph train --steps 5                     # one process (CP 1), the same loop
@@ -188,12 +188,14 @@ def check_args(args: argparse.Namespace):
         raise UsageError(f"--mean-doc-len must be a finite number >= 1 (tokens), got {args.mean_doc_len}")
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed must be in [0, 2**32), got {args.seed}")
-    if args.cp_strategy not in STRATEGIES:
-        raise UsageError(f"--cp-strategy must be one of {', '.join(STRATEGIES)}; got {args.cp_strategy!r}")
-    if args.cp_strategy == "halo":
-        raise UsageError(
-            "--cp-strategy halo needs a document length cap; the recipe runs allgather_kv, ulysses, ring, usp"
+    runs = [s for s in STRATEGIES if s != "halo"]  # halo needs a document length cap
+    if args.cp_strategy not in runs:
+        why = (
+            " (halo needs a cap on document length, which the recipe's data has not)"
+            if args.cp_strategy == "halo"
+            else ""
         )
+        raise UsageError(f"--cp-strategy must be one of {', '.join(runs)}; got {args.cp_strategy!r}{why}")
     world = _world()
     dp, cp = _degrees(args, world)
     if args.seq_len % cp or args.seq_len < 2 * cp:
@@ -215,6 +217,7 @@ def check_args(args: argparse.Namespace):
             )
         if os.path.getsize(config) > MAX_CONFIG_BYTES:
             raise UsageError(f"--model {args.model}: config.json is larger than {MAX_CONFIG_BYTES:,} bytes")
+        _check_model_config(args.model)
     if args.text is not None:
         try:
             st = os.stat(args.text)
@@ -251,6 +254,38 @@ def check_args(args: argparse.Namespace):
     return dp, cp, index
 
 
+def _attention_dropouts(config: dict[str, Any], where: str = "") -> list[str]:
+    """`name=value` of every attention dropout above 0 in a config's dict (nested configs too: text
+    configs, MPT's attn_config): names holding "att" and "dropout" or "pdrop"."""
+    found = []
+    for key, value in config.items():
+        name = str(key)  # id2label's keys are ints
+        if isinstance(value, dict):
+            found += _attention_dropouts(value, f"{where}{name}.")
+        elif "att" in name and ("dropout" in name or "pdrop" in name):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                found.append(f"{where}{name}={value}")
+    return found
+
+
+def _check_model_config(path: str) -> None:
+    """The model's config loads, and asks for nothing usp refuses at the first step."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any failure to read it is the user's file to fix
+        raise UsageError(
+            f"--model {path}: transformers cannot read its config.json ({type(e).__name__}: {e})"
+        ) from None
+    dropouts = _attention_dropouts(config.to_dict())
+    if dropouts:
+        raise UsageError(
+            f"--model {path}: the config asks for dropout inside attention ({', '.join(dropouts)}), which usp "
+            "does not run; set it to 0.0 in config.json for training with the recipe"
+        )
+
+
 # ---- distributed setup ----------------------------------------------------------------------------
 
 
@@ -276,12 +311,16 @@ def _init_distributed():
 
 def _degrees(args, world: int) -> tuple[int, int]:
     dp, cp = args.dp, args.cp
+    for flag, n in (("--dp", dp), ("--cp", cp)):
+        if n is not None and n < 1:
+            raise UsageError(f"{flag} must be >= 1, got {n}")
     if cp is None:
         cp = world // dp if dp else (2 if world % 2 == 0 else 1)
     if dp is None:
         dp = world // cp if cp and world % cp == 0 else 0
     if dp < 1 or cp < 1 or dp * cp != world:
-        raise UsageError(f"--dp {args.dp} x --cp {args.cp} must multiply to the {world} ranks launched")
+        given = ", ".join(f"{f} {n}" for f, n in (("--dp", args.dp), ("--cp", args.cp)) if n is not None)
+        raise UsageError(f"--dp x --cp must multiply to the {world} ranks launched (given: {given})")
     return dp, cp
 
 
