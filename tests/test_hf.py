@@ -461,3 +461,19 @@ def test_the_backend_reads_before_the_repeat_for_inductor_only():
     graph = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
     for inner, reads in (("inductor", True), ("aot_eager", False)):
         assert compiler._Compile(graph, [], UspOptions(inner=inner)).ctx.read_repeated is reads
+
+
+def test_device_assert_messages_compile_under_inductor():
+    # inductor pastes an async assert's message into generated C++ between double quotes,
+    # unescaped: attn_implementation="usp" in a message failed every inductor compile of a "usp"
+    # model given an all-ones attention_mask or flash-attention kwargs (CppCompileError).
+    from usp_graph.ops.boundaries import device_assert
+
+    def f(x):
+        device_assert((x > 0).all(), 'attn_implementation="usp": a \\ backslash,\na newline')
+        return x * 2
+
+    compiled = torch.compile(f, backend="inductor", dynamic=False)
+    assert torch.equal(compiled(torch.ones(4)), torch.full((4,), 2.0))
+    with pytest.raises(RuntimeError, match="attn_implementation='usp': a / backslash, a newline"):
+        compiled(-torch.ones(4))

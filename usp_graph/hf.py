@@ -43,6 +43,7 @@ from torch import Tensor
 
 from .masks import check_positions_match, cu_seqlens_from_positions, document_starts
 from .metadata import AttentionMetadata
+from .ops.boundaries import device_assert
 from .sdpa import _is_tracing, sdpa_to_usp, windowed_sdpa
 
 __all__ = ["ATTENTION", "register", "usp_attention_forward", "usp_mask"]
@@ -250,7 +251,7 @@ def _flash_boundaries(kwargs: dict[str, Any], b: int, length: int) -> Tensor | N
         )
     cu = cu_q if cu_q is not None else cu_k
     if cu_q is not None and cu_k is not None and cu_k is not cu_q:
-        torch._assert_async(
+        device_assert(
             torch.eq(cu_q, cu_k).all(),
             'attn_implementation="usp": cu_seq_lens_q and cu_seq_lens_k differ; usp reads one set of documents '
             "for queries and keys from these arguments",
@@ -307,7 +308,7 @@ def _flash_in_graph(kwargs: dict[str, Any], b: int, length: int) -> AttentionMet
     if pos_BL is not None:
         check_positions_match(cu, pos_BL)  # also: cu starts at 0 and ends at the call's B x L tokens
     else:
-        torch._assert_async(
+        device_assert(
             (cu[0] == 0) & (cu[-1] == b * length) & (cu[1:] >= cu[:-1]).all(),
             'attn_implementation="usp": cu_seq_lens_q does not describe the tokens of this call (it must start '
             "at 0, never decrease and end at batch x length)",
@@ -397,7 +398,7 @@ def usp_mask(
             "pack them into rows and pass position_ids (DataCollatorWithFlattening), without an attention_mask"
         )
         if compiling or _is_tracing(attention_mask):
-            torch._assert_async(attention_mask.bool().all(), message)
+            device_assert(attention_mask.bool().all(), message)
         elif not bool(attention_mask.bool().all()):
             raise UnsupportedAttention(message)
     return None

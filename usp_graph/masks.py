@@ -37,6 +37,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from .ops.boundaries import device_assert
+
 __all__ = [
     "MaskForm",
     "mask_form",
@@ -349,7 +351,7 @@ def check_positions_match(cu_seqlens_N1: Tensor, pos_BL: Tensor) -> None:
     cu = cu_seqlens_N1.to(pos_BL.device)
     meta_start = meta_start.scatter(0, cu.long().clamp(0, tokens), True)
     ok = torch.eq(meta_start[:tokens], document_starts(pos_BL)).all() & (cu[-1] == tokens) & (cu[0] == 0)
-    torch._assert_async(
+    device_assert(
         ok,
         "usp_graph: the document metadata does not describe the documents the model's position ids "
         "count (a new document where a position is not its predecessor + 1, and at each row start); "

@@ -87,6 +87,13 @@ def boundaries_ok(
     return (viol <= 0).all(), lens[0], lens[1]
 
 
+def device_assert(ok: Tensor, message: str) -> None:
+    """``torch._assert_async(ok, message)`` (no host sync) with a message inductor can compile:
+    it pastes the text between double quotes into generated C++ unescaped, so a double quote or
+    a backslash in it failed every inductor compile of the call (the CPU backend)."""
+    torch._assert_async(ok, message.replace('"', "'").replace("\\", "/").replace("\n", " "))
+
+
 def assert_boundaries(
     cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, max_q: int, max_k: int
 ) -> tuple[Tensor, Tensor]:
@@ -95,7 +102,7 @@ def assert_boundaries(
     if ok.device.type == "cuda":
         torch._assert_async(ok)  # no host sync; a failure is a device-side assert at the next sync
     else:
-        torch._assert_async(
+        device_assert(
             ok,
             f"usp::varlen: cu_seqlens must run 0..{t_q} (queries) / within 0..{t_k} (keys), non-decreasing, "
             f"with no document longer than max_seqlen_q={max_q} / max_seqlen_k={max_k}",

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from .. import registry
 from ..distributed import CollectiveError, agree_sizes, record_sent, run_collective
+from .boundaries import device_assert
 from .boundaries import lse_dtype as _lse_dtype
 from .window import NO_WINDOW, bounds
 
@@ -422,9 +423,7 @@ def _check_ends(cu: Tensor, total: int) -> None:
     if ok.device.type == "cuda":
         torch._assert_async(ok)
     else:
-        torch._assert_async(
-            ok, f"usp::ring_attn: cu_seqlens must run from 0 to the {total} tokens of the stream"
-        )
+        device_assert(ok, f"usp::ring_attn: cu_seqlens must run from 0 to the {total} tokens of the stream")
 
 
 @torch.library.custom_op("usp::ring_attn_fwd", mutates_args=())
