@@ -185,6 +185,54 @@ def test_flash_attention_kwargs_are_read_once_per_forward_in_eager(monkeypatch):
     assert model.config.num_hidden_layers > 1 and len(reads) == 1
 
 
+@pytest.mark.parametrize("source", ["position_ids", "flash_kwargs"])
+def test_a_buffer_refilled_in_place_between_forwards_is_read_again(source):
+    # A loader that reuses one buffer and refills it where no version counter sees it (numpy,
+    # .data): the second forward must attend with the second batch's documents, not the first's.
+    _, model = _models("llama")
+    ids = _batch(9)[0]
+    first, second = _flattened(ids), _flattened(ids)
+    second["position_ids"] = packed_positions(list(reversed(LENGTHS)))
+    second["cu_seq_lens_q"] = second["cu_seq_lens_k"] = torch.tensor(
+        [0, *torch.tensor(list(reversed(LENGTHS))).cumsum(0).tolist()], dtype=torch.int32
+    )
+    if source == "position_ids":
+        first = second = {"input_ids": ids}
+        buffer = packed_positions(LENGTHS)
+        with torch.no_grad():
+            before = model(input_ids=ids, position_ids=buffer, use_cache=False).logits
+            buffer.data.copy_(packed_positions(list(reversed(LENGTHS))))
+            after = model(input_ids=ids, position_ids=buffer, use_cache=False).logits
+            fresh = model(input_ids=ids, position_ids=buffer.clone(), use_cache=False).logits
+    else:
+        batch = dict(first)
+        with torch.no_grad():
+            before = _forward(model, batch)
+            for name in ("position_ids", "cu_seq_lens_q"):
+                batch[name].data.copy_(second[name])
+            batch["cu_seq_lens_k"] = batch["cu_seq_lens_q"]
+            after = _forward(model, batch)
+            fresh = _forward(
+                model, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            )
+    assert not torch.equal(before, after) and torch.equal(after, fresh)
+
+
+def test_eager_usp_runs_under_inference_mode():
+    # Inference tensors keep no version counter: the read cache must not ask for one.
+    _, model = _models("llama")
+    ids = _batch(10)[0]
+    with torch.no_grad():
+        expected = model(input_ids=ids, position_ids=packed_positions(LENGTHS), use_cache=False).logits
+        flash = _forward(model, _flattened(ids))
+    with torch.inference_mode():
+        made_inside = model(input_ids=ids, position_ids=packed_positions(LENGTHS), use_cache=False).logits
+        flash_inside = _forward(model, _flattened(ids))
+        own_positions = model(input_ids=ids[:, :5], use_cache=False).logits  # the model counts them
+    assert torch.equal(made_inside, expected) and torch.equal(flash_inside, flash)
+    assert own_positions.shape[1] == 5
+
+
 def test_flash_attention_kwargs_that_disagree_with_the_position_ids_are_refused():
     _, model = _models("llama")
     ids, _ = _batch(6)

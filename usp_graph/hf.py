@@ -186,28 +186,40 @@ def _rows(position_ids: Any, b: int, length: int) -> Tensor | None:
     return position_ids.expand(b, length)
 
 
-# Documents read from position ids, by tensor identity: every layer of a forward (and every
-# recompute of a checkpointed layer) gets the same position_ids tensor; one host sync in all.
-_READ: dict[tuple[int, int, int, int], tuple[weakref.ref, AttentionMetadata]] = {}
+# Documents read from position ids (or flash-attention's kwargs), by tensor identity: every layer
+# of a forward (and every recompute of a checkpointed layer) gets the same tensor; one host sync in
+# all. Emptied by `usp_mask`, which transformers calls at the start of every forward, so a buffer
+# refilled in place between forwards (through numpy or .data, which no version counter sees) is
+# read again; CPU tensors are also compared by value on every hit (no sync there).
+_READ: dict[tuple[Any, ...], tuple[weakref.ref, Tensor | None, AttentionMetadata]] = {}
+
+
+def _version(t: Any) -> int | None:
+    """`t`'s version counter (None: not a tensor, or an inference tensor, which keeps none)."""
+    return t._version if isinstance(t, Tensor) and not t.is_inference() else None
 
 
 def _recalled(key: tuple[Any, ...], source: Tensor) -> AttentionMetadata | None:
-    """What `_remember` kept for `source` under `key` (None: nothing, or another tensor since)."""
+    """What `_remember` kept for `source` under `key` (None: nothing, another tensor since, or, on
+    the CPU, other values)."""
     hit = _READ.get(key)
-    return hit[1] if hit is not None and hit[0]() is source else None
+    if hit is None or hit[0]() is not source:
+        return None
+    return hit[2] if hit[1] is None or torch.equal(hit[1], source) else None
 
 
 def _remember(key: tuple[Any, ...], source: Tensor, metadata: AttentionMetadata) -> AttentionMetadata:
     if len(_READ) >= 8:
         _READ.clear()
-    _READ[key] = (weakref.ref(source), metadata)
+    snapshot = source.detach().clone() if source.device.type == "cpu" else None
+    _READ[key] = (weakref.ref(source), snapshot, metadata)
     return metadata
 
 
 def _positions_eager(position_ids: Any, b: int, length: int) -> AttentionMetadata | None:
     if position_ids is None:
         return None
-    key = (id(position_ids), position_ids._version, b, length)
+    key = (id(position_ids), _version(position_ids), b, length)
     hit = _recalled(key, position_ids)
     if hit is not None:
         return hit
@@ -264,7 +276,7 @@ def _flash_eager(kwargs: dict[str, Any], b: int, length: int) -> AttentionMetada
     position ids, when transformers passes them too, must count the same documents."""
     given = [kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids")]
     source = given[0] if given[0] is not None else given[1]
-    key = (b, length, *((id(t), getattr(t, "_version", None)) for t in given))
+    key = (b, length, *((id(t), _version(t)) for t in given))
     if isinstance(source, Tensor):  # every layer after the first: read already
         hit = _recalled(key, source)
         if hit is not None:
@@ -385,6 +397,8 @@ def usp_mask(
     # check the mask function: a model whose mask says more (multimodal blocks) is refused in eager
     # only; the README says so.
     compiling = torch.compiler.is_compiling()
+    if not compiling:
+        _READ.clear()  # a new forward: documents are read again from its tensors
     unknown = _unknown_pieces(mask_function) if mask_function is not None and not compiling else []
     if unknown:
         raise _refuse(
