@@ -525,3 +525,19 @@ def test_device_assert_messages_compile_under_inductor():
     assert torch.equal(compiled(torch.ones(4)), torch.full((4,), 2.0))
     with pytest.raises(RuntimeError, match="attn_implementation='usp': a / backslash, a newline"):
         compiled(-torch.ones(4))
+
+
+@pytest.mark.parametrize("family", ["bloom", "falcon"])
+def test_a_model_that_computes_attention_itself_is_refused_at_construction(family):
+    # Bloom (ALiBi) took usp's "no mask" for its own attention: causal no more, wrong without a
+    # word; Falcon failed with KeyError('usp') in its own table of attention classes.
+    import transformers
+
+    config = {
+        "bloom": lambda: transformers.BloomConfig(n_layer=1, hidden_size=32, n_head=4, vocab_size=64),
+        "falcon": lambda: transformers.FalconConfig(
+            num_hidden_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64
+        ),
+    }[family]()
+    with pytest.raises(UnsupportedAttention, match="computes attention in its own code"):
+        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="usp")

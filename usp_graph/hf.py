@@ -90,7 +90,8 @@ def usp_attention_forward(
     ):
         if kwargs.get(name) is not None:
             raise _refuse(
-                f"{what} ({name}=...) is not supported", 'use attn_implementation="sdpa" or "eager"'
+                f"{what} ({name}=...) is not supported",
+                'use attn_implementation="eager" (or "sdpa" where the model offers it)',
             )
     if dropout and module.training:
         raise _refuse(
@@ -430,6 +431,39 @@ def register() -> None:
 
     AttentionInterface.register(ATTENTION, usp_attention_forward)
     AttentionMaskInterface.register(ATTENTION, usp_mask)
+    _guard_model_classes()
+
+
+def _refuse_own_attention(cls: type) -> None:
+    """A model class whose attention layers do not call transformers' attention interface
+    (Bloom and MPT with ALiBi, Falcon, GPT-Neo, ...) would never run usp: it would take usp's
+    "no mask" for its own attention (wrong without a word) or fail looking the name up."""
+    can_set = getattr(cls, "_can_set_attn_implementation", None)
+    if callable(can_set) and not can_set():
+        raise _refuse(
+            f"{cls.__name__} computes attention in its own code, not through transformers' attention interface, "
+            "so usp would not run (and its attention would get no mask)",
+            'load it with one of its own implementations (e.g. attn_implementation="eager")',
+        )
+
+
+def _guard_model_classes() -> None:
+    """Refuse "usp" where transformers checks a model's attention implementation (at construction,
+    from_pretrained and set_attn_implementation): see `_refuse_own_attention`. Left out quietly on
+    a transformers without that check."""
+    from transformers import PreTrainedModel
+
+    check = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)
+    if check is None or getattr(check, "_usp_guard", False):
+        return
+
+    def checked(self, attn_implementation, *args, **kwargs):
+        if attn_implementation == ATTENTION:
+            _refuse_own_attention(type(self))
+        return check(self, attn_implementation, *args, **kwargs)
+
+    checked._usp_guard = True  # type: ignore[attr-defined]
+    PreTrainedModel._check_and_adjust_attn_implementation = checked
 
 
 _HOOKED = "transformers.modeling_utils"
