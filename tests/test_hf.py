@@ -541,3 +541,39 @@ def test_a_model_that_computes_attention_itself_is_refused_at_construction(famil
     }[family]()
     with pytest.raises(UnsupportedAttention, match="computes attention in its own code"):
         transformers.AutoModelForCausalLM.from_config(config, attn_implementation="usp")
+
+
+@pytest.mark.parametrize("family", ["persimmon", "gpt_bigcode"])
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_documents_come_from_the_mask_where_attention_gets_no_position_ids(family, path):
+    # These models build transformers' packed-document mask from the position ids but do not
+    # pass the ids on to attention: usp took the row as one document (0.1-0.2 off each document
+    # alone). The mask builder now reads where the mask separates neighbours (O(T)) and hands that
+    # to attention in place of a mask.
+    from tests.realmodels import make_sweep_model
+
+    ref, model = make_sweep_model(family), make_sweep_model(family)
+    model.set_attn_implementation("usp")
+    ids = _batch(11)[0]
+    pos = packed_positions(LENGTHS)
+    expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
+    weighted_loss(expected).backward()
+    run = model if path == "eager" else compile_usp(model)
+    out = lm_forward(run, ids, pos)  # use_cache=False: transformers builds the packed mask then
+    weighted_loss(out).backward()
+    assert max_err(out, expected) < 1e-10
+    g, g_ref = grads(model), grads(ref)
+    assert g.keys() == g_ref.keys() and max(max_err(g[k], g_ref[k]) for k in g) < 1e-10
+
+
+def test_the_mask_builder_reads_document_starts_in_linear_memory():
+    from transformers.masking_utils import and_masks, causal_mask_function, packed_sequence_mask_function
+
+    doc_ids = torch.tensor([[0, 0, 1, 2, 2, 2], [0, 1, 1, 1, 1, 3]])
+    fn = and_masks(causal_mask_function, packed_sequence_mask_function(doc_ids))
+    starts = usp_mask(2, 6, 6, mask_function=fn, device=torch.device("cpu")).starts
+    assert starts.tolist() == [
+        [True, False, True, True, False, False],
+        [True, True, False, False, False, True],
+    ]
+    assert usp_mask(2, 6, 4, mask_function=fn, device=torch.device("cpu")) is None  # not self-attention

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .masks import check_positions_match, cu_seqlens_from_positions, document_starts
+from .masks import check_positions_match, cu_seqlens_from_starts, document_starts
 from .metadata import AttentionMetadata
 from .ops.boundaries import device_assert
 from .sdpa import _is_tracing, sdpa_to_usp, windowed_sdpa
@@ -75,6 +75,9 @@ def usp_attention_forward(
 ) -> tuple[Tensor, None]:
     """transformers' attention interface: (B, H, L, K) query, (B, G, L, K) key/value ->
     ((B, L, H, K) output, None)."""
+    mask_starts = None
+    if isinstance(attention_mask, DocumentStarts):
+        mask_starts, attention_mask = attention_mask.starts, None
     if attention_mask is not None:
         raise _refuse(
             f"an attention mask of shape {tuple(attention_mask.shape)} reached attention (a 4-D mask passed to the "
@@ -121,7 +124,7 @@ def usp_attention_forward(
         else:
             metadata = _flash_in_graph(kwargs, b, lq)
             if metadata is None:
-                metadata = _positions_in_graph(kwargs.get("position_ids"), b, lq)
+                metadata = _positions_in_graph(kwargs.get("position_ids"), b, lq, mask_starts)
             out = sdpa_to_usp(
                 query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, metadata=metadata,
                 window=window,
@@ -138,7 +141,7 @@ def usp_attention_forward(
         if metadata is None:
             metadata = _flash_eager(kwargs, b, lq)
         if metadata is None:
-            metadata = _positions_eager(kwargs.get("position_ids"), b, lq)
+            metadata = _positions_eager(kwargs.get("position_ids"), b, lq, mask_starts)
         out = sdpa_to_usp(
             query,
             key,
@@ -217,27 +220,43 @@ def _remember(key: tuple[Any, ...], source: Tensor, metadata: AttentionMetadata)
     return metadata
 
 
-def _positions_eager(position_ids: Any, b: int, length: int) -> AttentionMetadata | None:
-    if position_ids is None:
+def _positions_eager(
+    position_ids: Any, b: int, length: int, mask_starts: Tensor | None = None
+) -> AttentionMetadata | None:
+    """The documents of `position_ids` (transformers' reading) cut also where the model's mask
+    separates neighbours (`DocumentStarts`), read once per forward; None: neither given."""
+    source = position_ids if position_ids is not None else mask_starts
+    if source is None:
         return None
-    key = (id(position_ids), _version(position_ids), b, length)
-    hit = _recalled(key, position_ids)
+    key = (id(position_ids), _version(position_ids), id(mask_starts), b, length)
+    hit = _recalled(key, source)
     if hit is not None:
         return hit
     pos_BL = _rows(position_ids, b, length)
-    assert pos_BL is not None
-    flat = pos_BL.reshape(-1)
-    tokens = flat.numel()
+    tokens = b * length
     if tokens == 0:
         return None
-    starts = document_starts(pos_BL).nonzero().squeeze(1)
-    cu = torch.cat([starts, starts.new_tensor([tokens])]).to(torch.int32)
+    starts = _starts(pos_BL, mask_starts, b, length)
+    cu = torch.cat([starts.nonzero().squeeze(1), starts.new_tensor([tokens], dtype=torch.long)]).to(
+        torch.int32
+    )
     longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    if bool((flat < 0).any()):
+    if pos_BL is not None and bool((pos_BL < 0).any()):
         raise _refuse(
             "position_ids hold a negative position", "pass position ids that restart at 0 at each document"
         )
-    return _remember(key, position_ids, AttentionMetadata(cu, longest, tokens))
+    return _remember(key, source, AttentionMetadata(cu, longest, tokens))
+
+
+def _starts(pos_BL: Tensor | None, mask_starts: Tensor | None, b: int, length: int) -> Tensor:
+    """(T,) bool: where a document starts by the position ids, by the model's mask, or both."""
+    if mask_starts is not None and tuple(mask_starts.shape) != (b, length):
+        mask_starts = None  # another call's shape (a mask built for other lengths): not this call's
+    if pos_BL is None:
+        assert mask_starts is not None
+        return mask_starts.reshape(-1)
+    starts = document_starts(pos_BL)
+    return starts if mask_starts is None else starts | mask_starts.to(starts.device).reshape(-1)
 
 
 def _flash_boundaries(kwargs: dict[str, Any], b: int, length: int) -> Tensor | None:
@@ -329,13 +348,20 @@ def _flash_in_graph(kwargs: dict[str, Any], b: int, length: int) -> AttentionMet
     return AttentionMetadata(cu, length, b * length)
 
 
-def _positions_in_graph(position_ids: Any, b: int, length: int) -> AttentionMetadata | None:
-    """The documents of `position_ids` computed on their device inside the graph: capacity T + 1
-    (every token could start one) and max_seqlen L, so no value is read on the host."""
+def _positions_in_graph(
+    position_ids: Any, b: int, length: int, mask_starts: Tensor | None = None
+) -> AttentionMetadata | None:
+    """The documents of `position_ids` and of the model's mask (`_starts`) computed on their
+    device inside the graph: capacity T + 1 (every token could start one) and max_seqlen L, so no
+    value is read on the host."""
     pos_BL = _rows(position_ids, b, length)
-    if pos_BL is None:
+    if mask_starts is not None and tuple(mask_starts.shape) != (b, length):
+        mask_starts = None
+    if pos_BL is None and mask_starts is None:
         return None
-    return AttentionMetadata(cu_seqlens_from_positions(pos_BL), length, pos_BL.shape[0] * pos_BL.shape[1])
+    return AttentionMetadata(
+        cu_seqlens_from_starts(_starts(pos_BL, mask_starts, b, length)), length, b * length
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -416,7 +442,63 @@ def usp_mask(
             device_assert(attention_mask.bool().all(), message)
         elif not bool(attention_mask.bool().all()):
             raise UnsupportedAttention(message)
-    return None
+    device = kwargs.get("device")
+    if device is None and isinstance(kwargs.get("cache_position"), Tensor):
+        device = kwargs["cache_position"].device
+    return _mask_starts(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, device)
+
+
+class DocumentStarts:
+    """What "usp"'s mask builder hands transformers in place of a mask, and transformers hands each
+    attention call: ``starts`` ((B, L) bool), where the model's own mask separates a token from the
+    one before it (a new packed document, a chunk of chunked attention), read from the model's mask
+    function at L - 1 pairs of neighbours: O(B x L), never (L, L). Attention takes its documents
+    from it when nothing better says (a model that builds its packed-document mask from position
+    ids but does not pass them to attention: Persimmon, GPTBigCode), and cuts documents at its
+    starts too (chunked attention under compile, where the mask function cannot be inspected)."""
+
+    __slots__ = ("starts",)
+
+    def __init__(self, starts: Tensor) -> None:
+        self.starts = starts
+
+    def __repr__(self) -> str:
+        return f"DocumentStarts(shape={tuple(self.starts.shape)})"
+
+
+def _mask_starts(
+    batch_size: Any,
+    q_length: Any,
+    kv_length: Any,
+    q_offset: Any,
+    kv_offset: Any,
+    mask_function: Any,
+    device: Any,
+) -> DocumentStarts | None:
+    """`DocumentStarts` of a self-attention mask (query and key lengths equal, no offset), or None
+    where it cannot be read (cross-attention, a cache, no device given, a mask function that does
+    not take index tensors)."""
+    if (
+        mask_function is None
+        or device is None
+        or not all(isinstance(n, (int, torch.SymInt)) for n in (batch_size, q_length, kv_length))
+        or q_length != kv_length
+        or q_length < 1
+        or not (isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0)
+    ):
+        return None
+    rows = torch.arange(batch_size, device=device)[:, None]
+    heads = torch.zeros(1, 1, dtype=torch.long, device=device)
+    queries = torch.arange(1, q_length, device=device)[None, :]
+    try:  # can each token see the one before it?
+        sees = mask_function(rows, heads, queries, queries - 1)
+    except Exception:  # noqa: BLE001 - a mask function written for vmap only: nothing read
+        return None
+    if not isinstance(sees, Tensor):
+        return None
+    sees = torch.as_tensor(sees, device=device).bool().expand(batch_size, q_length - 1)
+    first = torch.ones(batch_size, 1, dtype=torch.bool, device=device)
+    return DocumentStarts(torch.cat([first, ~sees], dim=1))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -331,13 +331,18 @@ def cu_seqlens_from_positions(pos_BL: Tensor, capacity: int | None = None) -> Te
 
     A capacity below the document count leaves the last documents out of the result;
     `check_positions_match` in the graph then fails the step."""
-    b, length = pos_BL.shape
-    tokens = b * length
+    return cu_seqlens_from_starts(document_starts(pos_BL), capacity)
+
+
+def cu_seqlens_from_starts(starts_T: Tensor, capacity: int | None = None) -> Tensor:
+    """int32 `cu_seqlens` of the documents whose first tokens `starts_T` marks ((T,) bool, token 0
+    marked), with `capacity` entries (default T + 1); unused slots repeat T. No host read."""
+    tokens = starts_T.shape[0]
     cap = tokens + 1 if capacity is None else capacity
     if tokens == 0:
-        return torch.zeros(cap, dtype=torch.int32, device=pos_BL.device)
-    doc = document_starts(pos_BL).long().cumsum(0) - 1
-    slots = torch.arange(cap, device=pos_BL.device)
+        return torch.zeros(cap, dtype=torch.int32, device=starts_T.device)
+    doc = starts_T.long().cumsum(0) - 1
+    slots = torch.arange(cap, device=starts_T.device)
     return torch.searchsorted(doc, slots).to(torch.int32)
 
 
