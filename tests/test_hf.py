@@ -577,3 +577,21 @@ def test_the_mask_builder_reads_document_starts_in_linear_memory():
         [True, True, False, False, False, True],
     ]
     assert usp_mask(2, 6, 4, mask_function=fn, device=torch.device("cpu")) is None  # not self-attention
+
+
+def test_an_encoder_decoder_is_refused_where_eager_cannot_tell_its_streams_apart():
+    # BART hands every attention call (encoder, decoder, cross) the same position ids: the
+    # decoder was attended with the source's documents (0.5 off); and eager documents(kv=...)
+    # applied the target's documents to every call.
+    from tests.realmodels import make_sweep_model
+
+    model = make_sweep_model("bart_nopos")
+    model.set_attn_implementation("usp")
+    src, tgt = torch.randint(1, 64, (2, 16)), torch.randint(1, 64, (2, 16))
+    pos = packed_positions((5, 1, 6, 4, 9, 7)).view(2, 16)
+    with pytest.raises(UnsupportedAttention, match="encoder-decoder model"):
+        model(input_ids=src, decoder_input_ids=tgt, position_ids=pos, use_cache=False)
+    meta = AttentionMetadata.from_lengths((4, 4, 4, 4, 8, 8))
+    with documents(meta, kv=AttentionMetadata.from_lengths((5, 1, 6, 4, 9, 7))):
+        with pytest.raises(UnsupportedAttention, match="cannot tell cross-attention calls"):
+            model(input_ids=src, decoder_input_ids=tgt, use_cache=False)

@@ -122,6 +122,7 @@ def usp_attention_forward(
                 query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, window=window
             )
         else:
+            _refuse_encoder_decoder_kwargs(module, kwargs)
             metadata = _flash_in_graph(kwargs, b, lq)
             if metadata is None:
                 metadata = _positions_in_graph(kwargs.get("position_ids"), b, lq, mask_starts)
@@ -135,10 +136,18 @@ def usp_attention_forward(
             query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, window=window
         )
     else:
-        from .backend.documents import current_documents
+        from .backend.documents import current_documents, current_kv_documents
 
+        if current_kv_documents() is not None:
+            raise _refuse(
+                "documents(..., kv=...) in eager code: eager attention cannot tell cross-attention calls from "
+                "self-attention ones",
+                'compile the model with backend="usp" inside the block (it reads which calls are cross-attention '
+                "from the graph)",
+            )
         metadata = current_documents()
         if metadata is None:
+            _refuse_encoder_decoder_kwargs(module, kwargs)
             metadata = _flash_eager(kwargs, b, lq)
         if metadata is None:
             metadata = _positions_eager(kwargs.get("position_ids"), b, lq, mask_starts)
@@ -153,6 +162,21 @@ def usp_attention_forward(
             window=window,
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _refuse_encoder_decoder_kwargs(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """An encoder-decoder model hands every attention call (encoder, decoder, cross) the same
+    position ids or flash-attention kwargs, of one of its streams: usp cannot tell which call they
+    describe (BART's decoder was attended with the source's documents)."""
+    if not getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+        return
+    if any(kwargs.get(n) is not None for n in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k")):
+        raise _refuse(
+            f"{type(module).__name__} is part of an encoder-decoder model, whose attention calls all get the same "
+            "position ids (or flash-attention kwargs) of one stream",
+            'compile the model with backend="usp" under usp_graph.documents(target_meta, kv=source_meta), which '
+            "tells cross-attention from the graph's data flow",
+        )
 
 
 def _window(module: torch.nn.Module, kwargs: dict[str, Any], is_causal: bool) -> tuple[int, int] | None:
