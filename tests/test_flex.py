@@ -346,3 +346,22 @@ def test_disagreement_compares_infinities_and_scale():
     assert "inf" in _disagreement(("x",), (torch.tensor([1.0, -2.0, 0.0, 3.0]),), (ref,))
     assert "inf" in _disagreement(("x",), (torch.tensor([1.0, -2.0, float("inf"), 3.0]),), (ref,))
     assert _disagreement(("a", "b"), (ref, ref.nan_to_num()), (ref, ref)).startswith("b ")
+
+
+def test_a_first_call_on_nan_inputs_neither_condemns_nor_clears_the_kernel():
+    # A first batch holding a NaN (a diverged step, a bad input) made every kernel "disagree" with
+    # flash (NaN != NaN), which moved the shape to flash varlen for the rest of the run.
+    from usp_graph.ops import kernel_choice as kc
+
+    ref = torch.tensor([1.0, float("nan"), float("-inf"), 3.0])
+    assert kc._compare(("x",), (ref.clone(),), (ref,)) == (None, True)
+    assert kc._compare(("x",), (ref.nan_to_num(),), (ref,))[0] is not None  # a NaN where the other has none
+    checked, broken = set(), set()
+    got = kc._checked_or_flash(
+        "cudnn", "forward", ("x",), (ref.clone(),), lambda: (ref,), "k", checked, broken, "k"
+    )
+    assert got[0] is not ref and not checked and not broken  # its own result; checked again next time
+    kc._checked_or_flash(
+        "cudnn", "forward", ("x",), (ref[[0, 3]],), lambda: (ref[[0, 3]],), "k", checked, broken, "k"
+    )
+    assert checked == {("forward", "k")} and not broken
