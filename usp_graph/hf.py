@@ -118,6 +118,7 @@ def usp_attention_forward(
         from .backend.documents import packed_documents_active
 
         if packed_documents_active():  # backend "usp" rewrites this site with the block's documents
+            _refuse_chunks_in_block(module)
             out = windowed_sdpa(
                 query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, window=window
             )
@@ -146,7 +147,10 @@ def usp_attention_forward(
                 "from the graph)",
             )
         metadata = current_documents()
-        if metadata is None:
+        if metadata is not None:
+            # Also here: a refusal raised while Dynamo traces the call above reruns it in eager.
+            _refuse_chunks_in_block(module)
+        else:
             _refuse_encoder_decoder_kwargs(module, kwargs)
             metadata = _flash_eager(kwargs, b, lq)
         if metadata is None:
@@ -162,6 +166,17 @@ def usp_attention_forward(
             window=window,
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _refuse_chunks_in_block(module: torch.nn.Module) -> None:
+    """Chunked attention (Llama 4) inside a `documents` block: the block's documents would replace
+    the chunks, which compiled code cannot read from the mask function (without the block the
+    documents are cut at the chunks, `DocumentStarts`)."""
+    if getattr(getattr(module, "config", None), "attention_chunk_size", None):
+        raise _refuse(
+            "chunked attention (attention_chunk_size) inside usp_graph.documents(...)",
+            "compile without the block: documents then come from the position ids, cut at the chunks",
+        )
 
 
 def _refuse_encoder_decoder_kwargs(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
