@@ -359,6 +359,8 @@ def test_a_first_call_on_nan_inputs_neither_condemns_nor_clears_the_kernel():
     other[1] = float("-inf")  # cuDNN's lse of a NaN query row is NaN, flash's -inf
     assert kc._compare(("x",), (other,), (ref,)) == (None, True)
     assert kc._compare(("x",), (ref * 2,), (ref,))[0] is not None  # the entries without NaN still count
+    clean = ref.nan_to_num(0.0)
+    assert kc._compare(("x",), (ref,), (clean,))[0] is not None  # a NaN the kernel made: a disagreement
     checked, broken = set(), set()
     got = kc._checked_or_flash(
         "cudnn", "forward", ("x",), (ref.clone(),), lambda: (ref,), "k", checked, broken, "k"

@@ -226,31 +226,32 @@ _cudnn_checked: set[tuple[object, ...]] = set()
 
 
 def _disagreement(names: tuple[str, ...], got: tuple[Tensor, ...], ref: tuple[Tensor, ...]) -> str | None:
-    """None if every `got` matches its `ref` (the same infinities, finite entries within CHECK_TOL
-    relative norm; entries where either is NaN left out), else what differs."""
+    """None if every `got` matches its `ref` (the same infinities and NaNs, finite entries within
+    CHECK_TOL relative norm; see `_compare` for a reference holding a NaN), else what differs."""
     return _compare(names, got, ref)[0]
 
 
 def _compare(
     names: tuple[str, ...], got: tuple[Tensor, ...], ref: tuple[Tensor, ...]
 ) -> tuple[str | None, bool]:
-    """(`_disagreement`, whether either side held a NaN: a NaN input, with which no check is
-    whole). One host sync."""
-    errs, nans = [], []
-    for a, b in zip(got, ref, strict=True):
-        a, b = a.float(), b.float()
-        # Entries where either is NaN are left out (kernels differ there: cuDNN's lse of a NaN row is
-        # NaN, flash's -inf), and the check is then not whole.
-        seen = ~(a.isnan() | b.isnan())
+    """(`_disagreement`, whether the reference held a NaN). One host sync.
+
+    A reference with a NaN anywhere had a NaN input: the kernels may then differ where either side
+    is NaN (cuDNN's lse of a NaN query row is NaN, flash's -inf), so those entries are left out, and
+    the check is not whole. Without one, a NaN the kernel made is a disagreement."""
+    refs = [b.float() for b in ref]
+    nan_input = torch.stack([b.isnan().any() for b in refs]).any()
+    errs = []
+    for a, b in zip(got, refs, strict=True):
+        a = a.float()
+        seen = ~(nan_input & (a.isnan() | b.isnan()))
         finite = torch.isfinite(b)
-        # an infinity where the other has none, or another infinity: no match
+        # a NaN or an infinity where the other has none, or another infinity: no match
         other_inf = seen & ((torch.isfinite(a) != finite) | (~finite & (a != b)))
-        diff = torch.where(finite & seen, a - b, 0).norm() / torch.where(
-            finite & seen, b, 0
-        ).norm().clamp_min(1e-30)
+        keep = finite & seen
+        diff = torch.where(keep, a - b, 0).norm() / torch.where(keep, b, 0).norm().clamp_min(1e-30)
         errs.append(torch.where(other_inf.any(), math.inf, diff))
-        nans.append(~seen.all())
-    values = torch.stack([*errs, torch.stack(nans).any().to(errs[0].dtype)]).tolist()  # the one sync
+    values = torch.stack([*errs, nan_input.to(errs[0].dtype)]).tolist()  # the one sync
     bad = [f"{n} rel err {e:.1e}" for n, e in zip(names, values, strict=False) if not e <= CHECK_TOL]
     return (", ".join(bad) if bad else None), bool(values[-1])
 
