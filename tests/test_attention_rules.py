@@ -441,6 +441,26 @@ class _MatmulSoftmax(_QKV):
         return (scores.masked_fill(causal, float("-inf")).softmax(-1) @ v).transpose(1, 2).flatten(-2)
 
 
+class _MatmulSoftmaxHeadsFolded(_QKV):
+    """diffusers' classic AttnProcessor: heads folded into the batch, baddbmm + softmax over
+    (B * H, L, L) scores (eager counted rows as B * H and missed it for more than one head)."""
+
+    def forward(self, x):
+        q, k, v = (_heads(f(x)).flatten(0, 1) for f in (self.q, self.k, self.v))
+        probs = torch.baddbmm(q.new_zeros(q.shape[0], q.shape[1], k.shape[1]), q, k.transpose(1, 2)).softmax(
+            -1
+        )
+        return (probs @ v).unflatten(0, (x.shape[0], H_)).transpose(1, 2).flatten(-2)
+
+
+class _CrossMatmulSoftmax(_QKV):
+    """Cross-attention without SDPA onto packed prompts: (B, H, L, M) scores, M the text's length."""
+
+    def forward(self, x, text):
+        q, k, v = _heads(self.q(x)), _heads(self.k(text)), _heads(self.v(text))
+        return ((q @ k.transpose(-1, -2) / D_**0.5).softmax(-1) @ v).transpose(1, 2).flatten(-2)
+
+
 class _SoftmaxGate(_QKV):
     """A softmax over features (a gate), beside SDPA: no attention scores."""
 
@@ -514,6 +534,13 @@ FORMS = {
     # attention without SDPA
     "matmul_softmax": (_MatmulSoftmax, lambda: {"x": _x()}, NOT_SDPA, False),
     "softmax_gate": (_SoftmaxGate, lambda: {"x": _x()}, None, False),
+    "matmul_softmax_heads_folded": (_MatmulSoftmaxHeadsFolded, lambda: {"x": _x()}, NOT_SDPA, False),
+    "cross_matmul_softmax_with_kv": (
+        _CrossMatmulSoftmax,
+        lambda: {"x": _x(), "text": _x(5, sum(KV_DOCS))},
+        NOT_SDPA,
+        True,
+    ),
 }
 
 

@@ -499,17 +499,20 @@ def row_mixers_error(who: str, found, *, cp: bool) -> ValueError:
 # across packed documents under a `documents`/`attention_mode(metadata)` block, silently.
 
 
-def is_score_softmax(shape, dim: int, lengths) -> bool:
-    """A softmax over the last dim of a (..., A, A) tensor, A a token length of the call in
-    `lengths`: attention probabilities of every query over every key of the row (square: self-
-    attention; cross-attention has its own documents and is no leak of the query stream)."""
+def is_score_softmax(shape, dim: int, lengths, key_lengths=()) -> bool:
+    """A softmax over the last dim of (..., A, B) attention scores: A a token length of the call in
+    `lengths`, and either B == A (self-attention: every query over every key of the row) or B in
+    `key_lengths` (cross-attention onto a stream of another length whose documents are packed too,
+    e.g. per-sample prompts: every query would see every sample's keys)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     if len(shape) < 3 or dim not in (-1, len(shape) - 1):
         return False
-    if not statically_known_true(shape[-1] == shape[-2]):
+    if not any(statically_known_true(shape[-2] == n) for n in lengths):
         return False
-    return any(statically_known_true(shape[-1] == n) for n in lengths)
+    if statically_known_true(shape[-1] == shape[-2]):
+        return True
+    return any(statically_known_true(shape[-1] == n) for n in key_lengths)
 
 
 def attention_without_sdpa_error(who: str, found) -> ValueError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -251,11 +252,21 @@ class _SDPAToUSP(TorchFunctionMode):
         dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
         if not isinstance(x, torch.Tensor) or not isinstance(dim, int):
             return
+        if x.dim() < 3:
+            return
         world = self.cp.world if self.cp is not None else 1
-        rows = x.shape[0] if x.dim() else 1
-        # A token length of the packed stream: a row of `rows` x length (x P ranks) tokens.
-        lengths = [n for n in {int(x.shape[-1])} if rows * n * world == self.metadata.total_tokens]
-        if x.dim() >= 3 and is_score_softmax(tuple(x.shape), dim, lengths):
+        n = int(x.shape[-2])
+        # A token length of the packed stream: B rows of n (x P ranks) tokens, the scores' leading
+        # dims B x heads ((B, H, n, m) or heads folded in: (B * H, n, m)).
+        rows, extra = divmod(self.metadata.total_tokens, n * world) if n else (0, 1)
+        lead = math.prod(int(d) for d in x.shape[:-2])
+        if extra or rows < 1 or lead % rows:
+            return
+        # keys of a packed key/value stream (attention_mode(meta, kv=...)): its per-row length
+        kv_lengths = (
+            [self.kv.total_tokens // rows] if self.kv is not None and self.kv.total_tokens % rows == 0 else []
+        )
+        if is_score_softmax(tuple(x.shape), dim, [n], kv_lengths):
             raise attention_without_sdpa_error(
                 "the model", [f"a softmax over {tuple(x.shape)} attention scores (matmul + softmax)"]
             )

@@ -434,10 +434,20 @@ def _attention_without_sdpa(gm: fx.GraphModule, sites: Sequence[Any]) -> list[st
     refuses under packed documents and context parallelism: usp rewrites SDPA only. A sequence
     length is an attention site's, or dim 1 of an input of two or more dims (tokens, embeddings)."""
     lengths = [s.q_shape[-2] for s in sites]
+    key_lengths = []  # keys onto another stream (a prompt's tokens, an encoder's states): batch inputs only
     for p in gm.graph.find_nodes(op="placeholder"):
         val = node_value(p)
         if isinstance(val, torch.Tensor) and val.dim() >= 2:
             lengths.append(val.shape[1])
+            source = getattr(p, "_dynamo_source", None)
+            text = getattr(source, "name", None)
+            text = text() if callable(text) else (text or p.name)
+            if (
+                not isinstance(val, torch.nn.Parameter)
+                and "._parameters[" not in text
+                and "._buffers[" not in text
+            ):
+                key_lengths.append(val.shape[1])
     found = []
     for node in (n for g in _graphs_with_bodies(gm.graph) for n in g.nodes):
         where = source_location(node)
@@ -455,7 +465,7 @@ def _attention_without_sdpa(gm: fx.GraphModule, sites: Sequence[Any]) -> list[st
         if (
             isinstance(x, torch.Tensor)
             and isinstance(dim, int)
-            and is_score_softmax(tuple(x.shape), dim, lengths)
+            and is_score_softmax(tuple(x.shape), dim, lengths, key_lengths)
         ):
             found.append(f"{node.name}{at}: a softmax over {tuple(x.shape)} attention scores")
     return found
