@@ -8,6 +8,8 @@ across the documents.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -461,6 +463,15 @@ class _CrossMatmulSoftmax(_QKV):
         return ((q @ k.transpose(-1, -2) / D_**0.5).softmax(-1) @ v).transpose(1, 2).flatten(-2)
 
 
+class _Joint(_QKV):
+    """Joint attention (diffusers' Flux): every sample's text before every sample's image."""
+
+    def forward(self, x, text):
+        joint = torch.cat([text, x], dim=1)
+        out = _attend(self.q(joint), self.k(joint), self.v(joint), causal=False)
+        return out[:, text.shape[1] :]
+
+
 class _SoftmaxGate(_QKV):
     """A softmax over features (a gate), beside SDPA: no attention scores."""
 
@@ -591,3 +602,37 @@ def test_each_form_gets_the_same_verdict_eager_and_compiled(form):
         ref = _per_document(model, inputs, kv)
         assert (got["eager"] - ref).abs().max() <= 1e-10, form
         assert torch.equal(got["eager"], got["compiled"]), form
+
+
+class _JointInOrder(_Joint):
+    """The joined row put back in an order of the caller's (an index_select along it)."""
+
+    def forward(self, x, text):
+        joint = torch.cat([text, x], dim=1)
+        order = torch.arange(joint.shape[1] - 1, -1, -1)
+        joint = joint.index_select(1, order)
+        return _attend(self.q(joint), self.k(joint), self.v(joint), causal=False)
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_joint_attention_over_concatenated_streams_warns_under_packed_documents(path):
+    # Flux-style joint attention: every sample's text before every sample's image. Documents of
+    # whole samples then let them attend across each other (diffusers' Flux packed two samples
+    # 0.09 off); documents described in the joined order are exact, so it warns, once.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    inputs = {"x": _x(), "text": _x(5, sum(KV_DOCS))}
+    samples = AttentionMetadata.from_lengths([t + i for t, i in zip(KV_DOCS, DOCS, strict=True)])  # 21 tokens
+    for make, warns in ((_Joint, True), (_JointInOrder, False)):
+        model = make().double()
+        run = model if path == "eager" else compile_usp(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):  # once per mode block / compiled graph
+                with attention_mode(samples) if path == "eager" else documents(samples):
+                    run(**inputs)
+        said = [w for w in caught if "concatenated along the sequence" in str(w.message)]
+        assert len(said) == (1 if warns else 0) or (path == "eager" and warns and len(said) == 2), [
+            str(w.message)[:80] for w in said
+        ]
+        torch._dynamo.reset()

@@ -515,6 +515,39 @@ def is_score_softmax(shape, dim: int, lengths, key_lengths=()) -> bool:
     return any(statically_known_true(shape[-1] == n) for n in key_lengths)
 
 
+def sequence_join_length(out_shape, dim: int, sizes) -> Any | None:
+    """The length of a concatenation that joins token streams along a sequence dimension, or
+    None: a cat of two or more non-empty pieces along a dim that is neither the batch (0) nor the
+    features (last) of a result with three or more dims ((B, L, D), (B, L, H, K) or (B, H, L, K)).
+    Joint attention (diffusers' Flux, SD3, CogVideoX) puts every sample's text before every
+    sample's image: under packed documents a sample is then not one run of the row, unless the
+    joined sequence is put back in document order (an index_select / gather along it)."""
+    rank = len(out_shape)
+    if rank < 3:
+        return None
+    d = dim % rank
+    if d in (0, rank - 1):
+        return None
+    if sum(1 for n in sizes if not known_equal(n, 0)) < 2:
+        return None
+    return out_shape[d]
+
+
+def joined_sequence_warning(who: str, found) -> str:
+    """The warning about attention over token streams concatenated along the sequence under
+    packed documents (`sequence_join_length`), once per mode or compiled graph. Not a refusal:
+    documents described in the joined order (a joint row split where the caller means) are exact;
+    documents of whole samples ([text_i + image_i] per sample) are not, since the joined row holds
+    every text before every image. Eager `attention_mode` and the compiled backend warn alike."""
+    return (
+        f"packed documents, and {who} attends over token streams concatenated along the sequence ({'; '.join(found)}): "
+        "the documents apply to the joined order. Joint attention (Flux, SD3, CogVideoX) puts every sample's text "
+        "before every sample's image, so metadata of whole samples (one document of text_i + image_i tokens each) "
+        "lets the samples attend across each other: pack one sample per row, or put the joined row in document "
+        "order (index_select along the sequence) before attention"
+    )
+
+
 def attention_without_sdpa_error(who: str, found) -> ValueError:
     """The refusal of attention computed without SDPA under packed documents (`found` describes
     each place). Eager `attention_mode` and the compiled backend both raise it."""

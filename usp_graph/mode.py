@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -23,8 +24,10 @@ from .graph_inputs import (
     is_cross_attention,
     is_position_candidate,
     is_score_softmax,
+    joined_sequence_warning,
     positions_count_along_row,
     row_mixers_error,
+    sequence_join_length,
     value_arguments,
 )
 from .metadata import AttentionMetadata
@@ -135,6 +138,11 @@ class _SDPAToUSP(TorchFunctionMode):
         self._counting = _Streams()
         self._outside_counts: dict[int, tuple[weakref.ref, int | None]] = {}
         self._row_mixers: set[tuple[str, int]] = set()  # a set: bounded however long the block
+        # Under packed documents: the sequence lengths of the concatenations along the sequence a
+        # tensor is computed from (`graph_inputs.sequence_join_length`), put back in document
+        # order by a reorder along it.
+        self._joined = _Streams()
+        self._joined_warned = False
         self._lengths: set[int] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -163,6 +171,8 @@ class _SDPAToUSP(TorchFunctionMode):
         if self.track:
             roots = self.streams.inputs(args) | self.streams.inputs(kwargs.values())
             self._follow_rows(func, args, kwargs, out)
+            if self.metadata is not None:
+                self._follow_joins(func, args, kwargs, out)
             name = getattr(func, "__name__", "")
             unknown = name in LAYOUT_OPS and all(
                 self._provenance(t) is None for t in _tensors((*args, *kwargs.values()))
@@ -213,6 +223,38 @@ class _SDPAToUSP(TorchFunctionMode):
                 length = convolution_length(tuple(x.shape), tuple(w.shape))
                 if length is not None:
                     self._mixes(f"conv1d {SEQUENCE_CONVOLUTION}", length)
+
+    def _follow_joins(self, func, args, kwargs, out) -> None:
+        """Record the concatenations along the sequence a result is computed from."""
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+        if not outs:
+            return
+        joined = frozenset().union(
+            *(j for j in map(self._joined.of, _tensors((*args, *kwargs.values()))) if j is not None)
+        )
+        if func in _CAT:
+            pieces = args[0] if args else kwargs.get("tensors", ())
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            if (
+                isinstance(dim, int)
+                and pieces
+                and all(isinstance(t, torch.Tensor) and t.dim() == outs[0].dim() for t in pieces)
+            ):
+                length = sequence_join_length(tuple(outs[0].shape), dim, [t.shape[dim] for t in pieces])
+                if length is not None:
+                    joined = joined | {int(length)}
+        elif joined and func in _REORDER:
+            x = args[0] if args else kwargs.get("input")
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if isinstance(x, torch.Tensor) and isinstance(dim, int):
+                joined = joined - {int(x.shape[dim])}  # reordered along that sequence: document order
+        elif joined and getattr(func, "__name__", "") == "__getitem__" and len(args) > 1:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and not i.dtype == torch.bool for i in index):
+                joined = frozenset()  # an index tensor reorders: the caller put it in document order
+        if joined:
+            for t in outs:
+                self._joined.note(t, joined)
 
     def _counting_lengths(self, t: torch.Tensor) -> frozenset[int]:
         """The row lengths of the tensors from outside the block whose values count along their row
@@ -293,6 +335,16 @@ class _SDPAToUSP(TorchFunctionMode):
                 raise row_mixers_error(
                     "the model", [f"the model {POSITIONS_IN_ATTENTION}"], cp=self.cp is not None
                 )
+        if self.metadata is not None and not self._joined_warned:
+            for x in (query, key):
+                j = self._joined.of(x) if isinstance(x, torch.Tensor) and x.dim() >= 2 else None
+                if j and int(x.shape[-2]) in j:
+                    self._joined_warned = True
+                    where = (
+                        f"a concatenation along the sequence ({int(x.shape[-2])} tokens) reaches attention"
+                    )
+                    warnings.warn(joined_sequence_warning("the model", [where]), UserWarning, stacklevel=3)
+                    break
         extra = {}
         if self.track and self._is_cross(query, key):
             if self.metadata is None:  # under CP: one document per (global) row of both streams
@@ -370,6 +422,14 @@ def _bind_window_sdpa(args, kwargs) -> list:
 _EMBEDDINGS = {F.embedding, torch.embedding}
 _SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax, torch._softmax, torch.special.softmax}
 _CONV1D = {F.conv1d, torch.conv1d}
+_CAT = {torch.cat, torch.concat, torch.concatenate}
+_REORDER = {
+    torch.index_select,
+    torch.Tensor.index_select,
+    torch.gather,
+    torch.Tensor.gather,
+    torch.take_along_dim,
+}
 
 
 def _tensors(values):

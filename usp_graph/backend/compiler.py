@@ -23,6 +23,7 @@ For each graph Dynamo hands over (one per frame, so one per side of a graph brea
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 import time
 import warnings
@@ -43,6 +44,7 @@ from ..graph_inputs import (
     is_row_length,
     is_score_softmax,
     positions_count_along_row,
+    sequence_join_length,
     value_arguments,
 )
 from ..passes.base import PipelineRun, tag_nodes
@@ -289,6 +291,7 @@ class _Compile:
             kept=kept,
             row_positions=_row_position_embeddings(gm, todo, self.example_inputs, world=world),
             other_attention=_attention_without_sdpa(gm, todo),
+            joined=_joined_sequences(gm, todo),
             positions=_placeholder_index(self.dynamo_gm, positions),
             positions_by=(
                 f"option documents={opts.documents!r}"
@@ -469,6 +472,72 @@ def _attention_without_sdpa(gm: fx.GraphModule, sites: Sequence[Any]) -> list[st
         ):
             found.append(f"{node.name}{at}: a softmax over {tuple(x.shape)} attention scores")
     return found
+
+
+_CAT_TARGETS = {torch.cat, torch.concat, torch.concatenate, torch.ops.aten.cat.default}
+_REORDER_TARGETS = {torch.index_select, torch.gather, torch.take_along_dim}
+_REORDER_METHODS = {"index_select", "gather"}
+
+
+def _joined_sequences(gm: fx.GraphModule, sites: Sequence[Any]) -> list[str]:
+    """Attention calls whose queries or keys are computed from token streams concatenated along
+    the sequence (`graph_inputs.sequence_join_length`: joint attention) and not put back in
+    document order after (an index_select / gather along that sequence, or indexing by a tensor),
+    followed forward through the graph; `MetadataFeed` warns about them under packed documents.
+    Eager `attention_mode` follows the same rule op by op."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    joined: dict[fx.Node, list[tuple[Any, fx.Node]]] = {}  # node -> [(joined length, the cat)]
+    for node in gm.graph.nodes:
+        inherited: list[tuple[Any, fx.Node]] = []
+        for a in node.all_input_nodes:
+            inherited += [j for j in joined.get(a, []) if all(j[1] is not c for _, c in inherited)]
+        target, method = node.target, node.target if node.op == "call_method" else None
+        if node.op == "call_function" and target in _CAT_TARGETS and node.args:
+            pieces = node.args[0] if isinstance(node.args[0], (list, tuple)) else ()
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+            out = node_value(node)
+            vals = [node_value(p) for p in pieces]
+            if (
+                isinstance(out, torch.Tensor)
+                and isinstance(dim, int)
+                and all(isinstance(v, torch.Tensor) and v.dim() == out.dim() for v in vals)
+            ):
+                length = sequence_join_length(tuple(out.shape), dim, [v.shape[dim] for v in vals])
+                if length is not None:
+                    inherited.append((length, node))
+        elif inherited and (
+            (node.op == "call_function" and target in _REORDER_TARGETS) or method in _REORDER_METHODS
+        ):
+            x = node_value(node.args[0]) if node.args else None
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            if isinstance(x, torch.Tensor) and isinstance(dim, int):
+                inherited = [(n, c) for n, c in inherited if not statically_known_true(n == x.shape[dim])]
+        elif inherited and node.op == "call_function" and target is operator.getitem and len(node.args) > 1:
+            index = node.args[1] if isinstance(node.args[1], (list, tuple)) else (node.args[1],)
+            if any(
+                isinstance(i, fx.Node)
+                and isinstance(v := node_value(i), torch.Tensor)
+                and v.dtype != torch.bool
+                for i in index
+            ):
+                inherited = []
+        if inherited:
+            joined[node] = inherited
+    found = []
+    for site in sites:
+        for x, shape in ((site.query, site.q_shape), (getattr(site, "key", None), site.k_shape)):
+            if x is None or shape is None:
+                continue
+            for length, cat in joined.get(x, []):
+                if statically_known_true(length == shape[-2]):
+                    where = source_location(cat)
+                    found.append(
+                        f"{cat.name}"
+                        + (f" at {where}" if where else "")
+                        + f" joins {length} tokens, attended by {site.name}"
+                    )
+    return sorted(set(found))
 
 
 def _graphs_with_bodies(graph: fx.Graph) -> list[fx.Graph]:

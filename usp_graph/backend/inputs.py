@@ -33,6 +33,7 @@ from ..graph_inputs import (
     attention_without_sdpa_error,
     call_tokens,
     check_token_count,
+    joined_sequence_warning,
     metadata_values,
     per_row_cu_seqlens,
     row_mixers_error,
@@ -215,6 +216,7 @@ class MetadataFeed:
         kept: Sequence[AttentionSite],
         row_positions: Sequence[str] = (),
         other_attention: Sequence[str] = (),
+        joined: Sequence[str] = (),
         positions: int | None = None,
         positions_by: str = "mask",
         capacity: int | None = None,
@@ -229,6 +231,7 @@ class MetadataFeed:
         self.kept = [f"{s.name} ({s.reason})" for s in kept]
         self.row_positions = list(row_positions)
         self.other_attention = list(other_attention)
+        self.joined = list(joined)
         self._per_row: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (b, span) -> (cu, span)
         self.batch = self.length = self.kv_length = None
         # positions: the index of the argument whose position ids define the documents outside
@@ -264,6 +267,15 @@ class MetadataFeed:
         packed = meta is not None or (self.mode == "inputs" and self.positions is not None)
         if self.other_attention and (meta is not None or self.cp is not None):
             raise attention_without_sdpa_error(f"compiled graph {self.graph}", self.other_attention)
+        if self.joined and meta is not None:
+            import warnings
+
+            warnings.warn(
+                joined_sequence_warning(f"compiled graph {self.graph}", self.joined),
+                UserWarning,
+                stacklevel=2,
+            )
+            self.joined = []  # once per graph
         if self.row_positions and (packed or self.cp is not None):
             raise row_mixers_error(f"compiled graph {self.graph}", self.row_positions, cp=self.cp is not None)
         if self.mode != "inputs":
