@@ -146,6 +146,7 @@ POSITIONS_IN_ATTENTION = (
     "counts or mixes tokens along the whole row.*counts positions along the row that reach the queries"
 )
 CONVOLUTION = "counts or mixes tokens along the whole row.*convolves along the sequence"
+CONTRACTION = "counts or mixes tokens along the whole row.*contracts over the sequence"
 NOT_SDPA = 'without scaled_dot_product_attention.*attn_implementation="usp"'
 
 
@@ -472,6 +473,15 @@ class _Joint(_QKV):
         return out[:, text.shape[1] :]
 
 
+class _LinearAttention(_QKV):
+    """Sana's ReLU linear attention: k^T v summed over the row, no softmax and no SDPA."""
+
+    def forward(self, x):
+        q, k, v = (F.relu(_heads(f(x))) for f in (self.q, self.k, self.v))
+        kv = k.transpose(-1, -2) @ v  # (B, H, K, K): a sum over every token of the row
+        return (q @ kv).transpose(1, 2).flatten(-2)
+
+
 class _SoftmaxGate(_QKV):
     """A softmax over features (a gate), beside SDPA: no attention scores."""
 
@@ -545,6 +555,7 @@ FORMS = {
     # attention without SDPA
     "matmul_softmax": (_MatmulSoftmax, lambda: {"x": _x()}, NOT_SDPA, False),
     "softmax_gate": (_SoftmaxGate, lambda: {"x": _x()}, None, False),
+    "linear_attention": (_LinearAttention, lambda: {"x": _x()}, CONTRACTION, False),
     "matmul_softmax_heads_folded": (_MatmulSoftmaxHeadsFolded, lambda: {"x": _x()}, NOT_SDPA, False),
     "cross_matmul_softmax_with_kv": (
         _CrossMatmulSoftmax,

@@ -49,6 +49,7 @@ __all__ = [
     "LAYOUT_OPS",
     "POSITIONS_IN_ATTENTION",
     "ROW_POSITIONS",
+    "SEQUENCE_CONTRACTION",
     "SEQUENCE_CONVOLUTION",
     "add_metadata_inputs",
     "attention_without_sdpa_error",
@@ -468,6 +469,19 @@ ROW_POSITIONS = (
 )
 POSITIONS_IN_ATTENTION = "counts positions along the row that reach the queries or keys"
 SEQUENCE_CONVOLUTION = "convolves along the sequence"
+SEQUENCE_CONTRACTION = "contracts over the sequence (linear attention: keys and values summed over the row)"
+
+
+def contraction_length(a_shape: Any, b_shape: Any) -> Any | None:
+    """The length a matmul of two token-derived operands ((..., M, N) @ (..., N, P)) sums over, N.
+    Under packed documents an N that is a token length of the call sums over every document of the
+    row: linear attention (Sana's ReLU attention, k^T v over the tokens). Callers leave out
+    products with a weight (a projection sums over features)."""
+    if a_shape is None or b_shape is None or len(a_shape) < 2 or len(b_shape) < 2:
+        return None
+    if not known_equal(a_shape[-1], b_shape[-2]):
+        return None
+    return a_shape[-1]
 
 
 def row_mixers_error(who: str, found, *, cp: bool) -> ValueError:

@@ -17,8 +17,10 @@ from .graph_inputs import (
     LAYOUT_OPS,
     POSITIONS_IN_ATTENTION,
     ROW_POSITIONS,
+    SEQUENCE_CONTRACTION,
     SEQUENCE_CONVOLUTION,
     attention_without_sdpa_error,
+    contraction_length,
     convolution_length,
     counts_along_row,
     is_cross_attention,
@@ -223,6 +225,27 @@ class _SDPAToUSP(TorchFunctionMode):
                 length = convolution_length(tuple(x.shape), tuple(w.shape))
                 if length is not None:
                     self._mixes(f"conv1d {SEQUENCE_CONVOLUTION}", length)
+        elif func in _MATMUL and len(args) >= 2:
+            a, b = args[:2]
+            if (
+                isinstance(a, torch.Tensor)
+                and isinstance(b, torch.Tensor)
+                and a.dim() >= 2
+                and b.dim() >= 3  # a batched product: a projection's weight is 2-D
+                and self.streams.of(a) is not None  # both computed inside the block (not weights)
+                and self.streams.of(b) is not None
+            ):
+                length = contraction_length(tuple(a.shape), tuple(b.shape))
+                if length is not None:
+                    what = f"a matmul {SEQUENCE_CONTRACTION}"
+                    lead = math.prod(int(d) for d in a.shape[:-2])
+                    # Summed over the packed stream's length, into a result with none (k^T v: (K, K));
+                    # q @ k^T sums over the head dim into (L, L), which the softmax rule reads.
+                    if self._fits_stream(int(length), lead) and not any(
+                        self._fits_stream(int(n), lead) for n in (a.shape[-2], b.shape[-1])
+                    ):
+                        raise row_mixers_error("the model", [what], cp=self.cp is not None)
+                    self._mixes(what, length)
 
     def _follow_joins(self, func, args, kwargs, out) -> None:
         """Record the concatenations along the sequence a result is computed from."""
@@ -255,6 +278,15 @@ class _SDPAToUSP(TorchFunctionMode):
         if joined:
             for t in outs:
                 self._joined.note(t, joined)
+
+    def _fits_stream(self, length: int, lead: int) -> bool:
+        """Whether `length` tokens per row, over `lead` leading entries (rows, or rows x heads),
+        is the packed stream of the documents: B rows of `length` (x P ranks) tokens."""
+        if self.metadata is None or length < 1:
+            return False
+        world = self.cp.world if self.cp is not None else 1
+        rows, extra = divmod(self.metadata.total_tokens, length * world)
+        return not extra and rows >= 1 and lead % rows == 0
 
     def _counting_lengths(self, t: torch.Tensor) -> frozenset[int]:
         """The row lengths of the tensors from outside the block whose values count along their row
@@ -422,6 +454,7 @@ def _bind_window_sdpa(args, kwargs) -> list:
 _EMBEDDINGS = {F.embedding, torch.embedding}
 _SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax, torch._softmax, torch.special.softmax}
 _CONV1D = {F.conv1d, torch.conv1d}
+_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 _CAT = {torch.cat, torch.concat, torch.concatenate}
 _REORDER = {
     torch.index_select,

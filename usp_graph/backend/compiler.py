@@ -37,7 +37,9 @@ import torch.fx as fx
 from ..graph_inputs import (
     POSITIONS_IN_ATTENTION,
     ROW_POSITIONS,
+    SEQUENCE_CONTRACTION,
     SEQUENCE_CONVOLUTION,
+    contraction_length,
     convolution_length,
     counts_along_row,
     is_position_candidate,
@@ -372,6 +374,34 @@ def _row_position_embeddings(
         if length is not None and is_row_length(length, lengths):
             where = source_location(node)
             found.append(f"{node.name}" + (f" at {where}" if where else "") + f" {SEQUENCE_CONVOLUTION}")
+    # a token length of the call: an attention site's, or dim 1 of a data input (as for attention
+    # computed without SDPA): linear attention may be the only attention of the graph
+    data_lengths = list(lengths) + [
+        v.shape[1]
+        for p in placeholders
+        if isinstance(v := node_value(p), torch.Tensor) and v.dim() >= 2 and stream_inputs(p)
+    ]
+    matmuls = (torch.matmul, torch.bmm, operator.matmul)
+    for node in (n for g in graphs for n in g.nodes):
+        is_matmul = (node.op == "call_function" and node.target in matmuls) or (
+            node.op == "call_method" and node.target in ("matmul", "bmm", "__matmul__")
+        )
+        if not is_matmul or len(node.args) < 2:
+            continue
+        a, b = node.args[:2]
+        va, vb = node_value(a), node_value(b)
+        if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+            continue
+        if not (
+            isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dim() >= 2 and vb.dim() >= 3
+        ):
+            continue
+        if not (stream_inputs(a) and stream_inputs(b)):  # both from the data, not a weight
+            continue
+        length = contraction_length(tuple(va.shape), tuple(vb.shape))
+        if length is not None and is_row_length(length, data_lengths):
+            where = source_location(node)
+            found.append(f"{node.name}" + (f" at {where}" if where else "") + f" {SEQUENCE_CONTRACTION}")
     return found
 
 
