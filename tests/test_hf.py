@@ -66,6 +66,15 @@ def _reference(model, ids, pos):
     return out.detach(), grads(model)
 
 
+def _assert_each_documents_own(name, model, out, ref_out, ref_grads):
+    """`out`'s loss backward, then output and grads within the family's tolerance of `_reference`."""
+    weighted_loss(out).backward()
+    tol = LM_SPECS[name].tol
+    assert max_err(out, ref_out) <= tol
+    assert max_err(grads(model), ref_grads) <= tol * 100
+    torch._dynamo.reset()
+
+
 def _run(model, ids, pos):
     out = lm_forward(model, ids, pos)
     weighted_loss(out).backward()
@@ -135,11 +144,7 @@ def test_flash_attention_kwargs_of_the_flattening_collator_are_the_documents(nam
     batch = _flattened(ids)
     assert torch.equal(batch["position_ids"], pos) and batch["cu_seq_lens_q"].tolist()[-1] == sum(LENGTHS)
     out = _forward(compile_usp(model) if path == "compiled" else model, batch)
-    weighted_loss(out).backward()
-    tol = LM_SPECS[name].tol
-    assert max_err(out, ref_out) <= tol
-    assert max_err(grads(model), ref_grads) <= tol * 100
-    torch._dynamo.reset()
+    _assert_each_documents_own(name, model, out, ref_out, ref_grads)
 
 
 @pytest.mark.parametrize("path", ["eager", "compiled"])
@@ -292,11 +297,7 @@ def test_compiled_usp_gives_each_documents_own_result(name, block):
     meta = AttentionMetadata.from_lengths(LENGTHS, max_docs=8)
     with documents(meta) if block else contextlib.nullcontext():
         out = lm_forward(compiled, ids, pos)
-        weighted_loss(out).backward()
-    tol = LM_SPECS[name].tol
-    assert max_err(out, ref_out) <= tol
-    assert max_err(grads(model), ref_grads) <= tol * 100
-    torch._dynamo.reset()
+        _assert_each_documents_own(name, model, out, ref_out, ref_grads)
 
 
 @pytest.mark.parametrize("path", ["eager", "compiled"])
