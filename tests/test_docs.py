@@ -149,3 +149,16 @@ def test_every_link_between_the_docs_resolves(path):
 def test_the_readme_is_a_front_door():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; the depth belongs in docs/"
+
+
+def test_every_guide_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    for guide in sorted((ROOT / "docs").glob("*.md")):
+        assert f"(docs/{guide.name})" in readme, f"docs/{guide.name} is not linked from README.md"
+
+
+def test_the_readme_quickstart_is_what_ci_runs():
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    assert 'pip install torch==2.13.0 -e ".[test]" && usp-graph demo\npython -m pytest -q\n' in readme
+    for command in ('pip install -q torch==2.13.0 -e ".[test]"', "usp_graph demo", "python -m pytest -q"):
+        assert command in ci, f".ci/run no longer runs {command!r}: the README's quickstart says it does"
