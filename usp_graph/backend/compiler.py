@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..checkpointing import warn_side_effect_breaks
 from ..graph_inputs import (
     POSITIONS_IN_ATTENTION,
     ROW_POSITIONS,
@@ -80,6 +81,7 @@ class CompileReport:
     emitted from the registered rules. passes: each pass of the backend's pipeline that ran by
     then -> its match count (``rewrite_sdpa``: sites rewritten; ``joint``: backward nodes
     attributed to a forward node; the verify passes: forward ops paired, as in the tracer).
+    checkpointed: how many of the rewritten sites are inside checkpointed regions.
     """
 
     graph: str
@@ -93,6 +95,7 @@ class CompileReport:
     graphs: tuple[str, ...] = field(default=())
     usp_ops: dict[str, dict[str, int]] = field(default_factory=dict)
     passes: dict[str, int] = field(default_factory=dict)
+    checkpointed: int = 0
 
 
 def usp_backend(
@@ -201,6 +204,7 @@ class _Compile:
         values = [node_value(p) for p in gm.graph.find_nodes(op="placeholder")]
         fake_mode, env = _fake_mode_and_env(values)
         sites = find_sites(gm)
+        warn_side_effect_breaks(self.name)  # checkpointed regions Dynamo left out: usp never sees them
         if not self.ctx.read_repeated:  # described as the rewrite will run them
             keep_repeated_heads(sites)
         rewrite = self.pipeline.enabled("rewrite_sdpa")
@@ -319,6 +323,7 @@ class _Compile:
             graphs=tuple(self.graphs),
             usp_ops=self.usp_ops,
             passes=self.passes.matches,
+            checkpointed=sum(1 for s in todo if s.regions),
         )
         if self.dump is not None:
             self.dump.update(compile_seconds=seconds)
