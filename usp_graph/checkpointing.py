@@ -111,7 +111,6 @@ def checkpoint_blocks(
 # and skipping its replay in the recompute changes nothing: Dynamo's
 # ``skip_fwd_side_effects_in_bwd_under_checkpoint`` then compiles the region whole.
 _SIDE_EFFECT_BREAK = "HOP: Unsafe side effect"
-_warned_breaks = 0
 
 SIDE_EFFECT_FIX = (
     "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True before the first compiled call "
@@ -121,8 +120,8 @@ SIDE_EFFECT_FIX = (
 
 
 def side_effect_breaks() -> int:
-    """Graph breaks so far in this process (since the last ``torch._dynamo.reset()``) at a
-    checkpointed region whose forward mutates state from outside it (Dynamo's graph-break counter)."""
+    """Graph breaks so far in this process at a checkpointed region whose forward mutates state
+    from outside it (Dynamo's graph-break counter, which ``torch._dynamo.reset()`` keeps)."""
     from torch._dynamo.utils import counters
 
     return sum(
@@ -132,23 +131,25 @@ def side_effect_breaks() -> int:
     )
 
 
-def warn_side_effect_breaks(graph: str) -> bool:
-    """Warn (once per new such break) that checkpointed regions ran outside the compiled graphs, so
-    their attention is not usp's; returns whether it warned."""
-    global _warned_breaks
+_seen_breaks = 0  # such breaks when the backend last looked (Dynamo's counters are never cleared)
+
+
+def warn_side_effect_breaks() -> bool:
+    """Warn when Dynamo broke the graph at checkpointed regions since the backend last looked (it
+    looks at every compile): those regions run outside any compiled graph, so their attention is not
+    usp's. Returns whether it warned."""
+    global _seen_breaks
     count = side_effect_breaks()
-    if count < _warned_breaks:  # Dynamo's counters were reset
-        _warned_breaks = 0
-    if count == _warned_breaks:
+    new, _seen_breaks = count > _seen_breaks, count
+    if not new:
         return False
-    _warned_breaks = count
     import warnings
 
     warnings.warn(
-        f"usp backend (graph {graph}): Dynamo broke the graph at {count} checkpointed region(s) (graph break "
-        "'HOP: Unsafe side effect': the region's forward mutates Python state from outside it), so those regions "
-        "run eagerly and usp rewrites none of their attention: inside usp_graph.documents(...) they are refused, "
-        "outside it SDPA attends with the model's own (T, T) mask. To compile them, set " + SIDE_EFFECT_FIX,
+        "usp backend: Dynamo broke the graph at a checkpointed region (graph break 'HOP: Unsafe side "
+        "effect': the region's forward mutates Python state from outside it), so those regions run eagerly and usp rewrites none of their attention: inside "
+        "usp_graph.documents(...) they are refused, outside it SDPA attends with the model's own (T, T) mask. "
+        "To compile them, set " + SIDE_EFFECT_FIX,
         UserWarning,
         stacklevel=3,
     )

@@ -204,7 +204,7 @@ class _Compile:
         values = [node_value(p) for p in gm.graph.find_nodes(op="placeholder")]
         fake_mode, env = _fake_mode_and_env(values)
         sites = find_sites(gm)
-        warn_side_effect_breaks(self.name)  # checkpointed regions Dynamo left out: usp never sees them
+        warn_side_effect_breaks()  # checkpointed regions Dynamo left out: usp never sees them
         if not self.ctx.read_repeated:  # described as the rewrite will run them
             keep_repeated_heads(sites)
         rewrite = self.pipeline.enabled("rewrite_sdpa")
