@@ -184,7 +184,7 @@ def test_importing_usp_graph_registers_the_backend():
 def test_options_parse_into_a_frozen_dataclass_with_defaults(tmp_path):
     opts = UspOptions.parse({"inner": "inductor", "dump_dir": str(tmp_path), "verify": False})
     assert (opts.inner, opts.dump_dir, opts.verify, opts.cp) == ("inductor", tmp_path, False, None)
-    assert UspOptions.parse(None) == UspOptions() and UspOptions().inner == "aot_eager"
+    assert UspOptions.parse(None) == UspOptions() and UspOptions().inner == "auto"
     with pytest.raises(AttributeError):
         opts.inner = "aot_eager"
 
@@ -252,7 +252,10 @@ def test_bad_documents_options_are_value_errors_saying_what_to_set(options, mess
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"inductor": {"max_autotune": True}}, "configures inner='inductor', but inner is 'aot_eager'"),
+        (
+            {"inner": "aot_eager", "inductor": {"max_autotune": True}},
+            r"configures inner='inductor' \(or 'auto' on a GPU\), but inner is 'aot_eager'",
+        ),
         ({"inner": "inductor", "inductor": {"max_autotune_typo": True}}, r"\['max_autotune_typo'\] are not"),
         ({"inner": "inductor", "inductor": {"joint_custom_pre_pass": None}}, "set by the usp backend itself"),
     ],
@@ -303,7 +306,7 @@ def test_bad_kv_documents_are_refused_before_any_call():
 
 def test_unknown_inner_compiler_lists_the_choices():
     with pytest.raises(
-        ValueError, match=r"option 'inner' must be one of \['aot_eager', 'inductor'\], got 'eager'"
+        ValueError, match=r"option 'inner' must be one of \['auto', 'aot_eager', 'inductor'\], got 'eager'"
     ):
         UspOptions.parse({"inner": "eager"})
 

@@ -384,6 +384,7 @@ def summarize(
                 "strategy": _strategy(n, strategies),
                 "metadata_reaches": n in fed,
                 "rewritten": True,
+                "checkpointed": bool(n.meta.get("usp_checkpointed", False)),
             }
         )
     for s in sites or ():

@@ -23,7 +23,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["POLICIES", "attention_ops", "checkpoint_blocks", "selective_context_fn"]
+__all__ = [
+    "POLICIES",
+    "attention_ops",
+    "checkpoint_blocks",
+    "selective_context_fn",
+    "side_effect_breaks",
+    "warn_side_effect_breaks",
+]
 
 POLICIES = (None, "full", "save_attention", "recompute_attention")
 
@@ -90,3 +97,60 @@ def checkpoint_blocks(
         forward._usp_checkpointed = True  # type: ignore[attr-defined]
         block.forward = forward
     return chosen
+
+
+# -- checkpointed regions Dynamo could not compile -------------------------------------------------
+#
+# Dynamo compiles a checkpointed region as one higher-order op, and refuses (a graph break) a region
+# whose forward mutates Python state from outside it: eager checkpointing replays the mutation in the
+# recompute, a compiled graph cannot. The region then runs eagerly: no usp backend ever sees its
+# attention. transformers >= 5.25 hits this at every checkpointed decoder layer: the `kernels`
+# package it depends on wraps each attention module's forward (``use_kernelized_func``) in a set and
+# reset of a module-level context variable, which under compilation is an attribute store on a
+# global object. The reset restores the value the set replaced, so the region's net effect is nil
+# and skipping its replay in the recompute changes nothing: Dynamo's
+# ``skip_fwd_side_effects_in_bwd_under_checkpoint`` then compiles the region whole.
+_SIDE_EFFECT_BREAK = "HOP: Unsafe side effect"
+
+SIDE_EFFECT_FIX = (
+    "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True before the first compiled call "
+    "(exact when the region's side effect needs no replay in the recompute, as for the set-and-restore of the "
+    "`kernels` package's attention wrapper that transformers >= 5.25 installs)"
+)
+
+
+def side_effect_breaks() -> int:
+    """Graph breaks so far in this process at a checkpointed region whose forward mutates state
+    from outside it (Dynamo's graph-break counter, which ``torch._dynamo.reset()`` keeps)."""
+    from torch._dynamo.utils import counters
+
+    return sum(
+        n
+        for reason, n in counters["graph_break"].items()
+        if _SIDE_EFFECT_BREAK in reason and "checkpoint" in reason
+    )
+
+
+_seen_breaks = 0  # such breaks when the backend last looked (Dynamo's counters are never cleared)
+
+
+def warn_side_effect_breaks() -> bool:
+    """Warn when Dynamo broke the graph at checkpointed regions since the backend last looked (it
+    looks at every compile): those regions run outside any compiled graph, so their attention is not
+    usp's. Returns whether it warned."""
+    global _seen_breaks
+    count = side_effect_breaks()
+    new, _seen_breaks = count > _seen_breaks, count
+    if not new:
+        return False
+    import warnings
+
+    warnings.warn(
+        "usp backend: Dynamo broke the graph at a checkpointed region (graph break 'HOP: Unsafe side "
+        "effect': the region's forward mutates Python state from outside it), so those regions run eagerly and usp rewrites none of their attention: inside "
+        "usp_graph.documents(...) they are refused, outside it SDPA attends with the model's own (T, T) mask. "
+        "To compile them, set " + SIDE_EFFECT_FIX,
+        UserWarning,
+        stacklevel=3,
+    )
+    return True

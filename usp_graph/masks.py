@@ -358,9 +358,8 @@ def check_positions_match(cu_seqlens_N1: Tensor, pos_BL: Tensor) -> None:
     ok = torch.eq(meta_start[:tokens], document_starts(pos_BL)).all() & (cu[-1] == tokens) & (cu[0] == 0)
     device_assert(
         ok,
-        "usp_graph: the document metadata does not describe the documents the model's position ids "
-        "count (a new document where a position is not its predecessor + 1, and at each row start); "
-        "build the metadata with AttentionMetadata.from_position_ids(position_ids) or fix the position ids",
+        "usp_graph: the document metadata does not describe the documents the position ids count (one "
+        "starts where a position is not its predecessor + 1); build it with AttentionMetadata.from_position_ids",
     )
 
 

@@ -74,7 +74,7 @@ def _sections(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[A
     return decision + [
         ("Inputs by role", ["role", "name", "shape", "dtype"], input_rows),
         (f"Metadata inputs{_capacity(meta)}", ["name", "shape", "dtype"], meta_rows),
-        ("Attention sites", ["node", "source", "q", "k", "causal", "gqa", "strategy"], attn),
+        (_attention_title(summary), ["node", "source", "q", "k", "causal", "gqa", "strategy"], attn),
         (
             "Collectives (bytes sent per rank per step)",
             ["node", "op", "phase", "group", "ranks", "bytes", "forward node", "in flight over"],
@@ -88,6 +88,11 @@ def _sections(summary: dict[str, Any]) -> list[tuple[str, list[str], list[list[A
             [[k, v] for k, v in summary["created_by_pass"].items()],
         ),
     ]
+
+
+def _attention_title(summary: dict[str, Any]) -> str:
+    inside = sum(1 for a in summary["attention"] if a.get("checkpointed"))
+    return f"Attention sites ({inside} inside checkpointed regions)" if inside else "Attention sites"
 
 
 def _decision_section(d: Any) -> list[tuple[str, list[str], list[list[Any]]]]:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..checkpointing import warn_side_effect_breaks
 from ..graph_inputs import (
     POSITIONS_IN_ATTENTION,
     ROW_POSITIONS,
@@ -72,14 +73,15 @@ class CompileReport:
     usp ops / left as SDPA, as ``AttentionSite.describe()`` lines (kept ones say why).
     metadata: ``"inputs"`` (cu_seqlens/max_seqlen are graph inputs fed per call), ``"per_row"``
     (sites differ in batch/length: per-row metadata inside the graph, `documents` refused) or
-    ``"none"`` (no attention rewritten). inner: the inner compiler. seconds: rewrite + AOTAutograd
-    + inner compile (a backward compiled lazily is not included). dump: the dump directory or None.
-    graphs: the graphs AOTAutograd made (``joint``, ``forward``, ``backward``, ``inference``) by the
+    ``"none"`` (no attention rewritten). inner: the inner compiler ("auto" resolved). seconds: rewrite
+    + AOTAutograd + inner compile (a backward compiled lazily is not included). dump: the dump directory
+    or None. graphs: the graphs AOTAutograd made (``joint``, ``forward``, ``backward``, ``inference``) by the
     time the compile returned. usp_ops: per phase of the joint graph (``"forward"``/``"backward"``;
     ``"inference"`` without grad), usp op name -> count: the ops and adjoint collectives autograd
     emitted from the registered rules. passes: each pass of the backend's pipeline that ran by
     then -> its match count (``rewrite_sdpa``: sites rewritten; ``joint``: backward nodes
     attributed to a forward node; the verify passes: forward ops paired, as in the tracer).
+    checkpointed: how many of the rewritten sites are inside checkpointed regions.
     """
 
     graph: str
@@ -93,6 +95,7 @@ class CompileReport:
     graphs: tuple[str, ...] = field(default=())
     usp_ops: dict[str, dict[str, int]] = field(default_factory=dict)
     passes: dict[str, int] = field(default_factory=dict)
+    checkpointed: int = 0
 
 
 def usp_backend(
@@ -165,8 +168,9 @@ class _Compile:
         self.requires_grad: list[bool] = []
         self.usp_ops: dict[str, dict[str, int]] = {}
         self.pipeline = opts.pipeline()
+        self.inner = opts.inner_for(example_inputs)  # "auto": inductor on CUDA, else aot_eager
         # aot_eager promises eager attention_mode's bits: keep repeated K/V as eager sees them
-        self.ctx = CompileContext(cp=opts.cp, read_repeated=opts.inner != "aot_eager")
+        self.ctx = CompileContext(cp=opts.cp, read_repeated=self.inner != "aot_eager")
         self.passes: PipelineRun | None = None
 
     # -- hooks the inner compilers call ----------------------------------------------------------
@@ -200,6 +204,7 @@ class _Compile:
         values = [node_value(p) for p in gm.graph.find_nodes(op="placeholder")]
         fake_mode, env = _fake_mode_and_env(values)
         sites = find_sites(gm)
+        warn_side_effect_breaks()  # checkpointed regions Dynamo left out: usp never sees them
         if not self.ctx.read_repeated:  # described as the rewrite will run them
             keep_repeated_heads(sites)
         rewrite = self.pipeline.enabled("rewrite_sdpa")
@@ -229,7 +234,7 @@ class _Compile:
                 self.dynamo_gm.meta.get("dynamo_compile_id"),
                 {
                     "graph": self.name,
-                    "inner": opts.inner,
+                    "inner": self.inner,
                     "verify": opts.verify,
                     "cp": _cp_record(opts.cp),
                     "sites": [site_record(s, s.rewritable) for s in sites],
@@ -279,7 +284,7 @@ class _Compile:
         # Primal i of the joint graph is input i (no parameters are lifted: Dynamo makes them inputs).
         self.requires_grad = input_requires_grad(inputs)
         ctx.requires_grad = self.requires_grad
-        compiled = _INNER[opts.inner](gm, inputs, self)
+        compiled = _INNER[self.inner](gm, inputs, self)
         if symbols:
             check_not_guarded(env, symbols, self.name)
         feed = MetadataFeed(
@@ -311,13 +316,14 @@ class _Compile:
             rewritten=tuple(s.describe() for s in todo),
             kept=tuple(s.describe() for s in kept),
             metadata=mode,
-            inner=opts.inner,
+            inner=self.inner,
             cp=repr(opts.cp) if opts.cp is not None else None,
             seconds=seconds,
             dump=str(self.dump.dir) if self.dump is not None else None,
             graphs=tuple(self.graphs),
             usp_ops=self.usp_ops,
             passes=self.passes.matches,
+            checkpointed=sum(1 for s in todo if s.regions),
         )
         if self.dump is not None:
             self.dump.update(compile_seconds=seconds)

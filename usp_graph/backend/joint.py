@@ -22,13 +22,26 @@ from ..passes.provenance import tag_aot_joint
 from ..passes.verify import verify
 from ..sites import find_sites
 
-__all__ = ["tag_joint", "verify_joint"]
+__all__ = ["tag_joint", "verify_joint", "CHECKPOINTED_META"]
+
+# On a usp op of the forward inside an activation-checkpointed region (AOTAutograd's joint graph
+# tags that region's nodes with ``ac_graph_id``): the compile report and inspect count these sites.
+CHECKPOINTED_META = "usp_checkpointed"
 
 
 def tag_joint(joint: fx.GraphModule, requires_grad: Sequence[bool] | None) -> None:
     """Tag each node of AOTAutograd's joint graph with its phase and forward origin
-    (`usp_graph.passes.provenance.tag_aot_joint`)."""
+    (`usp_graph.passes.provenance.tag_aot_joint`), and each usp forward op inside a checkpointed
+    region with `CHECKPOINTED_META`."""
     tag_aot_joint(joint, requires_grad)
+    for node in joint.graph.nodes:
+        if (
+            node.op == "call_function"
+            and "ac_graph_id" in node.meta
+            and node.meta.get("usp_phase") == "forward"
+            and getattr(node.target, "namespace", None) == "usp"
+        ):
+            node.meta[CHECKPOINTED_META] = True
 
 
 def verify_joint(joint: fx.GraphModule) -> PassResult:

@@ -24,6 +24,9 @@ __all__ = [
     "assert_boundaries",
     "checked_lengths",
     "per_boundaries",
+    "device_assert",
+    "device_message",
+    "DEVICE_MESSAGE_BYTES",
 ]
 
 
@@ -87,26 +90,43 @@ def boundaries_ok(
     return (viol <= 0).all(), lens[0], lens[1]
 
 
+# torch._assert_async(t, message) on CUDA refuses a message of 255 bytes or more ("Message length
+# must be smaller than 255": the whole call fails, assertion true or not), on MPS one of 250 or more;
+# the CPU takes any length.
+DEVICE_MESSAGE_BYTES = 249
+
+
+def device_message(message: str) -> str:
+    """`message` as `device_assert` hands it to ``torch._assert_async``: quotes, backslashes and
+    newlines replaced (inductor pastes the text between double quotes into generated C++ unescaped:
+    a double quote or a backslash failed every inductor compile of the call on the CPU backend),
+    and cut to `DEVICE_MESSAGE_BYTES` (ending in "...") should it still be longer: an assertion that
+    holds must never fail on its message. The project's messages fit (a test reads them all)."""
+    text = message.replace('"', "'").replace("\\", "/").replace("\n", " ")
+    data = text.encode()
+    if len(data) <= DEVICE_MESSAGE_BYTES:
+        return text
+    return data[: DEVICE_MESSAGE_BYTES - 3].decode(errors="ignore") + "..."
+
+
 def device_assert(ok: Tensor, message: str) -> None:
-    """``torch._assert_async(ok, message)`` (no host sync) with a message inductor can compile:
-    it pastes the text between double quotes into generated C++ unescaped, so a double quote or
-    a backslash in it failed every inductor compile of the call (the CPU backend)."""
-    torch._assert_async(ok, message.replace('"', "'").replace("\\", "/").replace("\n", " "))
+    """``torch._assert_async(ok, message)`` (no host sync) with a message every device and inductor
+    take (`device_message`). Keep `message` under `DEVICE_MESSAGE_BYTES` bytes with its numbers
+    filled in: the reason and the fix, short."""
+    torch._assert_async(ok, device_message(message))
 
 
 def assert_boundaries(
     cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, max_q: int, max_k: int
 ) -> tuple[Tensor, Tensor]:
-    """Assert `boundaries_ok` without a host sync; returns the per-slot lengths as `(N, 1, 1, 1)`."""
+    """Assert `boundaries_ok` without a host sync (a failure is a device-side assert at the next
+    sync on CUDA); returns the per-slot lengths as `(N, 1, 1, 1)`."""
     ok, lens_q, lens_k = boundaries_ok(cu_q, cu_k, t_q, t_k, max_q, max_k)
-    if ok.device.type == "cuda":
-        torch._assert_async(ok)  # no host sync; a failure is a device-side assert at the next sync
-    else:
-        device_assert(
-            ok,
-            f"usp::varlen: cu_seqlens must run 0..{t_q} (queries) / within 0..{t_k} (keys), non-decreasing, "
-            f"with no document longer than max_seqlen_q={max_q} / max_seqlen_k={max_k}",
-        )
+    device_assert(
+        ok,
+        f"usp::varlen: cu_seqlens must run 0..{t_q} (queries) / within 0..{t_k} (keys), non-decreasing, "
+        f"with no document longer than max_seqlen_q={max_q} / max_seqlen_k={max_k}",
+    )
     return lens_q.view(-1, 1, 1, 1), lens_k.view(-1, 1, 1, 1)
 
 

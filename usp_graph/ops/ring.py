@@ -420,10 +420,7 @@ def _check_ends(cu: Tensor, total: int) -> None:
     end: then every view's boundaries run 0..its row and key counts, which packing several views
     into one call relies on (the kernel checks the call's boundaries, not where each view ends)."""
     ok = (cu[0] == 0) & (cu[-1] >= total)
-    if ok.device.type == "cuda":
-        torch._assert_async(ok)
-    else:
-        device_assert(ok, f"usp::ring_attn: cu_seqlens must run from 0 to the {total} tokens of the stream")
+    device_assert(ok, f"usp::ring_attn: cu_seqlens must run from 0 to the {total} tokens of the stream")
 
 
 @torch.library.custom_op("usp::ring_attn_fwd", mutates_args=())

@@ -1,0 +1,172 @@
+"""The path matrix at CPU size (`tools/bench_paths_gpu.py` is the H200 one): every way a transformers user
+reaches usp, with and without transformers' activation checkpointing, gives each document's own loss and
+gradients (fp64, the model's own ``labels=`` loss), and every attention call of it runs as usp's varlen
+op, inside checkpointed layers too (their recompute in backward included).
+
+Paths: ``usp_plain`` (``attn_implementation="usp"`` + a plain ``torch.compile``: documents from the
+position ids, the Trainer / TRL path; aot_eager stands in for inductor on the CPU), ``usp_backend``
+(``"usp"`` + ``backend="usp"`` under ``documents(meta)``) and ``sdpa_backend`` (``"sdpa"`` + backend usp
+under ``documents(meta)``). The flex peer has no CPU backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+
+import pytest
+import torch
+
+from tests.reference import rel_err
+
+transformers = pytest.importorskip("transformers")
+
+LENGTHS = [5, 2, 7, 3]
+LAYERS = 2
+PATHS = ["usp_plain", "usp_backend", "sdpa_backend"]
+
+
+def _model(attn: str):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attn,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).double()
+    model.train()
+    return model
+
+
+def _batch():
+    ids = torch.randint(0, 64, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    labels = ids.clone()
+    starts = torch.tensor([0, *LENGTHS[:-1]]).cumsum(0)
+    labels[0, starts] = -100  # the model shifts labels: a document's last token predicts no next document
+    return ids, pos, labels
+
+
+def _each_document_alone(model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The token-mean loss over all documents, each run alone through `model`, and its grads."""
+    ids, _, _ = _batch()
+    model.zero_grad(set_to_none=True)
+    total, count, start = 0.0, sum(n - 1 for n in LENGTHS), 0
+    for n in LENGTHS:
+        doc = ids[:, start : start + n]
+        total = total + model(input_ids=doc, labels=doc, use_cache=False).loss * (n - 1)
+        start += n
+    loss = total / count
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _checkpoint(model) -> None:
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+class _VarlenCalls:
+    """Counts the CPU kernel calls of usp's varlen op (forward, recompute and backward)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from usp_graph.ops import varlen
+
+        self.fwd = self.bwd = 0
+        fwd, bwd = varlen._cpu_fwd, varlen._cpu_bwd
+
+        def counted_fwd(*args):
+            self.fwd += 1
+            return fwd(*args)
+
+        def counted_bwd(*args):
+            self.bwd += 1
+            return bwd(*args)
+
+        monkeypatch.setattr(varlen, "_cpu_fwd", counted_fwd)
+        monkeypatch.setattr(varlen, "_cpu_bwd", counted_bwd)
+
+
+def _compiled(path: str, model, reports: list):
+    if path == "usp_plain":
+        return torch.compile(model, backend="aot_eager")  # the attention function runs in Dynamo's graph
+    return torch.compile(model, backend="usp", options={"on_compile": reports.append})
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_gives_each_documents_own_loss_and_grads_and_runs_usp_attention(
+    path, checkpointing, monkeypatch
+):
+
+    # transformers >= 5.25 breaks the graph at every checkpointed layer without this (see
+    # usp_graph.checkpointing: the `kernels` wrapper's set-and-restore); older versions need nothing.
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        _check_path(path, checkpointing, monkeypatch)
+
+
+def _check_path(path: str, checkpointing: bool, monkeypatch) -> None:
+    from usp_graph import AttentionMetadata, documents
+
+    torch._dynamo.reset()
+    attn = "sdpa" if path == "sdpa_backend" else "usp"
+    model = _model(attn)
+    ref_loss, ref_grads = _each_document_alone(copy.deepcopy(model).to(torch.float64))
+    if checkpointing:
+        _checkpoint(model)
+    reports: list = []
+    compiled = _compiled(path, model, reports)
+    ids, pos, labels = _batch()
+    meta = AttentionMetadata.from_lengths(LENGTHS, max_docs=6)
+    calls = _VarlenCalls(monkeypatch)
+    with documents(meta) if path != "usp_plain" else contextlib.nullcontext():
+        loss = compiled(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
+    loss.backward()
+    assert rel_err(loss.detach(), ref_loss) <= 1e-6  # Llama's RMSNorm computes in fp32
+    for name, g in ref_grads.items():
+        assert rel_err(model.get_parameter(name).grad, g) <= 1e-6, name
+    # every attention call ran usp's varlen op: forward, its recompute when checkpointed, backward
+    assert (calls.fwd, calls.bwd) == (LAYERS * (2 if checkpointing else 1), LAYERS), (calls.fwd, calls.bwd)
+    if reports:
+        assert sum(len(r.rewritten) for r in reports) == LAYERS and all(r.kept == () for r in reports)
+        assert sum(r.checkpointed for r in reports) == (LAYERS if checkpointing else 0)
+    torch._dynamo.reset()
+
+
+def test_checkpointed_regions_dynamo_leaves_out_are_reported_with_the_fix():
+    """Where Dynamo breaks the graph at a checkpointed region (transformers >= 5.25: the `kernels`
+    attention wrapper's side effect), usp never sees that region's attention: the backend says so,
+    naming the setting that compiles it; where it does not break, every site is rewritten, silently."""
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+        _check_report()
+
+
+def _check_report() -> None:
+    from usp_graph import checkpointing
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        checkpointing.warn_side_effect_breaks()  # breaks of earlier tests in this process: seen
+    before = checkpointing.side_effect_breaks()
+    model = _model("sdpa")
+    _checkpoint(model)
+    reports: list = []
+    compiled = _compiled("sdpa_backend", model, reports)
+    ids, pos, labels = _batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss.backward()
+    said = [
+        str(w.message) for w in caught if "skip_fwd_side_effects_in_bwd_under_checkpoint" in str(w.message)
+    ]
+    breaks = checkpointing.side_effect_breaks() - before
+    assert bool(said) == (breaks > 0), (breaks, said)
+    if breaks:
+        assert sum(r.checkpointed for r in reports) == 0 and "run eagerly" in said[0]
+    else:
+        assert sum(r.checkpointed for r in reports) == LAYERS
+    torch._dynamo.reset()

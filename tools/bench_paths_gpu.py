@@ -1,0 +1,268 @@
+"""The path matrix: every way a transformers user reaches usp, against transformers' flex_attention.
+
+# T packed tokens (one row), N documents
+
+    PYTHONUNBUFFERED=1 python tools/bench_paths_gpu.py --json $OUT/paths.jsonl   # the H200 matrix
+    python tools/bench_paths_gpu.py --device cpu --quick                         # smoke test
+
+A transformers Llama (hidden 2048, 4 layers, 16 heads, 4 KV heads, ffn 5632, vocab 32000, bf16), one
+packed row of T tokens holding documents of log-normal lengths (`bench_long_gpu`'s draws), position
+ids restarting at 0 per document, **the model's own ``labels=`` loss**, ``use_cache=False``; one
+forward + backward per step. Rows (what the user wrote), each a fresh model with the same weights:
+
+- ``flex``: ``attn_implementation="flex_attention"`` + ``torch.compile``: the peer;
+- ``usp_plain``: ``"usp"`` + plain ``torch.compile``: documents from the position ids inside the
+  graph (the Trainer / TRL path);
+- ``usp_backend``: ``"usp"`` + ``torch.compile(backend="usp")`` under ``usp_graph.documents(meta)``,
+  default options (the README's snippet);
+- ``sdpa_backend``: ``"sdpa"`` + backend usp under ``documents(meta)``, default options.
+
+Columns: token counts, ``c`` marking transformers' activation checkpointing (non-reentrant):
+``8192,32768,65536,131072,65536c,262144c`` by default. Each column runs in a process of its own
+(every row of it in that process, one after the other). Each row: median ms over ``--iters`` steps
+after ``--warmup`` (CUDA events, compile excluded), peak memory over the timed steps, the loss and
+its relative difference to flex's, the attention kernel each usp row ran (`kernel_calls`), Dynamo's
+graph breaks, and for the backend rows the attention sites the backend rewrote (`CompileReport`).
+One JSON line per row (`harness.Results`) and a summary line per column (speed against flex).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_hf_gpu import _batch  # the packed row: ids, restarting positions, in-document labels
+from bench_long_gpu import _mean_doc, _strip  # the long-context table's document draws; argv editing
+from harness import Results, add_json_arg, stopwatch, time_ms
+
+import usp_graph
+from usp_graph import AttentionMetadata
+from usp_graph.testing import lognormal_lengths
+
+ROWS = ("flex", "usp_plain", "usp_backend", "sdpa_backend")
+_ATTN = {"flex": "flex_attention", "usp_plain": "usp", "usp_backend": "usp", "sdpa_backend": "sdpa"}
+COLUMNS = "8192,32768,65536,131072,65536c,262144c"
+
+
+def _column(text: str) -> tuple[int, bool]:
+    """``"65536c"`` -> (65536, checkpointing)."""
+    return int(text.rstrip("c")), text.endswith("c")
+
+
+def checkpoint_layers(model: Any) -> None:
+    """transformers' own activation checkpointing, non-reentrant (5.25 renamed the entry point)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def _run_row(row: str, a: argparse.Namespace, tokens: int, ckpt: bool, batch, meta, device: str):
+    import transformers as tf
+
+    from usp_graph.ops import cudnn_kernel
+
+    torch._dynamo.reset()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
+        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, max_position_embeddings=max(tokens, 2048),
+        attn_implementation=_ATTN[row],
+    )  # fmt: skip
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = tf.LlamaForCausalLM(config).to(device=device, dtype=dtype)
+    model.train()
+    if ckpt:
+        checkpoint_layers(model)
+    reports: list[Any] = []
+    if row.endswith("_backend"):
+        compiled = torch.compile(model, backend="usp", options={"on_compile": reports.append})
+        docs = meta
+    else:
+        compiled = torch.compile(model) if device == "cuda" else model
+        docs = None
+
+    def step() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        with usp_graph.documents(docs) if docs is not None else contextlib.nullcontext():
+            loss = compiled(**batch, use_cache=False).loss
+        loss.backward()
+        return loss.detach()
+
+    record: dict[str, Any] = {"row": row, "tokens": tokens, "checkpointing": ckpt}
+    breaks = _graph_breaks()
+    try:
+        with stopwatch(device) as watch:
+            losses = [step() for _ in range(a.warmup)]
+        record["compile_and_warmup_s"] = round(watch.seconds, 1)
+        record["graph_breaks"] = _graph_breaks() - breaks
+        if row != "flex":
+            from kernel_calls import kernel_calls
+
+            _, record["kernels"] = kernel_calls(step)
+        if reports:
+            record["sites_rewritten"] = sum(len(r.rewritten) for r in reports)
+            record["sites_kept"] = sum(len(r.kept) for r in reports)
+            record["inner"] = sorted({r.inner for r in reports})
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(a.iters)]  # fmt: skip
+            for start, end in events:
+                start.record()
+                losses.append(step())
+                end.record()
+            torch.cuda.synchronize()
+            record["ms_each"] = [round(s.elapsed_time(e), 2) for s, e in events]
+            record["ms"] = round(statistics.median(record["ms_each"]), 2)
+            record["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        else:
+            record["ms"] = round(
+                time_ms(lambda: losses.append(step()), device, warmup=0, reps=a.iters).median_ms, 2
+            )  # noqa: B023
+        record["loss"] = float(losses[-1])
+        record["cudnn"] = device == "cuda" and cudnn_kernel.available()
+    except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
+        record["error"] = f"{type(e).__name__}: {e}"[:1500]
+        record.setdefault("graph_breaks", _graph_breaks() - breaks)
+    return record
+
+
+def _one_column(a: argparse.Namespace, text: str, rows: list[str]) -> list[dict[str, Any]]:
+    import transformers as tf
+
+    device = a.device
+    tokens, ckpt = _column(text)
+    if a.allow_checkpoint_side_effects:
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    lengths = lognormal_lengths(tokens, _mean_doc(tokens), seed=1)
+    batch = _batch(lengths, a.vocab, device)
+    meta = AttentionMetadata.from_lengths(lengths, max_docs=len(lengths) + 8, device=device)
+    print(
+        f"T={tokens} N={len(lengths)} checkpointing={ckpt} torch {torch.__version__} transformers {tf.__version__}"
+    )
+    records = [_run_row(row, a, tokens, ckpt, batch, meta, device) for row in rows]
+    flex = next((r for r in records if r["row"] == "flex" and "ms" in r), None)
+    for r in records:
+        r.update(documents=len(lengths), transformers=tf.__version__)
+        if flex is not None and "ms" in r:
+            r["x_flex"] = round(flex["ms"] / r["ms"], 3)
+            r["loss_rel_flex"] = abs(r["loss"] - flex["loss"]) / abs(flex["loss"])
+            if r.get("peak_gib") and flex.get("peak_gib"):
+                r["peak_x_flex"] = round(r["peak_gib"] / flex["peak_gib"], 3)
+        what = r.get("error") or (
+            f"{r['ms']:9.1f} ms  x{r.get('x_flex', float('nan')):.3f}  peak {r.get('peak_gib')} GiB "
+            f"(x{r.get('peak_x_flex', float('nan')):.3f})  loss {r['loss']:.5f}  breaks {r['graph_breaks']}  "
+            f"kernels {r.get('kernels')}  sites {r.get('sites_rewritten')}/{r.get('sites_kept')}"
+        )
+        print(f"  {r['row']:13s} {what[:400]}")
+    return records
+
+
+def _isolated(a: argparse.Namespace, argv: list[str]) -> int:
+    """Each column in a fresh process; their JSON lines copied to `--json`, one summary per column."""
+    summary = Results(a.json, bench="paths_summary", device=a.device)
+    base = _strip(argv, ("--columns", "--json", "--isolate", "--no-isolate"))
+    for text in a.columns.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "column.jsonl"
+            cmd = [sys.executable, __file__, *base, "--no-isolate", "--columns", text, "--json", str(path)]
+            done = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False)
+            lines = path.read_text().splitlines() if path.exists() else []
+        if not lines:
+            print(f"  {text}: the process wrote no result (exit {done.returncode})")
+            summary.write(column=text, error=f"no result (exit {done.returncode})")
+            continue
+        if a.json is not None:
+            with Path(a.json).open("a") as f:
+                f.writelines(line + "\n" for line in lines)
+        table = {}
+        for record in map(json.loads, lines):
+            keep = (
+                "ms",
+                "x_flex",
+                "peak_gib",
+                "peak_x_flex",
+                "loss_rel_flex",
+                "kernels",
+                "graph_breaks",
+                "error",
+            )
+            table[record["row"]] = {k: record[k] for k in keep if k in record}
+        print(f"{text}: {json.dumps(table)}")
+        summary.write(column=text, rows=table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--columns", default=COLUMNS, help="token counts, 'c' marking checkpointing (65536c)")
+    p.add_argument("--rows", default=",".join(ROWS))
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--allow-checkpoint-side-effects", action="store_true",
+        help="torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True (transformers >= 5.25)",
+    )  # fmt: skip
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--quick", action="store_true", help="tiny sizes on any device (a smoke test)")
+    add_json_arg(p)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab, a.iters, a.warmup = (
+            64,
+            2,
+            4,
+            2,
+            128,
+            128,
+            2,
+            1,
+        )
+        if a.columns == COLUMNS:
+            a.columns = "256,256c"
+    rows = [r for r in a.rows.split(",") if r]
+    for r in rows:
+        if r not in ROWS:
+            p.error(f"--rows: {r!r} is not one of {', '.join(ROWS)}")
+    if a.isolate is None:
+        a.isolate = a.device == "cuda"
+    if a.isolate:
+        return _isolated(a, argv if argv is not None else sys.argv[1:])
+    out = Results(a.json, bench="paths", device=a.device)
+    for text in a.columns.split(","):
+        for record in _one_column(a, text, rows):
+            out.write(settings={k: v for k, v in vars(a).items() if k != "json"}, **record)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
