@@ -249,9 +249,7 @@ def _refuse_overwriting(inputs: Sequence[str], outputs: dict[str, str | None]) -
     for i, (flag, path) in enumerate(given):
         for f in inputs:
             if _same_file(path, f):
-                raise _Usage(
-                    f"{flag} {path} is {f}, which this command reads; give another output path"
-                )
+                raise _Usage(f"{flag} {path} is {f}, which this command reads; give another output path")
         for other, other_path in given[i + 1 :]:
             if os.path.abspath(path) == os.path.abspath(other_path) or _same_file(path, other_path):
                 raise _Usage(f"{flag} and {other} name the same file {path}; give each its own path")
