@@ -51,7 +51,7 @@ EXPECT = {"lin.weight": (torch.float32, (2, 3)), "lin.bias": (torch.float64, (2,
 
 
 GROUPS = _state()[1]["param_groups"]
-STATE_KEYS = {"step": "scalar", "exp_avg": "param", "exp_avg_sq": "param"}
+STATE_KEYS = {"step": "step", "exp_avg": "param", "exp_avg_sq": "param_nonnegative"}
 
 
 def _read(path: str, expect=EXPECT, groups=GROUPS):
@@ -71,6 +71,8 @@ def files(tmp_path):
         "gpt2": '{"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2}',  # attn_pdrop: 0.1 by default
         "bert_like": '{"model_type": "llama", "attention_dropout": 0.2, "hidden_size": 32}',
         "broken": '{"model_type": "llama", ',
+        "bloom": '{"model_type": "bloom", "n_layer": 1, "hidden_size": 32, "n_head": 2}',
+        "t5": '{"model_type": "t5", "d_model": 32}',
     }.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(config)
@@ -105,6 +107,8 @@ BAD = [
     (["--model", "{t}/gpt2"], "dropout inside attention (attn_pdrop=0.1)"),
     (["--model", "{t}/bert_like"], "dropout inside attention (attention_dropout=0.2)"),
     (["--model", "{t}/broken"], "transformers cannot read its config.json"),
+    (["--model", "{t}/bloom"], "BloomForCausalLM computes attention in its own code"),
+    (["--model", "{t}/t5"], "transformers has no causal LM for model_type 't5'"),
     (["--cp-strategy", "halo"], "must be one of allgather_kv, ulysses, ring, usp; got 'halo' (halo needs"),
     (["--cp-strategy", "auto"], "must be one of allgather_kv, ulysses, ring, usp; got 'auto'"),
     (["--cp", "0"], "--cp must be >= 1, got 0"),
@@ -334,6 +338,113 @@ def test_optimizer_state_unlike_adamws_is_refused_before_any_step(tmp_path, name
     path = _optim_mutated(tmp_path, mutate)
     with pytest.raises(tc.CheckpointError, match=message):
         _read(path)
+
+
+def _adamw(step: float = 1.0):
+    """A real AdamW's full state after one step (every option torch's AdamW keeps), and its groups."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2)
+    lin(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(lin, opt, options=StateDictOptions(full_state_dict=True))
+    for state in osd["state"].values():
+        state["step"] = torch.tensor(step)
+    expect = {k: (v.dtype, tuple(v.shape)) for k, v in msd.items()}
+    return msd, osd, expect, [dict(g, params=list(g["params"])) for g in osd["param_groups"]]
+
+
+def _group(**options):
+    return lambda o: o["param_groups"][0].update(options)
+
+
+def _state_of_weight(**entries):
+    return lambda o: o["state"]["weight"].update(entries)
+
+
+# An edited checkpoint's optimizer state: each refused by the reader, in one line, before a step.
+EDITED = {
+    "amsgrad": (_group(amsgrad=True), "option 'amsgrad' is True; the recipe's AdamW runs with False"),
+    "capturable": (
+        _group(capturable=True),
+        "option 'capturable' is True; the recipe's AdamW runs with False",
+    ),
+    "maximize": (_group(maximize=True), "option 'maximize' is True"),
+    "foreach a string": (_group(foreach="yes"), "option 'foreach' is 'yes'"),
+    "a 400-digit lr": (
+        _group(lr=10**400),
+        "option 'lr' must be a number >= 0, got 1000000000000000000000000000",
+    ),
+    "a negative lr": (_group(lr=-0.1), "option 'lr' must be a number >= 0, got -0.1"),
+    "lr a bool": (_group(lr=True), "option 'lr' must be a number >= 0, got True"),
+    "lr a string": (_group(lr="0.1"), "option 'lr' must be a number >= 0"),
+    "beta above 1": (
+        _group(betas=(0.9, 1.5)),
+        "option 'betas' must be two numbers in [0, 1), got [0.9, 1.5]",
+    ),
+    "beta of 1": (_group(betas=(1.0, 0.999)), "option 'betas' must be two numbers in [0, 1)"),
+    "a negative beta": (_group(betas=(-0.1, 0.999)), "option 'betas' must be two numbers in [0, 1)"),
+    "three betas": (_group(betas=(0.9, 0.9, 0.9)), "option 'betas' must be two numbers in [0, 1)"),
+    "eps 0": (_group(eps=0.0), "option 'eps' must be a number > 0, got 0.0"),
+    "a negative eps": (_group(eps=-1e-8), "option 'eps' must be a number > 0"),
+    "a negative weight_decay": (_group(weight_decay=-0.01), "option 'weight_decay' must be a number >= 0"),
+    "step -1": (_state_of_weight(step=torch.tensor(-1.0)), "optimizer 'step' of weight is -1.0, not a whole"),
+    "step 1.5": (_state_of_weight(step=torch.tensor(1.5)), "optimizer 'step' of weight is 1.5, not a whole"),
+    "step past the checkpoint's": (_state_of_weight(step=torch.tensor(2.0)), "not a whole number in [0, 1]"),
+    "step nan": (_state_of_weight(step=torch.tensor(math.nan)), "optimizer 'step' of weight is nan"),
+    "step a number": (_state_of_weight(step=-1), "optimizer 'step' of weight is -1.0, not a whole"),
+    "step a 400-digit number": (_state_of_weight(step=10**400), "'step': must be a tensor entry or a finite"),
+    "step a string": (_state_of_weight(step="3"), "'step': must be a tensor entry or a finite number"),
+    "exp_avg inf": (
+        _state_of_weight(exp_avg=torch.full((2, 3), math.inf)),
+        "optimizer 'exp_avg' of weight holds values that are not finite",
+    ),
+    "exp_avg_sq negative": (
+        _state_of_weight(exp_avg_sq=torch.full((2, 3), -1.0)),
+        "optimizer 'exp_avg_sq' of weight holds negative values",
+    ),
+}
+
+
+def _edited_checkpoint(tmp_path, mutate) -> str:
+    """A checkpoint written as the recipe writes it, of an edited AdamW state."""
+    msd, osd, _, _ = _adamw()
+    mutate(osd)
+    return tc.save_state(str(tmp_path), 1, msd, osd)
+
+
+@pytest.mark.parametrize("name", EDITED)
+def test_an_edited_optimizer_state_is_refused_by_the_reader_in_one_line(tmp_path, name):
+    mutate, message = EDITED[name]
+    path = _edited_checkpoint(tmp_path, mutate)
+    _, _, expect, groups = _adamw()
+    with pytest.raises(tc.CheckpointError) as e:
+        tc.read_state(tc.read_index(path), expect, groups=groups, state_keys=STATE_KEYS)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_an_unedited_adamw_state_reads_back_as_saved(tmp_path):
+    path = _edited_checkpoint(tmp_path, lambda o: None)
+    msd, osd, expect, groups = _adamw()
+    got_msd, got_osd = tc.read_state(tc.read_index(path), expect, groups=groups, state_keys=STATE_KEYS)
+    assert got_osd["param_groups"] == groups
+    assert all(torch.equal(got_msd[k], v) for k, v in msd.items())
+    assert all(
+        torch.equal(got_osd["state"][p][k], v) for p, st in osd["state"].items() for k, v in st.items()
+    )
+
+
+def test_an_lr_beyond_a_float_in_the_index_text_is_refused(tmp_path):
+    path = _edited_checkpoint(tmp_path, _group(lr=12345.0))
+    index = os.path.join(path, tc.INDEX)
+    with open(index) as f:
+        text = f.read()
+    with open(index, "w") as f:
+        f.write(text.replace("12345.0", "1e999"))
+    with pytest.raises(tc.CheckpointError, match=r"option 'lr' must be a number >= 0, got inf"):
+        tc.read_index(path)
 
 
 def test_resume_to_a_step_not_past_the_checkpoint_is_refused(tmp_path, capsys):
