@@ -456,6 +456,28 @@ def test_resume_to_a_step_not_past_the_checkpoint_is_refused(tmp_path, capsys):
     assert os.listdir(tmp_path / "ck") == ["step_4"]
 
 
+def test_save_every_checks_every_step_directory_it_would_write_before_training(tmp_path):
+    save = tmp_path / "ck"
+    save.mkdir()
+    for name in ("step_3", "step_04", "step_12", "notes"):  # none is a directory the run writes
+        (save / name).write_text("x")
+    argv = ["--save", str(save), "--save-every", "2", "--steps", "7"]
+    check_args(_args(*argv))  # it writes step_2, step_4, step_6 and step_7
+    (save / "step_4").write_text("x")
+    with pytest.raises(UsageError, match=r"step_4 exists and is not a directory \(the run saves there\)"):
+        check_args(_args(*argv))
+    tc.save_state(str(tmp_path / "from"), 4, *_state())  # resumed after step 4: step_4 is not written
+    check_args(_args(*argv, "--resume", str(tmp_path / "from")))
+
+
+def test_a_resume_takes_the_checkpoints_lr_unless_lr_is_given():
+    assert _args().lr is None and _args("--lr", "0.5").lr == 0.5
+    assert (
+        "--lr" in build_parser().format_help()
+        and "the checkpoint's unless given" in build_parser().format_help()
+    )
+
+
 # ---- end to end, one process --------------------------------------------------------------------------
 
 
@@ -479,6 +501,68 @@ def test_one_process_resume_is_bitwise_and_labels_the_step_it_trained(tmp_path):
     steps_full, resumed = _metrics(tmp_path / "full.jsonl"), _metrics(tmp_path / "resumed.jsonl")
     assert [m["step"] for m in resumed] == [3] and resumed[0]["loss"] == steps_full[2]["loss"]
     assert (full / "step_3" / tc.DATA).read_bytes() == (again / "step_3" / tc.DATA).read_bytes()
+
+
+@pytest.mark.slow
+def test_resume_with_lr_trains_with_that_lr(tmp_path):
+    common = ["--seq-len", "16", "--no-progress", "--dtype", "float64"]
+    assert main([*common, "--steps", "1", "--save", str(tmp_path / "a"), "--lr", "0.01"]) == 0
+    for lr, out in ((None, "kept"), ("0.25", "given")):
+        flags = [] if lr is None else ["--lr", lr]
+        assert main([*common, "--steps", "2", "--resume", str(tmp_path / "a"), "--save", str(tmp_path / out),
+                     *flags]) == 0  # fmt: skip
+    kept, given = (tc.read_index(str(tmp_path / d / "step_2")) for d in ("kept", "given"))
+    assert kept.param_groups[0]["lr"] == 0.01 and given.param_groups[0]["lr"] == 0.25
+    # the step itself ran with it: AdamW's first moves are about lr per element
+    start, _ = _read_model(tmp_path / "a" / "step_1")
+    for index, lr in ((kept, 0.01), (given, 0.25)):
+        end, _ = _read_model(tmp_path / os.path.basename(os.path.dirname(index.path)) / "step_2")
+        moved = max((end[k] - start[k]).abs().max().item() for k in start)
+        assert 0.5 * lr < moved < 2.5 * lr, (lr, moved)
+
+
+def _read_model(path):
+    index = tc.read_index(str(path))
+    expect = {k: (getattr(torch, r.dtype), r.shape) for k, r in index.model.items()}
+    groups = [dict(g) for g in index.param_groups]
+    keys = {"step": "step", "exp_avg": "param", "exp_avg_sq": "param_nonnegative"}
+    return tc.read_state(index, expect, groups=groups, state_keys=keys)
+
+
+@pytest.mark.slow
+def test_an_edited_checkpoint_is_one_line_exit_2_before_any_step(tmp_path, capsys):
+    common = ["--seq-len", "16", "--no-progress", "--dtype", "float64"]
+    assert main([*common, "--steps", "1", "--save", str(tmp_path / "a")]) == 0
+    index = tmp_path / "a" / "step_1" / tc.INDEX
+    doc = json.loads(index.read_text())
+    doc["param_groups"][0]["amsgrad"] = True
+    index.write_text(json.dumps(doc))
+    capsys.readouterr()
+    metrics = tmp_path / "m.jsonl"
+    assert main([*common, "--steps", "2", "--resume", str(tmp_path / "a"), "--metrics", str(metrics)]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer option 'amsgrad' is True" in err and err.count("\n") == 1, err
+    assert not metrics.exists() or metrics.read_text() == ""
+
+
+GEMMA2_SOFTCAP = {
+    "model_type": "gemma2", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "attn_logit_softcapping": 50.0,
+    "max_position_embeddings": 64,
+}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_model_usp_refuses_when_attention_runs_is_one_line_exit_2_before_any_step(tmp_path, capsys):
+    (tmp_path / "gemma2").mkdir()
+    (tmp_path / "gemma2" / "config.json").write_text(json.dumps(GEMMA2_SOFTCAP))
+    metrics = tmp_path / "m.jsonl"
+    for extra in ([], ["--compile"]):
+        argv = ["--model", str(tmp_path / "gemma2"), "--seq-len", "16", "--steps", "1", "--no-progress"]
+        assert main([*argv, *extra, "--metrics", str(metrics)]) == 2, extra
+        err = capsys.readouterr().err
+        assert "logit softcapping (softcap=...) is not supported" in err and err.count("\n") == 1, err
+        assert not metrics.exists() or metrics.read_text() == ""
 
 
 @pytest.mark.slow
