@@ -24,9 +24,12 @@ Checkpoints (`usp_graph.train_checkpoint`): the full model and optimizer state a
 and a JSON index, written atomically by rank 0, read by every rank without pickle (resuming a
 checkpoint cannot run code). The step saved is the data position too, so `--resume` continues with
 the batches the uninterrupted run would have seen; a resume must train past the checkpoint's step.
+A resume keeps the checkpoint's AdamW settings unless a flag says otherwise (``--lr``); the model
+and ``--dtype`` must be the checkpoint's (``--resume``'s help lists the rest).
 
-Every flag and file is checked before the process group starts (`check_args`): a bad one is a
-one-line error and exit status 2, before any step runs.
+Every flag and file is checked before the process group starts (`check_args`), and the model
+once more through usp's attention before the first step (`_probe`: what usp refuses only when
+attention runs): a bad one is a one-line error and exit status 2, before any step runs.
 
 Nothing but the standard library is imported at module load: ``usp-graph --help`` stays fast.
 """
