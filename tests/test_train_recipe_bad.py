@@ -470,6 +470,22 @@ def test_save_every_checks_every_step_directory_it_would_write_before_training(t
     check_args(_args(*argv, "--resume", str(tmp_path / "from")))
 
 
+def test_metrics_naming_a_file_the_run_reads_is_refused(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    os.symlink(text, tmp_path / "link.jsonl")
+    path = tc.save_state(str(tmp_path / "ck"), 1, *_state())
+    for argv in (
+        ["--text", str(text), "--metrics", str(text)],
+        ["--text", str(text), "--metrics", str(tmp_path / "link.jsonl")],
+        ["--resume", str(tmp_path / "ck"), "--metrics", os.path.join(path, tc.INDEX)],
+    ):
+        with pytest.raises(UsageError, match="which the run reads; give another file"):
+            check_args(_args(*argv))
+    check_args(_args("--text", str(text), "--metrics", str(tmp_path / "m.jsonl")))
+    assert text.read_text() == "some text"
+
+
 def test_a_resume_takes_the_checkpoints_lr_unless_lr_is_given():
     assert _args().lr is None and _args("--lr", "0.5").lr == 0.5
     assert (

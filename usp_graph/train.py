@@ -253,7 +253,30 @@ def check_args(args: argparse.Namespace):
     if args.save is not None:
         _writable_dir_for(args.save, "--save")
         _check_save_steps(args, index.step if index is not None else 0)
+    if args.metrics is not None:
+        _check_metrics_reads_nothing(args, index)
     return dp, cp, index
+
+
+def _check_metrics_reads_nothing(args: argparse.Namespace, index) -> None:
+    """--metrics (appended to) is none of the files the run reads: the text, the model's files, the
+    checkpoint resumed (same file by device and inode: links and other spellings too)."""
+    from .train_checkpoint import DATA, INDEX
+
+    inputs = [args.text] if args.text else []
+    if args.model:
+        inputs += [os.path.join(args.model, name) for name in sorted(os.listdir(args.model))]
+    if index is not None:
+        inputs += [os.path.join(index.path, INDEX), os.path.join(index.path, DATA)]
+    if not os.path.exists(args.metrics):  # a file made by the run is none of its inputs
+        return
+    for path in inputs:
+        try:
+            same = os.path.samefile(args.metrics, path)
+        except OSError:  # an input that is not there (a dangling link): not this file
+            continue
+        if same:
+            raise UsageError(f"--metrics {args.metrics} is {path}, which the run reads; give another file")
 
 
 def _saves_step(args: argparse.Namespace, start: int, step: int) -> bool:
