@@ -647,3 +647,30 @@ def test_rank_0_writes_every_rank_reads_and_a_failed_save_fails_every_rank(tmp_p
     assert "exists and is not a directory" in r0["failed"] and "rank 0 could not write step_1" in r1["failed"]
     assert r0["step"] == r1["step"] == 1 and r0["same"] and r1["same"] and r0["lr"] == r1["lr"] == 1e-2
     assert os.listdir(tmp_path / "ok") == ["step_1"]
+
+
+class _DirectSDPA(torch.nn.Module):
+    """A model whose attention calls SDPA itself, outside transformers' attention interface."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 8)
+
+    def forward(self, input_ids, position_ids, use_cache):
+        x = self.emb(input_ids)[:, None]  # (B, 1, L, K)
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+
+@pytest.mark.parametrize("compile_flag", [[], ["--compile"]], ids=["eager", "compile"])
+def test_the_probe_passes_a_model_whose_sdpa_compiled_code_rewrites(compile_flag):
+    from usp_graph.backend.documents import EagerAttentionError
+    from usp_graph.train import _probe
+
+    args = _args(*compile_flag)
+    if compile_flag:  # eager documents(...) alone refuses it; the probe then asks attention_mode
+        from usp_graph import AttentionMetadata, documents
+
+        meta = AttentionMetadata.from_lengths([3, 2], max_docs=4)
+        with pytest.raises(EagerAttentionError), documents(meta):
+            _DirectSDPA()(torch.ones(1, 5, dtype=torch.long), None, False)
+    _probe(_DirectSDPA(), args, torch.device("cpu"))

@@ -661,11 +661,17 @@ def _probe(model, args, device) -> None:
     meta = AttentionMetadata.from_lengths(
         lengths, max_docs=_capacity(2), max_seqlen=max(lengths), device=device
     )
-    door = documents(meta) if args.compile else attention_mode(meta)
-    try:
+
+    def forward(door) -> None:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), door:
             model(input_ids=ids, position_ids=pos, use_cache=False)
-    except (ValueError, NotImplementedError, EagerAttentionError) as e:
+
+    try:
+        try:
+            forward(documents(meta) if args.compile else attention_mode(meta))
+        except EagerAttentionError:  # an SDPA call outside transformers' attention interface: compiled
+            forward(attention_mode(meta))  # code rewrites it, eager documents(...) cannot; attention_mode can
+    except (ValueError, NotImplementedError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UsageError(f"--model {args.model or '(the default Llama)'}: {first[:400]}") from None
 
