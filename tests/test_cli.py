@@ -264,3 +264,25 @@ def test_demo_with_the_halo_strategy_replays_bitwise():
     assert code == 0, output
     assert "replay == eager, bitwise" in output
     assert "usp.halo_exchange" in output and "usp.halo_reduce" in output
+
+
+def test_an_output_path_that_names_an_input_is_refused_before_anything_is_written(tmp_path, capsys):
+    from usp_graph.cli import main
+
+    graph = tmp_path / "g.uspg"
+    graph.write_bytes(b"not parsed: the paths are checked first")
+    os.symlink(graph, tmp_path / "link.dot")
+    (tmp_path / "sub").mkdir()
+    out = str(tmp_path / "out.html")
+    cases = [
+        (["inspect", str(graph), "--html", str(graph)], "--html"),
+        (["inspect", str(graph), "--dot", str(tmp_path / "sub" / ".." / "g.uspg")], "--dot"),
+        (["inspect", str(graph), "--dot", str(tmp_path / "link.dot")], "--dot"),  # a link to it
+        (["inspect", str(tmp_path), "--html", str(graph)], "--html"),  # a file of a dump directory
+        (["inspect", str(graph), "--html", out, "--dot", out], "--html and --dot name the same file"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"usp-graph: {message}") and err.count("\n") == 1, (argv, err)
+        assert graph.read_bytes() == b"not parsed: the paths are checked first" and not os.path.exists(out)

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils.checkpoint import CheckpointError
 
 pytestmark = pytest.mark.slow
 
@@ -152,3 +153,23 @@ def test_a_local_model_directory_trains_in_one_process(tmp_path, capsys):
     assert "LlamaForCausalLM" in out and "dp 1 x cp 1" in out, out
     assert [m["step"] for m in _metrics(metrics)] == [1, 2]
     assert all(math.isfinite(m["loss"]) and m["tokens_per_s"] > 0 for m in _metrics(metrics))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=CheckpointError,
+    reason="transformers 5.25's checkpointed decoder layers graph-break under torch.compile and run "
+    "eagerly; their recompute in backward runs after the documents(...) block, outside usp, so it saves "
+    "other tensors than the forward did (CheckpointError at step 1)",
+)
+def test_compiled_with_checkpointing_trains_as_the_eager_recipe(tmp_path):
+    """``train --compile --checkpoint``: finite losses equal to the eager recipe's (fp64)."""
+    from usp_graph.train import main
+
+    common = ["--seq-len", "16", "--steps", "2", "--dtype", "float64", "--no-progress", "--checkpoint"]
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        assert main([*common, *extra, "--metrics", str(tmp_path / f"{name}.jsonl")]) == 0, name
+    eager, compiled = (_metrics(tmp_path / f"{name}.jsonl") for name in ("eager", "compiled"))
+    assert [m["step"] for m in compiled] == [1, 2]
+    for a, b in zip(eager, compiled, strict=True):
+        assert math.isfinite(b["loss"]) and abs(a["loss"] - b["loss"]) <= 1e-10 * abs(a["loss"]), (a, b)

@@ -51,7 +51,7 @@ EXPECT = {"lin.weight": (torch.float32, (2, 3)), "lin.bias": (torch.float64, (2,
 
 
 GROUPS = _state()[1]["param_groups"]
-STATE_KEYS = {"step": "scalar", "exp_avg": "param", "exp_avg_sq": "param"}
+STATE_KEYS = {"step": "step", "exp_avg": "param", "exp_avg_sq": "param_nonnegative"}
 
 
 def _read(path: str, expect=EXPECT, groups=GROUPS):
@@ -71,6 +71,8 @@ def files(tmp_path):
         "gpt2": '{"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2}',  # attn_pdrop: 0.1 by default
         "bert_like": '{"model_type": "llama", "attention_dropout": 0.2, "hidden_size": 32}',
         "broken": '{"model_type": "llama", ',
+        "bloom": '{"model_type": "bloom", "n_layer": 1, "hidden_size": 32, "n_head": 2}',
+        "t5": '{"model_type": "t5", "d_model": 32}',
     }.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(config)
@@ -105,6 +107,8 @@ BAD = [
     (["--model", "{t}/gpt2"], "dropout inside attention (attn_pdrop=0.1)"),
     (["--model", "{t}/bert_like"], "dropout inside attention (attention_dropout=0.2)"),
     (["--model", "{t}/broken"], "transformers cannot read its config.json"),
+    (["--model", "{t}/bloom"], "BloomForCausalLM computes attention in its own code"),
+    (["--model", "{t}/t5"], "transformers has no causal LM for model_type 't5'"),
     (["--cp-strategy", "halo"], "must be one of allgather_kv, ulysses, ring, usp; got 'halo' (halo needs"),
     (["--cp-strategy", "auto"], "must be one of allgather_kv, ulysses, ring, usp; got 'auto'"),
     (["--cp", "0"], "--cp must be >= 1, got 0"),
@@ -336,6 +340,113 @@ def test_optimizer_state_unlike_adamws_is_refused_before_any_step(tmp_path, name
         _read(path)
 
 
+def _adamw(step: float = 1.0):
+    """A real AdamW's full state after one step (every option torch's AdamW keeps), and its groups."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2)
+    lin(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(lin, opt, options=StateDictOptions(full_state_dict=True))
+    for state in osd["state"].values():
+        state["step"] = torch.tensor(step)
+    expect = {k: (v.dtype, tuple(v.shape)) for k, v in msd.items()}
+    return msd, osd, expect, [dict(g, params=list(g["params"])) for g in osd["param_groups"]]
+
+
+def _group(**options):
+    return lambda o: o["param_groups"][0].update(options)
+
+
+def _state_of_weight(**entries):
+    return lambda o: o["state"]["weight"].update(entries)
+
+
+# An edited checkpoint's optimizer state: each refused by the reader, in one line, before a step.
+EDITED = {
+    "amsgrad": (_group(amsgrad=True), "option 'amsgrad' is True; the recipe's AdamW runs with False"),
+    "capturable": (
+        _group(capturable=True),
+        "option 'capturable' is True; the recipe's AdamW runs with False",
+    ),
+    "maximize": (_group(maximize=True), "option 'maximize' is True"),
+    "foreach a string": (_group(foreach="yes"), "option 'foreach' is 'yes'"),
+    "a 400-digit lr": (
+        _group(lr=10**400),
+        "option 'lr' must be a number >= 0, got 1000000000000000000000000000",
+    ),
+    "a negative lr": (_group(lr=-0.1), "option 'lr' must be a number >= 0, got -0.1"),
+    "lr a bool": (_group(lr=True), "option 'lr' must be a number >= 0, got True"),
+    "lr a string": (_group(lr="0.1"), "option 'lr' must be a number >= 0"),
+    "beta above 1": (
+        _group(betas=(0.9, 1.5)),
+        "option 'betas' must be two numbers in [0, 1), got [0.9, 1.5]",
+    ),
+    "beta of 1": (_group(betas=(1.0, 0.999)), "option 'betas' must be two numbers in [0, 1)"),
+    "a negative beta": (_group(betas=(-0.1, 0.999)), "option 'betas' must be two numbers in [0, 1)"),
+    "three betas": (_group(betas=(0.9, 0.9, 0.9)), "option 'betas' must be two numbers in [0, 1)"),
+    "eps 0": (_group(eps=0.0), "option 'eps' must be a number > 0, got 0.0"),
+    "a negative eps": (_group(eps=-1e-8), "option 'eps' must be a number > 0"),
+    "a negative weight_decay": (_group(weight_decay=-0.01), "option 'weight_decay' must be a number >= 0"),
+    "step -1": (_state_of_weight(step=torch.tensor(-1.0)), "optimizer 'step' of weight is -1.0, not a whole"),
+    "step 1.5": (_state_of_weight(step=torch.tensor(1.5)), "optimizer 'step' of weight is 1.5, not a whole"),
+    "step past the checkpoint's": (_state_of_weight(step=torch.tensor(2.0)), "not a whole number in [0, 1]"),
+    "step nan": (_state_of_weight(step=torch.tensor(math.nan)), "optimizer 'step' of weight is nan"),
+    "step a number": (_state_of_weight(step=-1), "optimizer 'step' of weight is -1.0, not a whole"),
+    "step a 400-digit number": (_state_of_weight(step=10**400), "'step': must be a tensor entry or a finite"),
+    "step a string": (_state_of_weight(step="3"), "'step': must be a tensor entry or a finite number"),
+    "exp_avg inf": (
+        _state_of_weight(exp_avg=torch.full((2, 3), math.inf)),
+        "optimizer 'exp_avg' of weight holds values that are not finite",
+    ),
+    "exp_avg_sq negative": (
+        _state_of_weight(exp_avg_sq=torch.full((2, 3), -1.0)),
+        "optimizer 'exp_avg_sq' of weight holds negative values",
+    ),
+}
+
+
+def _edited_checkpoint(tmp_path, mutate) -> str:
+    """A checkpoint written as the recipe writes it, of an edited AdamW state."""
+    msd, osd, _, _ = _adamw()
+    mutate(osd)
+    return tc.save_state(str(tmp_path), 1, msd, osd)
+
+
+@pytest.mark.parametrize("name", EDITED)
+def test_an_edited_optimizer_state_is_refused_by_the_reader_in_one_line(tmp_path, name):
+    mutate, message = EDITED[name]
+    path = _edited_checkpoint(tmp_path, mutate)
+    _, _, expect, groups = _adamw()
+    with pytest.raises(tc.CheckpointError) as e:
+        tc.read_state(tc.read_index(path), expect, groups=groups, state_keys=STATE_KEYS)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_an_unedited_adamw_state_reads_back_as_saved(tmp_path):
+    path = _edited_checkpoint(tmp_path, lambda o: None)
+    msd, osd, expect, groups = _adamw()
+    got_msd, got_osd = tc.read_state(tc.read_index(path), expect, groups=groups, state_keys=STATE_KEYS)
+    assert got_osd["param_groups"] == groups
+    assert all(torch.equal(got_msd[k], v) for k, v in msd.items())
+    assert all(
+        torch.equal(got_osd["state"][p][k], v) for p, st in osd["state"].items() for k, v in st.items()
+    )
+
+
+def test_an_lr_beyond_a_float_in_the_index_text_is_refused(tmp_path):
+    path = _edited_checkpoint(tmp_path, _group(lr=12345.0))
+    index = os.path.join(path, tc.INDEX)
+    with open(index) as f:
+        text = f.read()
+    with open(index, "w") as f:
+        f.write(text.replace("12345.0", "1e999"))
+    with pytest.raises(tc.CheckpointError, match=r"option 'lr' must be a number >= 0, got inf"):
+        tc.read_index(path)
+
+
 def test_resume_to_a_step_not_past_the_checkpoint_is_refused(tmp_path, capsys):
     tc.save_state(str(tmp_path / "ck"), 4, *_state())
     for steps in ("2", "4"):
@@ -343,6 +454,44 @@ def test_resume_to_a_step_not_past_the_checkpoint_is_refused(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"holds step 4; --steps {steps} must be greater" in err and err.count("\n") == 1, err
     assert os.listdir(tmp_path / "ck") == ["step_4"]
+
+
+def test_save_every_checks_every_step_directory_it_would_write_before_training(tmp_path):
+    save = tmp_path / "ck"
+    save.mkdir()
+    for name in ("step_3", "step_04", "step_12", "notes"):  # none is a directory the run writes
+        (save / name).write_text("x")
+    argv = ["--save", str(save), "--save-every", "2", "--steps", "7"]
+    check_args(_args(*argv))  # it writes step_2, step_4, step_6 and step_7
+    (save / "step_4").write_text("x")
+    with pytest.raises(UsageError, match=r"step_4 exists and is not a directory \(the run saves there\)"):
+        check_args(_args(*argv))
+    tc.save_state(str(tmp_path / "from"), 4, *_state())  # resumed after step 4: step_4 is not written
+    check_args(_args(*argv, "--resume", str(tmp_path / "from")))
+
+
+def test_metrics_naming_a_file_the_run_reads_is_refused(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    os.symlink(text, tmp_path / "link.jsonl")
+    path = tc.save_state(str(tmp_path / "ck"), 1, *_state())
+    for argv in (
+        ["--text", str(text), "--metrics", str(text)],
+        ["--text", str(text), "--metrics", str(tmp_path / "link.jsonl")],
+        ["--resume", str(tmp_path / "ck"), "--metrics", os.path.join(path, tc.INDEX)],
+    ):
+        with pytest.raises(UsageError, match="which the run reads; give another file"):
+            check_args(_args(*argv))
+    check_args(_args("--text", str(text), "--metrics", str(tmp_path / "m.jsonl")))
+    assert text.read_text() == "some text"
+
+
+def test_a_resume_takes_the_checkpoints_lr_unless_lr_is_given():
+    assert _args().lr is None and _args("--lr", "0.5").lr == 0.5
+    assert (
+        "--lr" in build_parser().format_help()
+        and "the checkpoint's unless given" in build_parser().format_help()
+    )
 
 
 # ---- end to end, one process --------------------------------------------------------------------------
@@ -368,6 +517,68 @@ def test_one_process_resume_is_bitwise_and_labels_the_step_it_trained(tmp_path):
     steps_full, resumed = _metrics(tmp_path / "full.jsonl"), _metrics(tmp_path / "resumed.jsonl")
     assert [m["step"] for m in resumed] == [3] and resumed[0]["loss"] == steps_full[2]["loss"]
     assert (full / "step_3" / tc.DATA).read_bytes() == (again / "step_3" / tc.DATA).read_bytes()
+
+
+@pytest.mark.slow
+def test_resume_with_lr_trains_with_that_lr(tmp_path):
+    common = ["--seq-len", "16", "--no-progress", "--dtype", "float64"]
+    assert main([*common, "--steps", "1", "--save", str(tmp_path / "a"), "--lr", "0.01"]) == 0
+    for lr, out in ((None, "kept"), ("0.25", "given")):
+        flags = [] if lr is None else ["--lr", lr]
+        assert main([*common, "--steps", "2", "--resume", str(tmp_path / "a"), "--save", str(tmp_path / out),
+                     *flags]) == 0  # fmt: skip
+    kept, given = (tc.read_index(str(tmp_path / d / "step_2")) for d in ("kept", "given"))
+    assert kept.param_groups[0]["lr"] == 0.01 and given.param_groups[0]["lr"] == 0.25
+    # the step itself ran with it: AdamW's first moves are about lr per element
+    start, _ = _read_model(tmp_path / "a" / "step_1")
+    for index, lr in ((kept, 0.01), (given, 0.25)):
+        end, _ = _read_model(tmp_path / os.path.basename(os.path.dirname(index.path)) / "step_2")
+        moved = max((end[k] - start[k]).abs().max().item() for k in start)
+        assert 0.5 * lr < moved < 2.5 * lr, (lr, moved)
+
+
+def _read_model(path):
+    index = tc.read_index(str(path))
+    expect = {k: (getattr(torch, r.dtype), r.shape) for k, r in index.model.items()}
+    groups = [dict(g) for g in index.param_groups]
+    keys = {"step": "step", "exp_avg": "param", "exp_avg_sq": "param_nonnegative"}
+    return tc.read_state(index, expect, groups=groups, state_keys=keys)
+
+
+@pytest.mark.slow
+def test_an_edited_checkpoint_is_one_line_exit_2_before_any_step(tmp_path, capsys):
+    common = ["--seq-len", "16", "--no-progress", "--dtype", "float64"]
+    assert main([*common, "--steps", "1", "--save", str(tmp_path / "a")]) == 0
+    index = tmp_path / "a" / "step_1" / tc.INDEX
+    doc = json.loads(index.read_text())
+    doc["param_groups"][0]["amsgrad"] = True
+    index.write_text(json.dumps(doc))
+    capsys.readouterr()
+    metrics = tmp_path / "m.jsonl"
+    assert main([*common, "--steps", "2", "--resume", str(tmp_path / "a"), "--metrics", str(metrics)]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer option 'amsgrad' is True" in err and err.count("\n") == 1, err
+    assert not metrics.exists() or metrics.read_text() == ""
+
+
+GEMMA2_SOFTCAP = {
+    "model_type": "gemma2", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "attn_logit_softcapping": 50.0,
+    "max_position_embeddings": 64,
+}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_model_usp_refuses_when_attention_runs_is_one_line_exit_2_before_any_step(tmp_path, capsys):
+    (tmp_path / "gemma2").mkdir()
+    (tmp_path / "gemma2" / "config.json").write_text(json.dumps(GEMMA2_SOFTCAP))
+    metrics = tmp_path / "m.jsonl"
+    for extra in ([], ["--compile"]):
+        argv = ["--model", str(tmp_path / "gemma2"), "--seq-len", "16", "--steps", "1", "--no-progress"]
+        assert main([*argv, *extra, "--metrics", str(metrics)]) == 2, extra
+        err = capsys.readouterr().err
+        assert "logit softcapping (softcap=...) is not supported" in err and err.count("\n") == 1, err
+        assert not metrics.exists() or metrics.read_text() == ""
 
 
 @pytest.mark.slow
@@ -436,3 +647,30 @@ def test_rank_0_writes_every_rank_reads_and_a_failed_save_fails_every_rank(tmp_p
     assert "exists and is not a directory" in r0["failed"] and "rank 0 could not write step_1" in r1["failed"]
     assert r0["step"] == r1["step"] == 1 and r0["same"] and r1["same"] and r0["lr"] == r1["lr"] == 1e-2
     assert os.listdir(tmp_path / "ok") == ["step_1"]
+
+
+class _DirectSDPA(torch.nn.Module):
+    """A model whose attention calls SDPA itself, outside transformers' attention interface."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 8)
+
+    def forward(self, input_ids, position_ids, use_cache):
+        x = self.emb(input_ids)[:, None]  # (B, 1, L, K)
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+
+@pytest.mark.parametrize("compile_flag", [[], ["--compile"]], ids=["eager", "compile"])
+def test_the_probe_passes_a_model_whose_sdpa_compiled_code_rewrites(compile_flag):
+    from usp_graph.backend.documents import EagerAttentionError
+    from usp_graph.train import _probe
+
+    args = _args(*compile_flag)
+    if compile_flag:  # eager documents(...) alone refuses it; the probe then asks attention_mode
+        from usp_graph import AttentionMetadata, documents
+
+        meta = AttentionMetadata.from_lengths([3, 2], max_docs=4)
+        with pytest.raises(EagerAttentionError), documents(meta):
+            _DirectSDPA()(torch.ones(1, 5, dtype=torch.long), None, False)
+    _probe(_DirectSDPA(), args, torch.device("cpu"))

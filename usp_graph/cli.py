@@ -233,11 +233,35 @@ def _parse_values(items: Sequence[str] | None) -> dict[str, int]:
     return out
 
 
+def _same_file(a: str, b: str) -> bool:
+    """`a` and `b` name one file (by its device and inode: through links, `..` or another spelling)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist (yet): an output that does not exist overwrites nothing
+        return False
+
+
+def _refuse_overwriting(inputs: Sequence[str], outputs: dict[str, str | None]) -> None:
+    """Every output path flag names a file other than each file the command reads and each other
+    output, else `_Usage` (exit 2) before anything is read or written: ``inspect F --html F`` would
+    replace the graph file F with its own report."""
+    given = [(flag, path) for flag, path in outputs.items() if path is not None]
+    for i, (flag, path) in enumerate(given):
+        for f in inputs:
+            if _same_file(path, f):
+                raise _Usage(f"{flag} {path} is {f}, which this command reads; give another output path")
+        for other, other_path in given[i + 1 :]:
+            if os.path.abspath(path) == os.path.abspath(other_path) or _same_file(path, other_path):
+                raise _Usage(f"{flag} and {other} name the same file {path}; give each its own path")
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from . import analysis, report
 
     values = _parse_values(args.values)
     files, failed = _graph_files(args.path)
+    manifests = {os.path.join(os.path.dirname(f), "summary.json") for f in files}  # a compile dump's
+    _refuse_overwriting([*files, *sorted(manifests)], {"--html": args.html, "--dot": args.dot})
     cache: dict[str, Any] = {}
     summaries = {f: _summary(f, values, cache=cache) for f in files}
     if args.json:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import hashlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -310,16 +311,19 @@ def all_reduce_sum_ordered(
 
 
 def _exit_cleanly() -> None:
-    """At interpreter exit: finish the issued collectives still in flight, then destroy the process
-    groups (every subgroup, then the default group: torch's order) while the interpreter is whole.
+    """At interpreter exit: finish the issued collectives still in flight, destroy the process
+    groups (every subgroup, then the default group: torch's order), then free what only reference
+    cycles still hold, while the interpreter is whole.
 
-    Left to interpreter teardown, a gloo process group is destroyed whenever its last Python
-    reference goes (a ContextParallel, an autograd graph's saved context, a pending work), in no
-    fixed order, while module globals are being cleared. Issue 31 saw a rank that had trained
-    correctly (2 gloo ranks, Ulysses, checkpointed layers) die at exit with "terminate called
-    without an active exception" in 3 of 8 runs; it did not recur in ~30 runs here, before or
-    after this handler, so this removes the suspects (work in flight, teardown-ordered group
-    destruction) rather than a confirmed cause. gloo only: destroying an NCCL group at exit can
+    Why the last step (issue 37): `destroy_process_group` only forgets a group; its C++ object,
+    with gloo's worker and TCP loop threads, goes when its last Python reference does. A reference
+    cycle (an `attention_mode` block's checkpoint wrappers hold the mode, its ContextParallel and
+    the group; an autograd graph's saved context; any closure) kept the group past the interpreter's
+    own teardown, which does not collect every cycle: the group was never destroyed (its
+    destructor never ran), and its threads were still running while ``exit()`` destroyed the C++
+    statics and the peer rank closed its sockets; now and then a rank that had trained correctly
+    died there with "terminate called without an active exception". Collecting here destroys such
+    a group on the main thread, its threads joined, before anything else is torn down. gloo only: destroying an NCCL group at exit can
     block on its peers."""
     collectives = sys.modules.get("usp_graph.ops.collectives")
     if collectives is not None:
@@ -329,6 +333,7 @@ def _exit_cleanly() -> None:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001, S110 - at exit, nothing is left to report to
         pass
+    gc.collect()
 
 
 atexit.register(_exit_cleanly)

@@ -24,9 +24,12 @@ Checkpoints (`usp_graph.train_checkpoint`): the full model and optimizer state a
 and a JSON index, written atomically by rank 0, read by every rank without pickle (resuming a
 checkpoint cannot run code). The step saved is the data position too, so `--resume` continues with
 the batches the uninterrupted run would have seen; a resume must train past the checkpoint's step.
+A resume keeps the checkpoint's AdamW settings unless a flag says otherwise (``--lr``); the model
+and ``--dtype`` must be the checkpoint's (``--resume``'s help lists the rest).
 
-Every flag and file is checked before the process group starts (`check_args`): a bad one is a
-one-line error and exit status 2, before any step runs.
+Every flag and file is checked before the process group starts (`check_args`), and the model
+once more through usp's attention before the first step (`_probe`: what usp refuses only when
+attention runs): a bad one is a one-line error and exit status 2, before any step runs.
 
 Nothing but the standard library is imported at module load: ``usp-graph --help`` stays fast.
 """
@@ -94,7 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="synthetic mean document length (default seq-len / 8)",
     )
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=None,
+                   help="AdamW's learning rate (default 1e-3; with --resume, the checkpoint's unless given)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="parameter dtype (default float32)")
     p.add_argument(
@@ -103,11 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--save-every", type=int, default=0, metavar="N", help="also save every N steps (with --save)"
     )
-    p.add_argument(
-        "--resume",
-        metavar="DIR",
-        help="continue from a checkpoint: a --save DIR (its newest step_N) or one step_N directory",
-    )
+    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint: a --save DIR (its newest step_N) "
+                   "or one step_N directory. Flags given override the checkpoint's: --lr, the layout (--dp, --cp, "
+                   "--cp-strategy, --ulysses-degree, --fsdp, --checkpoint, --compile), --steps. The model (--model) "
+                   "and --dtype must match it (checked); AdamW's other settings come from it. The same --seed, "
+                   "--seq-len, --mean-doc-len, --text and --dp continue the uninterrupted run's batches")  # fmt: skip
     p.add_argument(
         "--metrics", metavar="FILE", help="append one JSON line per step (step, loss, tokens_per_s)"
     )
@@ -182,7 +186,7 @@ def check_args(args: argparse.Namespace):
         raise UsageError(f"--save-every must be >= 0, got {args.save_every}")
     if args.save_every and not args.save:
         raise UsageError("--save-every needs --save DIR")
-    if not (math.isfinite(args.lr) and args.lr >= 0):
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
         raise UsageError(f"--lr must be a finite number >= 0, got {args.lr}")
     if args.mean_doc_len is not None and not (math.isfinite(args.mean_doc_len) and args.mean_doc_len >= 1):
         raise UsageError(f"--mean-doc-len must be a finite number >= 1 (tokens), got {args.mean_doc_len}")
@@ -235,11 +239,6 @@ def check_args(args: argparse.Namespace):
         parent = os.path.dirname(os.path.abspath(args.metrics))
         if not os.path.isdir(parent):
             raise UsageError(f"--metrics {args.metrics}: {parent} is not a directory")
-    if args.save is not None:
-        _writable_dir_for(args.save, "--save")
-        final = os.path.join(args.save, f"step_{args.steps}")
-        if os.path.lexists(final) and not os.path.isdir(final):
-            raise UsageError(f"--save {args.save}: {final} exists and is not a directory")
     index = None
     if args.resume is not None:
         try:
@@ -251,7 +250,53 @@ def check_args(args: argparse.Namespace):
                 f"--resume {args.resume} holds step {index.step}; --steps {args.steps} must be greater "
                 "(it is the step to train until, counted from the start)"
             )
+    if args.save is not None:
+        _writable_dir_for(args.save, "--save")
+        _check_save_steps(args, index.step if index is not None else 0)
+    if args.metrics is not None:
+        _check_metrics_reads_nothing(args, index)
     return dp, cp, index
+
+
+def _check_metrics_reads_nothing(args: argparse.Namespace, index) -> None:
+    """--metrics (appended to) is none of the files the run reads: the text, the model's files, the
+    checkpoint resumed (same file by device and inode: links and other spellings too)."""
+    from .train_checkpoint import DATA, INDEX
+
+    inputs = [args.text] if args.text else []
+    if args.model:
+        inputs += [os.path.join(args.model, name) for name in sorted(os.listdir(args.model))]
+    if index is not None:
+        inputs += [os.path.join(index.path, INDEX), os.path.join(index.path, DATA)]
+    if not os.path.exists(args.metrics):  # a file made by the run is none of its inputs
+        return
+    for path in inputs:
+        try:
+            same = os.path.samefile(args.metrics, path)
+        except OSError:  # an input that is not there (a dangling link): not this file
+            continue
+        if same:
+            raise UsageError(f"--metrics {args.metrics} is {path}, which the run reads; give another file")
+
+
+def _saves_step(args: argparse.Namespace, start: int, step: int) -> bool:
+    """The run that starts after `start` saves ``step_{step}`` (the last step, and every --save-every)."""
+    return start < step <= args.steps and (
+        step == args.steps or (args.save_every > 0 and step % args.save_every == 0)
+    )
+
+
+def _check_save_steps(args: argparse.Namespace, start: int) -> None:
+    """No ``step_N`` the run will save is taken by something other than a directory (a save would
+    fail only after the steps before it trained). Reads the directory once: the steps saved may be
+    many more than the names in it."""
+    for name in sorted(os.listdir(args.save)):
+        full, n = os.path.join(args.save, name), name.removeprefix("step_")
+        if n.isascii() and n.isdigit() and name == f"step_{int(n)}" and _saves_step(args, start, int(n)):
+            if not os.path.isdir(full):
+                raise UsageError(
+                    f"--save {args.save}: {full} exists and is not a directory (the run saves there)"
+                )
 
 
 def _attention_dropouts(config: dict[str, Any], where: str = "") -> list[str]:
@@ -269,7 +314,9 @@ def _attention_dropouts(config: dict[str, Any], where: str = "") -> list[str]:
 
 
 def _check_model_config(path: str) -> None:
-    """The model's config loads, and asks for nothing usp refuses at the first step."""
+    """The model's config loads, names a causal LM whose class "usp" accepts (hf.py's own check),
+    and asks for no dropout inside attention. What "usp" refuses only when attention is called
+    (softcapping, sinks, a mask beyond documents, row mixers) `_probe` finds before the first step."""
     import transformers
 
     try:
@@ -284,6 +331,21 @@ def _check_model_config(path: str) -> None:
             f"--model {path}: the config asks for dropout inside attention ({', '.join(dropouts)}), which usp "
             "does not run; set it to 0.0 in config.json for training with the recipe"
         )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from .hf import UnsupportedAttention, _refuse_own_attention
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise UsageError(
+            f"--model {path}: transformers has no causal LM for model_type {config.model_type!r} (the recipe "
+            "trains AutoModelForCausalLM models)"
+        ) from None
+    try:  # the refusal attn_implementation="usp" makes when the model is built
+        _refuse_own_attention(cls)
+    except UnsupportedAttention as e:
+        raise UsageError(f"--model {path}: {e}") from None
 
 
 # ---- distributed setup ----------------------------------------------------------------------------
@@ -520,7 +582,11 @@ def _load(index, model, opt) -> int:
     # optimizer: nothing is gathered, and the optimizer has no state yet.
     live_msd, live_osd = get_state_dict(model, opt)
     expect = {k: (v.dtype, tuple(v.shape)) for k, v in live_msd.items()}
-    state_keys = {"step": "scalar", "exp_avg": "param", "exp_avg_sq": "param"}  # AdamW's, amsgrad off
+    state_keys = {
+        "step": "step",
+        "exp_avg": "param",
+        "exp_avg_sq": "param_nonnegative",
+    }  # AdamW's, amsgrad off
     try:
         msd, osd = read_state(index, expect, groups=live_osd["param_groups"], state_keys=state_keys)
     except CheckpointError as e:
@@ -577,102 +643,188 @@ class _Progress:
             self.bar.close()
 
 
-def run(args: argparse.Namespace) -> int:
-    """Train as `args` says; returns a process exit code."""
+def _probe(model, args, device) -> None:
+    """One forward of two short documents through the recipe's attention door (`attention_mode`,
+    or `documents` with --compile, run eagerly), without context parallelism, gradients or a draw
+    from the random generators: what usp refuses for this model only when attention is called
+    (hf.py's refusals: softcapping, sinks, dropout inside attention, a mask beyond documents;
+    attention_mode's rules: row mixers, positions counted along the row) is a `UsageError` (exit 2)
+    before the first step, with usp's own reason, instead of a traceback at step 1."""
     import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
 
     from . import AttentionMetadata, attention_mode, documents
+    from .backend.documents import EagerAttentionError
+
+    lengths = [3, 2]
+    ids = torch.ones(1, sum(lengths), dtype=torch.long, device=device)
+    pos = torch.cat([torch.arange(k) for k in lengths])[None].to(device)
+    meta = AttentionMetadata.from_lengths(
+        lengths, max_docs=_capacity(2), max_seqlen=max(lengths), device=device
+    )
+
+    def forward(door) -> None:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), door:
+            model(input_ids=ids, position_ids=pos, use_cache=False)
+
+    try:
+        try:
+            forward(documents(meta) if args.compile else attention_mode(meta))
+        except EagerAttentionError:  # an SDPA call outside transformers' attention interface: compiled
+            forward(attention_mode(meta))  # code rewrites it, eager documents(...) cannot; attention_mode can
+    except (ValueError, NotImplementedError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"--model {args.model or '(the default Llama)'}: {first[:400]}") from None
+
+
+class _Job:
+    """What the steps run with: built once every rank has its process group (`_setup`)."""
+
+    def __init__(self, args, dp: int, cp_degree: int, device) -> None:
+        import torch.distributed as dist
+
+        self.args, self.dp, self.cp_degree, self.device = args, dp, cp_degree, device
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.model: Any = None
+        self.run_model: Any = None
+        self.opt: Any = None
+        self.plan: Any = None
+        self.cp: Any = None
+        self.start, self.replica = 0, 0
+
+
+def _build_model(args, dtype, device):
+    """`_model`, with transformers' errors for a malformed model directory as one line."""
+    try:
+        return _model(args, dtype, device)
+    except (OSError, ValueError) as e:
+        if not args.model or isinstance(e, UsageError):
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"--model {args.model}: {first[:300]}") from None
+
+
+def _setup(args, dp: int, cp_degree: int, index, device) -> _Job:
+    """Mesh, CP plan, model (probed), checkpointing, FSDP2 or data parallel, AdamW, compile, resume."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
     from .checkpointing import checkpoint_blocks
     from .fsdp import prepare
+
+    job = _Job(args, dp, cp_degree, device)
+    dims = ("dp_shard" if args.fsdp else "dp_replicate", "cp")
+    mesh = init_device_mesh(device.type, (dp, cp_degree), mesh_dim_names=dims)
+    job.cp = _context_parallel(args, mesh)
+    model = job.model = _build_model(args, getattr(torch, args.dtype), device)
+    _probe(model, args, device)
+    if args.checkpoint:
+        checkpoint_blocks(model, policy=args.checkpoint)
+    if args.fsdp:
+        job.plan = prepare(model, mesh, job.cp)
+    else:
+        job.plan = _DataParallel(
+            mesh._flatten("dp_replicate_cp").get_group() if job.world > 1 else dist.group.WORLD
+        )
+    job.opt = torch.optim.AdamW(model.parameters(), lr=args.lr if args.lr is not None else 1e-3)
+    job.run_model = torch.compile(model, backend="usp", options={"cp": job.cp}) if args.compile else model
+    if index is not None:
+        job.start = _load(index, model, job.opt)
+        if args.lr is not None:  # an explicit --lr overrides the checkpoint's
+            for group in job.opt.param_groups:
+                group["lr"] = args.lr
+    job.replica = mesh.get_coordinate()[0]
+    return job
+
+
+def _describe(job: _Job) -> str:
+    args, model = job.args, job.model
+    return (
+        f"usp_graph.train: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} params, "
+        f"{args.dtype}) on {job.world} {job.device.type} rank(s): dp {job.dp} x cp {job.cp_degree} "
+        f"({args.cp_strategy}), {'FSDP2' if args.fsdp else 'replicated'}, checkpoint {args.checkpoint or 'off'}, "
+        f"{'compiled' if args.compile else 'eager'}; {args.seq_len} tokens per row, {job.dp * args.seq_len} per "
+        f"step; steps {job.start + 1}..{args.steps}; lr {job.opt.param_groups[0]['lr']:g}"
+    )
+
+
+def _train_step(job: _Job, data: _Data, step: int) -> float:
+    """One step on this rank's shard of its replica's row; returns the global token-mean loss."""
+    import torch
+    import torch.nn.functional as F
+
+    from . import AttentionMetadata, attention_mode, documents
+
+    args, device, cp, plan = job.args, job.device, job.cp, job.plan
+    ids, pos, labels, lengths = data.row(step, job.replica)
+    meta = AttentionMetadata.from_lengths(
+        lengths, max_docs=_capacity(len(lengths)), max_seqlen=args.seq_len, device=device
+    )
+    local = [cp.shard(x, 1).to(device) for x in (ids, pos, labels)]
+    with documents(meta) if args.compile else attention_mode(meta, cp=cp):
+        logits = job.run_model(input_ids=local[0], position_ids=local[1], use_cache=False).logits
+    flat = local[2].flatten()
+    loss_sum = F.cross_entropy(
+        logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+        flat,
+        ignore_index=-100,
+        reduction="sum",
+    )
+    # The token mean over every rank's targets (`plan.token_mean`'s value, bitwise: integer
+    # counts sum exactly), with at least one target: a step whose rows hold none (only
+    # one-token documents) has loss 0 and zero gradients, not 0/0 = nan.
+    targets = plan.global_sum((flat != -100).sum().to(torch.float64))
+    loss = loss_sum / targets.clamp_min(1).to(loss_sum.dtype)
+    job.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    plan.reduce_grads(job.model.parameters())
+    job.opt.step()
+    return plan.global_sum(loss).item()  # a host sync: the step is done
+
+
+def _train(job: _Job, data: _Data) -> float:
+    """Steps start + 1 .. --steps, with progress, metrics and the --save-every saves; the last loss."""
+    args = job.args
+    progress = _Progress(args.steps, job.start, job.rank == 0, args.no_progress)
+    log = _open_metrics(args.metrics) if args.metrics and job.rank == 0 else None
+    loss_value = math.nan
+    for step in range(job.start, args.steps):
+        t0 = time.perf_counter()
+        loss_value = _train_step(job, data, step)
+        tps = job.dp * args.seq_len / (time.perf_counter() - t0)
+        progress.update(step + 1, args.steps, loss_value, tps)
+        if log is not None:
+            try:
+                log.write(json.dumps({"step": step + 1, "loss": loss_value, "tokens_per_s": tps}) + "\n")
+                log.flush()
+            except OSError as e:  # a full disk, /dev/full, a reader that went away
+                raise UsageError(f"--metrics {args.metrics}: {e.strerror or e}") from None
+        if args.save and step + 1 < args.steps and _saves_step(args, job.start, step + 1):
+            _save(args.save, job.model, job.opt, step + 1, job.device)
+    progress.close()
+    if log is not None:
+        log.close()
+    return loss_value
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train as `args` says; returns a process exit code."""
+    import torch.distributed as dist
 
     dp, cp_degree, index = check_args(args)
     data = _Data(args, 256, dp)  # reads --text now (its vocabulary is set once the model is built)
     device, owns_group = _init_distributed()
     try:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        dims = ("dp_shard" if args.fsdp else "dp_replicate", "cp")
-        mesh = init_device_mesh(device.type, (dp, cp_degree), mesh_dim_names=dims)
-        cp = _context_parallel(args, mesh)
-        dtype = getattr(torch, args.dtype)
-        try:
-            model = _model(args, dtype, device)
-        except (OSError, ValueError) as e:  # transformers' errors for a malformed model directory
-            if not args.model or isinstance(e, UsageError):
-                raise
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UsageError(f"--model {args.model}: {first[:300]}") from None
-        data.vocab = model.config.vocab_size
-        if args.checkpoint:
-            checkpoint_blocks(model, policy=args.checkpoint)
-        if args.fsdp:
-            plan: Any = prepare(model, mesh, cp)
-        else:
-            plan = _DataParallel(
-                mesh._flatten("dp_replicate_cp").get_group() if world > 1 else dist.group.WORLD
-            )
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        run_model = torch.compile(model, backend="usp", options={"cp": cp}) if args.compile else model
-        start = _load(index, model, opt) if index is not None else 0
-        replica = mesh.get_coordinate()[0]
-        if rank == 0:
-            print(
-                f"usp_graph.train: {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} params, "
-                f"{args.dtype}) on {world} {device.type} rank(s): dp {dp} x cp {cp_degree} ({args.cp_strategy}), "
-                f"{'FSDP2' if args.fsdp else 'replicated'}, checkpoint {args.checkpoint or 'off'}, "
-                f"{'compiled' if args.compile else 'eager'}; {args.seq_len} tokens per row, "
-                f"{dp * args.seq_len} per step; steps {start + 1}..{args.steps}",
-                flush=True,
-            )
-        progress = _Progress(args.steps, start, rank == 0, args.no_progress)
-        log = _open_metrics(args.metrics) if args.metrics and rank == 0 else None
-        loss_value = math.nan
-        for step in range(start, args.steps):
-            t0 = time.perf_counter()
-            ids, pos, labels, lengths = data.row(step, replica)
-            meta = AttentionMetadata.from_lengths(
-                lengths, max_docs=_capacity(len(lengths)), max_seqlen=args.seq_len, device=device
-            )
-            local = [cp.shard(x, 1).to(device) for x in (ids, pos, labels)]
-            with documents(meta) if args.compile else attention_mode(meta, cp=cp):
-                logits = run_model(input_ids=local[0], position_ids=local[1], use_cache=False).logits
-            flat = local[2].flatten()
-            loss_sum = F.cross_entropy(
-                logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
-                flat,
-                ignore_index=-100,
-                reduction="sum",
-            )
-            # The token mean over every rank's targets (`plan.token_mean`'s value, bitwise: integer
-            # counts sum exactly), with at least one target: a step whose rows hold none (only
-            # one-token documents) has loss 0 and zero gradients, not 0/0 = nan.
-            targets = plan.global_sum((flat != -100).sum().to(torch.float64))
-            loss = loss_sum / targets.clamp_min(1).to(loss_sum.dtype)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            plan.reduce_grads(model.parameters())
-            opt.step()
-            loss_value = plan.global_sum(loss).item()  # a host sync: the step is done
-            tps = dp * args.seq_len / (time.perf_counter() - t0)
-            progress.update(step + 1, args.steps, loss_value, tps)
-            if log is not None:
-                try:
-                    log.write(json.dumps({"step": step + 1, "loss": loss_value, "tokens_per_s": tps}) + "\n")
-                    log.flush()
-                except OSError as e:  # a full disk, /dev/full, a reader that went away
-                    raise UsageError(f"--metrics {args.metrics}: {e.strerror or e}") from None
-            if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-                _save(args.save, model, opt, step + 1, device)
-        progress.close()
-        if log is not None:
-            log.close()
+        job = _setup(args, dp, cp_degree, index, device)
+        data.vocab = job.model.config.vocab_size
+        if job.rank == 0:
+            print(_describe(job), flush=True)
+        loss_value = _train(job, data)
         if args.save:
-            where = _save(args.save, model, opt, args.steps, device)
-            if rank == 0:
+            where = _save(args.save, job.model, job.opt, args.steps, device)
+            if job.rank == 0:
                 print(f"saved step {args.steps} to {where}", flush=True)
-        if rank == 0:
+        if job.rank == 0:
             print(f"done: step {args.steps}, loss {loss_value:.6f}", flush=True)
         return 0
     finally:

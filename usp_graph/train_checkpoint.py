@@ -98,7 +98,7 @@ class Index:
     path: str
     step: int
     model: dict[str, Ref]
-    optim: dict[str, dict[str, Ref | int | float | bool]]
+    optim: dict[str, dict[str, Ref | float]]
     param_groups: list[dict[str, Any]]
     data_bytes: int
 
@@ -126,6 +126,58 @@ def _ref(path: str, where: str, r: Any) -> Ref:
     return Ref(dtype, tuple(shape), offset, math.prod(shape) * DTYPES[dtype])
 
 
+def _number(x: Any) -> float | None:
+    """`x` as a finite float, or None: not a JSON number (a bool, a string), not finite, or an int
+    too large for a float (a 400-digit lr)."""
+    if type(x) not in (int, float):
+        return None
+    try:
+        f = float(x)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+# AdamW's hyperparameters (the recipe's optimizer), taken from the checkpoint once each is a number
+# in the range torch's AdamW accepts (eps > 0: with eps 0 a zero second moment divides by zero).
+# Every other option (amsgrad, maximize, capturable, foreach, ...) changes what a step computes or
+# which state it keeps, so `read_state` requires the live optimizer's value.
+HYPERPARAMETERS: dict[str, tuple[str, Any]] = {
+    "lr": ("a number >= 0", lambda x: x >= 0),
+    "eps": ("a number > 0", lambda x: x > 0),
+    "weight_decay": ("a number >= 0", lambda x: x >= 0),
+    "betas": ("two numbers in [0, 1)", lambda x: 0 <= x < 1),
+}
+
+
+def _shown(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:30] + f"... ({len(text)} characters)"
+
+
+def _option(path: str, key: str, v: Any) -> Any:
+    """One param group option, decoded: a hyperparameter in its range, else a JSON scalar or a
+    list of numbers (a tuple, as torch's optimizers keep betas)."""
+    if key in HYPERPARAMETERS:
+        what, ok = HYPERPARAMETERS[key]
+        if key == "betas":
+            numbers = [_number(x) for x in v] if isinstance(v, list) and len(v) == 2 else [None]
+        else:
+            numbers = [_number(v)]
+        if any(x is None or not ok(x) for x in numbers):
+            raise _fail(path, f"optimizer option {key!r} must be {what}, got {_shown(v)}")
+        return tuple(numbers) if key == "betas" else numbers[0]
+    if isinstance(v, list):
+        if not all(_number(x) is not None for x in v):
+            raise _fail(path, f"param group option {key[:40]!r} must be a list of finite numbers")
+        return tuple(v)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and _number(v) is None:
+        raise _fail(path, f"param group option {key[:40]!r} must be a finite number, got {_shown(v)}")
+    if not isinstance(v, SCALAR_TYPES):
+        raise _fail(path, f"param group option {key[:40]!r} must be a number, string, bool, null or list")
+    return v
+
+
 def _param_groups(path: str, groups: Any) -> list[dict[str, Any]]:
     if not (isinstance(groups, list) and groups and all(isinstance(g, dict) for g in groups)):
         raise _fail(path, "param_groups must be a non-empty list of objects")
@@ -135,18 +187,19 @@ def _param_groups(path: str, groups: Any) -> list[dict[str, Any]]:
         if not (isinstance(params, list) and all(isinstance(p, str) for p in params)):
             raise _fail(path, "each param group needs params: a list of parameter names")
         group: dict[str, Any] = {"params": list(params)}
-        for k, v in g.items():
-            if k == "params":
-                continue
-            if isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
-                v = tuple(v)  # betas: torch's optimizers keep tuples
-            elif not isinstance(v, SCALAR_TYPES):
-                raise _fail(
-                    path, f"param group option {k[:40]!r} must be a number, string, bool, null or list"
-                )
-            group[k] = v
+        group.update((k, _option(path, k, v)) for k, v in g.items() if k != "params")
         out.append(group)
     return out
+
+
+def _state_entry(path: str, fqn: str, key: str, v: Any) -> Ref | float:
+    """One per-parameter optimizer state entry: a tensor reference or a finite number."""
+    where = f"optim {fqn[:80]!r} {key[:40]!r}"
+    if isinstance(v, dict):
+        return _ref(path, where, v)
+    if _number(v) is None:
+        raise _fail(path, f"{where}: must be a tensor entry or a finite number, got {_shown(v)}")
+    return float(v)
 
 
 def read_index(path: str) -> Index:
@@ -179,17 +232,12 @@ def read_index(path: str) -> Index:
     refs: list[Ref] = []
     model_refs = {str(k): _ref(path, f"model {k[:80]!r}", r) for k, r in model.items()}
     refs += model_refs.values()
-    optim_refs: dict[str, dict[str, Ref | int | float | bool]] = {}
+    optim_refs: dict[str, dict[str, Ref | float]] = {}
     for fqn, state in optim.items():
         if not isinstance(state, dict):
             raise _fail(path, f"optim {fqn[:80]!r} must be an object")
-        entry: dict[str, Ref | int | float | bool] = {}
-        for k, v in state.items():
-            if isinstance(v, (int, float, bool)):
-                entry[k] = v
-            else:
-                entry[k] = r = _ref(path, f"optim {fqn[:80]!r} {k[:40]!r}", v)
-                refs.append(r)
+        entry = {str(k): _state_entry(path, fqn, k, v) for k, v in state.items()}
+        refs += [r for r in entry.values() if isinstance(r, Ref)]
         optim_refs[fqn] = entry
     groups = _param_groups(path, doc.get("param_groups"))
     try:
@@ -244,37 +292,7 @@ def _torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def _same_kind(saved: Any, live: Any) -> bool:
-    """A saved optimizer option fits the live one: the same type (ints and floats mix), finite."""
-    if isinstance(live, bool) or live is None or isinstance(live, str):
-        return type(saved) is type(live)
-    if isinstance(live, (int, float)):
-        return type(saved) in (int, float) and math.isfinite(saved)
-    if isinstance(live, (tuple, list)):
-        return (
-            isinstance(saved, tuple)
-            and len(saved) == len(live)
-            and all(_same_kind(a, b) for a, b in zip(saved, live, strict=True))
-        )
-    return False
-
-
-def read_state(
-    index: Index,
-    model_expect: dict[str, tuple[Any, tuple[int, ...]]],
-    *,
-    groups: list[dict[str, Any]],
-    state_keys: dict[str, str],
-) -> tuple[dict, dict]:
-    """The full model and optimizer state dicts of `index`, checked against the live ones first.
-
-    `model_expect` maps each model state name to (torch dtype, global shape); `groups` are the live
-    optimizer's param groups (parameter names under ``params``); `state_keys` names each
-    per-parameter optimizer state entry: ``"param"`` (the parameter's dtype and shape) or
-    ``"scalar"`` (shape (), any float dtype, or a number). Nothing is read before all of it holds:
-    the bytes read are bounded by the model's and optimizer's own size, and the first optimizer
-    step finds the state it expects."""
-    path = index.path
+def _check_model(path: str, index: Index, model_expect: dict[str, tuple[Any, tuple[int, ...]]]) -> None:
     names = set(model_expect)
     if set(index.model) != names:
         missing, extra = sorted(names - set(index.model)), sorted(set(index.model) - names)
@@ -290,6 +308,12 @@ def read_state(
             raise _fail(
                 path, f"{name} is {r.dtype}, the model's is {str(dtype).removeprefix('torch.')} (--dtype)"
             )
+
+
+def _check_groups(path: str, index: Index, groups: list[dict[str, Any]]) -> set[str]:
+    """The saved param groups hold the live optimizer's parameters and options: hyperparameters
+    (`HYPERPARAMETERS`, already in range) are taken; every other option must be the live one.
+    Returns the optimized parameters' names."""
     if len(index.param_groups) != len(groups):
         raise _fail(
             path, f"{len(index.param_groups)} optimizer param groups, the optimizer has {len(groups)}"
@@ -303,9 +327,25 @@ def read_state(
         if set(saved) != set(live):
             raise _fail(path, f"optimizer options {sorted(set(saved) ^ set(live))[:3]} differ from AdamW's")
         for k, v in saved.items():
-            if k != "params" and not _same_kind(v, live[k]):
-                raise _fail(path, f"optimizer option {k!r} is {str(v)[:40]!r}, not like {live[k]!r}")
+            if k in HYPERPARAMETERS or k == "params":
+                continue
+            if type(v) is not type(live[k]) or v != live[k]:
+                raise _fail(
+                    path,
+                    f"optimizer option {k!r} is {_shown(v)}; the recipe's AdamW runs with {live[k]!r} (it "
+                    "changes what a step computes or which state it keeps)",
+                )
         params.update(saved["params"])
+    return params
+
+
+# What `read_state` accepts for each kind of per-parameter optimizer state entry.
+STATE_KINDS = ("step", "param", "param_nonnegative")
+
+
+def _check_state_refs(
+    path: str, index: Index, model_expect: dict, params: set[str], state_keys: dict
+) -> None:
     for fqn, state in index.optim.items():
         if fqn not in params:
             raise _fail(path, f"optimizer state for {fqn[:80]!r}, which is not an optimized parameter")
@@ -316,14 +356,55 @@ def read_state(
             )
         dtype, shape = model_expect[fqn]
         for k, r in state.items():
-            if state_keys[k] == "param":
+            if state_keys[k] != "step":
                 ok = isinstance(r, Ref) and r.shape == tuple(shape) and _torch_dtype(r.dtype) == dtype
-            elif isinstance(r, Ref):
-                ok = r.shape == () and r.dtype.startswith(("float", "bfloat"))
             else:
-                ok = not isinstance(r, bool) and math.isfinite(r)
+                ok = not isinstance(r, Ref) or (r.shape == () and r.dtype.startswith(("float", "bfloat")))
             if not ok:
                 raise _fail(path, f"optimizer {k!r} of {fqn} has the wrong kind, dtype or shape")
+
+
+def _check_state_values(path: str, step: int, state: dict[str, dict[str, Any]], state_keys: dict) -> None:
+    """The values a step would divide by or count with: a step count is a whole number in
+    [0, the checkpoint's step]; moments are finite, second moments >= 0."""
+    import torch
+
+    for fqn, entry in state.items():
+        for k, v in entry.items():
+            kind = state_keys[k]
+            if kind == "step":
+                n = float(v)
+                if not (math.isfinite(n) and n == int(n) and 0 <= n <= step):
+                    raise _fail(path, f"optimizer {k!r} of {fqn} is {n!r}, not a whole number in [0, {step}]")
+            elif not bool(torch.isfinite(v).all()):
+                raise _fail(path, f"optimizer {k!r} of {fqn} holds values that are not finite")
+            elif kind == "param_nonnegative" and bool((v < 0).any()):
+                raise _fail(path, f"optimizer {k!r} of {fqn} holds negative values (it is a mean of squares)")
+
+
+def read_state(
+    index: Index,
+    model_expect: dict[str, tuple[Any, tuple[int, ...]]],
+    *,
+    groups: list[dict[str, Any]],
+    state_keys: dict[str, str],
+) -> tuple[dict, dict]:
+    """The full model and optimizer state dicts of `index`, checked against the live ones first.
+
+    `model_expect` maps each model state name to (torch dtype, global shape); `groups` are the live
+    optimizer's param groups (parameter names under ``params``); `state_keys` names the kind
+    (`STATE_KINDS`) of each per-parameter optimizer state entry: ``"param"`` (the parameter's dtype
+    and shape, finite), ``"param_nonnegative"`` (also >= 0) or ``"step"`` (shape (), any float
+    dtype, or a number: a whole count in [0, the checkpoint's step]). Nothing is read before the
+    names, dtypes, shapes and options hold (the bytes read are bounded by the model's and
+    optimizer's own size), and nothing is returned before the optimizer's values do: the first
+    optimizer step finds the state it expects."""
+    path = index.path
+    unknown = sorted(set(state_keys.values()) - set(STATE_KINDS))
+    assert not unknown, f"state kinds {unknown} are not among {STATE_KINDS}"
+    _check_model(path, index, model_expect)
+    params = _check_groups(path, index, groups)
+    _check_state_refs(path, index, model_expect, params, state_keys)
 
     import torch
 
@@ -345,6 +426,7 @@ def read_state(
             }
     except OSError as e:
         raise _fail(path, f"{DATA}: {e.strerror or e}") from None
+    _check_state_values(path, index.step, state, state_keys)
     groups = [dict(g, params=list(g["params"])) for g in index.param_groups]
     return msd, {"state": state, "param_groups": groups}
 

@@ -225,17 +225,9 @@ def _site(item: Any, where: str, kept: bool) -> SavedSite:
     return SavedSite(item[0], item[1], item[2], item[3] if kept else None)
 
 
-def _train_step(f: GraphFile, *, groups: Mapping[str, Any] | None, verify: bool) -> LoadedTrainStep:
-    sec = f.section
-    where = "train_step"
-    allowed = {"batch_tree", "max_docs", "metadata_device", "token_checks", "sites", "skipped", "buffers"}
-    if set(sec) != allowed:
-        raise _schema(where, f"fields must be {sorted(allowed)}, got {sorted(str(k)[:40] for k in sec)}")
-    max_docs = sec["max_docs"]
-    if isinstance(max_docs, bool) or not isinstance(max_docs, int) or not 1 <= max_docs < 2**31:
-        raise _schema(f"{where}.max_docs", "a positive int")
-    metadata_device = decode_device(sec["metadata_device"], f"{where}.metadata_device")
-
+def _inputs_by_role(f: GraphFile, max_docs: int, metadata_device: Any) -> dict[str, list[InputSpec]]:
+    """The file's inputs grouped by role, in the order a train step takes them (parameters,
+    buffers, batch, then the metadata inputs cu_seqlens and max_seqlen)."""
     by_role: dict[str, list[InputSpec]] = {"parameter": [], "buffer": [], "batch": [], "metadata": []}
     order = list(by_role)
     last = 0
@@ -261,35 +253,29 @@ def _train_step(f: GraphFile, *, groups: Mapping[str, Any] | None, verify: bool)
             f"a train step ends with cu_seqlens (int32, ({max_docs + 1},), on {metadata_device}) and the "
             "symint max_seqlen",
         )
-    params = tuple(_as_tensor_spec(s, f"inputs[{s.name}]", named_dims=False) for s in by_role["parameter"])
-    bufs = tuple(_as_tensor_spec(s, f"inputs[{s.name}]", named_dims=False) for s in by_role["buffer"])
-    batch = tuple(_as_tensor_spec(s, f"inputs[{s.name}]", named_dims=True) for s in by_role["batch"])
-    for what, specs in (("parameter", params), ("buffer", bufs), ("batch", batch)):
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise _schema("inputs", f"{what} names repeat")
-    trainable = tuple(s.name for s in by_role["parameter"] if s.trainable)
-    for name in ["max_seqlen"] + [d for s in batch for d in s.shape if isinstance(d, str)]:
-        if name not in f.dims:
-            raise _schema("inputs", f"dim {name!r} has no entry in the file's symbols")
+    return by_role
 
-    skeleton = _decode_tree(sec["batch_tree"], f"{where}.batch_tree")
+
+def _batch_spec(f: GraphFile, raw: Any, batch: tuple[Any, ...], where: str) -> Any:
+    """The batch's pytree spec, decoded from its skeleton, whose leaves are the batch inputs."""
+    skeleton = _decode_tree(raw, where)
     leaves, batch_spec = pytree.tree_flatten(skeleton)
     if not all(x == "*" for x in leaves):
-        raise _schema(f"{where}.batch_tree", 'leaves are "*"')
+        raise _schema(where, 'leaves are "*"')
     tree_names, _, _ = flatten_batch(skeleton)
     if tree_names != [s.name for s in batch]:
         raise _schema(
-            f"{where}.batch_tree",
-            f"leaves {tree_names[:5]} do not match the batch inputs {[s.name for s in batch][:5]}",
+            where, f"leaves {tree_names[:5]} do not match the batch inputs {[s.name for s in batch][:5]}"
         )
+    return batch_spec
 
+
+def _token_checks(f: GraphFile, raw: Any, where: str) -> list[tuple[str, str | None, Any]]:
+    if not isinstance(raw, list):
+        raise _schema(where, "a list")
     token_checks = []
-    raw_checks = sec["token_checks"]
-    if not isinstance(raw_checks, list):
-        raise _schema(f"{where}.token_checks", "a list")
-    for i, item in enumerate(raw_checks):
-        w = f"{where}.token_checks[{i}]"
+    for i, item in enumerate(raw):
+        w = f"{where}[{i}]"
         if (
             not isinstance(item, list)
             or len(item) != 3
@@ -298,25 +284,29 @@ def _train_step(f: GraphFile, *, groups: Mapping[str, Any] | None, verify: bool)
         ):
             raise _schema(w, "a token check is [site, source, expression]")
         token_checks.append((item[0], item[1], f.expr(item[2], w)))
-    sites = sec["sites"]
-    skipped = sec["skipped"]
-    if not isinstance(sites, list) or not isinstance(skipped, list):
-        raise _schema(where, "sites and skipped are lists")
+    return token_checks
 
+
+def _buffer_values(raw: Any, bufs: tuple[Any, ...], where: str) -> dict[str, torch.Tensor]:
+    """The buffers' values the file holds (none when it holds none), each matching its input spec."""
     buffers: dict[str, torch.Tensor] = {}
-    if sec["buffers"] is not None:
-        if not isinstance(sec["buffers"], dict) or list(sec["buffers"]) != [b.name for b in bufs]:
-            raise _schema(f"{where}.buffers", f"values for exactly the buffers {[b.name for b in bufs][:5]}")
-        for spec in bufs:
-            t = decode_tensor_data(sec["buffers"][spec.name], f"{where}.buffers[{spec.name!r}]")
-            if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-                raise _schema(
-                    f"{where}.buffers[{spec.name!r}]",
-                    f"value {tuple(t.shape)} {t.dtype} does not match its input spec",
-                )
-            buffers[spec.name] = t
+    if raw is None:
+        return buffers
+    if not isinstance(raw, dict) or list(raw) != [b.name for b in bufs]:
+        raise _schema(where, f"values for exactly the buffers {[b.name for b in bufs][:5]}")
+    for spec in bufs:
+        t = decode_tensor_data(raw[spec.name], f"{where}[{spec.name!r}]")
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise _schema(
+                f"{where}[{spec.name!r}]", f"value {tuple(t.shape)} {t.dtype} does not match its input spec"
+            )
+        buffers[spec.name] = t
+    return buffers
 
-    gm = f.graph_module
+
+def _check_graph(gm: Any, trainable: tuple[str, ...], verify: bool) -> None:
+    """The graph outputs (loss, one grad per trainable parameter), its meta, and (verify) the
+    package's verify pass."""
     out_node = gm.graph.find_nodes(op="output")[0]
     outputs = out_node.args[0]
     if not isinstance(outputs, (tuple, list)) or len(outputs) != 1 + len(trainable):
@@ -340,6 +330,41 @@ def _train_step(f: GraphFile, *, groups: Mapping[str, Any] | None, verify: bool)
             verify_graph(gm)
         except VerifyError as e:
             raise _schema("graph", f"fails usp_graph's verify pass: {e}") from None
+
+
+def _train_step(f: GraphFile, *, groups: Mapping[str, Any] | None, verify: bool) -> LoadedTrainStep:
+    sec = f.section
+    where = "train_step"
+    allowed = {"batch_tree", "max_docs", "metadata_device", "token_checks", "sites", "skipped", "buffers"}
+    if set(sec) != allowed:
+        raise _schema(where, f"fields must be {sorted(allowed)}, got {sorted(str(k)[:40] for k in sec)}")
+    max_docs = sec["max_docs"]
+    if isinstance(max_docs, bool) or not isinstance(max_docs, int) or not 1 <= max_docs < 2**31:
+        raise _schema(f"{where}.max_docs", "a positive int")
+    metadata_device = decode_device(sec["metadata_device"], f"{where}.metadata_device")
+
+    by_role = _inputs_by_role(f, max_docs, metadata_device)
+    params = tuple(_as_tensor_spec(s, f"inputs[{s.name}]", named_dims=False) for s in by_role["parameter"])
+    bufs = tuple(_as_tensor_spec(s, f"inputs[{s.name}]", named_dims=False) for s in by_role["buffer"])
+    batch = tuple(_as_tensor_spec(s, f"inputs[{s.name}]", named_dims=True) for s in by_role["batch"])
+    for what, specs in (("parameter", params), ("buffer", bufs), ("batch", batch)):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise _schema("inputs", f"{what} names repeat")
+    trainable = tuple(s.name for s in by_role["parameter"] if s.trainable)
+    for name in ["max_seqlen"] + [d for s in batch for d in s.shape if isinstance(d, str)]:
+        if name not in f.dims:
+            raise _schema("inputs", f"dim {name!r} has no entry in the file's symbols")
+
+    batch_spec = _batch_spec(f, sec["batch_tree"], batch, f"{where}.batch_tree")
+    token_checks = _token_checks(f, sec["token_checks"], f"{where}.token_checks")
+    sites = sec["sites"]
+    skipped = sec["skipped"]
+    if not isinstance(sites, list) or not isinstance(skipped, list):
+        raise _schema(where, "sites and skipped are lists")
+    buffers = _buffer_values(sec["buffers"], bufs, f"{where}.buffers")
+    gm = f.graph_module
+    _check_graph(gm, trainable, verify)
 
     signature = GraphSignature(
         params=params,
