@@ -59,9 +59,7 @@ from .joint import input_requires_grad
 from .options import UspOptions
 from .pipeline import GRAPH_STAGE, JOINT_STAGE, CompileContext
 
-__all__ = ["usp_backend", "CompileReport", "BACKEND_NAME"]
-
-BACKEND_NAME = "usp"
+__all__ = ["usp_backend", "CompileReport"]
 
 
 @dataclass(frozen=True)

@@ -16,20 +16,22 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..signature import GraphSignature, TrainStep, flatten_batch
-from ..trace import TrainStepGraph
 from . import document
 from .errors import GraphFileError, GraphFileSchemaError
 from .reader import GraphFile, read_document
 from .specs import InputSpec
 from .values import decode_device, decode_tensor_data, encode_tensor_data
 from .writer import build_document
+
+if TYPE_CHECKING:
+    from ..trace import TrainStepGraph
 
 __all__ = ["save", "load", "loads", "LoadedTrainStep", "SavedSite"]
 
@@ -115,6 +117,8 @@ def save(
     ``buffers=``). A CP graph records its process groups by global ranks (see
     `usp_graph.graphfile.groups`); save it on its rank, with torch.distributed initialized.
     """
+    from ..trace import TrainStepGraph  # the tracer, here only: loading a file never imports it
+
     if not isinstance(graph, (TrainStepGraph, LoadedTrainStep)):
         raise TypeError(
             f"save takes a TrainStepGraph from usp_graph.trace_train_step (or a loaded one), got {type(graph).__name__}; "
