@@ -229,17 +229,11 @@ def _site(item: Any, where: str, kept: bool) -> SavedSite:
     return SavedSite(item[0], item[1], item[2], item[3] if kept else None)
 
 
-def _train_step(f: GraphFile, *, groups: Mapping[str, Any] | None, verify: bool) -> LoadedTrainStep:
-    sec = f.section
-    where = "train_step"
-    allowed = {"batch_tree", "max_docs", "metadata_device", "token_checks", "sites", "skipped", "buffers"}
-    if set(sec) != allowed:
-        raise _schema(where, f"fields must be {sorted(allowed)}, got {sorted(str(k)[:40] for k in sec)}")
-    max_docs = sec["max_docs"]
-    if isinstance(max_docs, bool) or not isinstance(max_docs, int) or not 1 <= max_docs < 2**31:
-        raise _schema(f"{where}.max_docs", "a positive int")
-    metadata_device = decode_device(sec["metadata_device"], f"{where}.metadata_device")
-
+def _train_step_inputs(
+    f: GraphFile, max_docs: int, metadata_device: torch.device
+) -> tuple[tuple[InputSpec, ...], tuple[InputSpec, ...], tuple[InputSpec, ...], tuple[str, ...]]:
+    """(parameters, buffers, batch, trainable names): the inputs in that order, then the two
+    metadata inputs (cu_seqlens and the symint max_seqlen), each dim a declared symbol."""
     by_role: dict[str, list[InputSpec]] = {"parameter": [], "buffer": [], "batch": [], "metadata": []}
     order = list(by_role)
     last = 0
@@ -276,24 +270,16 @@ def _train_step(f: GraphFile, *, groups: Mapping[str, Any] | None, verify: bool)
     for name in ["max_seqlen"] + [d for s in batch for d in s.shape if isinstance(d, str)]:
         if name not in f.dims:
             raise _schema("inputs", f"dim {name!r} has no entry in the file's symbols")
+    return params, bufs, batch, trainable
 
-    skeleton = _decode_tree(sec["batch_tree"], f"{where}.batch_tree")
-    leaves, batch_spec = pytree.tree_flatten(skeleton)
-    if not all(x == "*" for x in leaves):
-        raise _schema(f"{where}.batch_tree", 'leaves are "*"')
-    tree_names, _, _ = flatten_batch(skeleton)
-    if tree_names != [s.name for s in batch]:
-        raise _schema(
-            f"{where}.batch_tree",
-            f"leaves {tree_names[:5]} do not match the batch inputs {[s.name for s in batch][:5]}",
-        )
 
+def _token_checks(raw_checks: Any, f: GraphFile, where: str) -> list[tuple[str, str | None, Any]]:
+    """The per-site token-count checks: [site, source, expression over the symbols] each."""
     token_checks = []
-    raw_checks = sec["token_checks"]
     if not isinstance(raw_checks, list):
-        raise _schema(f"{where}.token_checks", "a list")
+        raise _schema(where, "a list")
     for i, item in enumerate(raw_checks):
-        w = f"{where}.token_checks[{i}]"
+        w = f"{where}[{i}]"
         if (
             not isinstance(item, list)
             or len(item) != 3
@@ -302,25 +288,29 @@ def _train_step(f: GraphFile, *, groups: Mapping[str, Any] | None, verify: bool)
         ):
             raise _schema(w, "a token check is [site, source, expression]")
         token_checks.append((item[0], item[1], f.expr(item[2], w)))
-    sites = sec["sites"]
-    skipped = sec["skipped"]
-    if not isinstance(sites, list) or not isinstance(skipped, list):
-        raise _schema(where, "sites and skipped are lists")
+    return token_checks
 
+
+def _buffer_values(raw: Any, bufs: tuple[InputSpec, ...], where: str) -> dict[str, torch.Tensor]:
+    """The saved buffer values (None: the file holds none), each matching its input spec."""
     buffers: dict[str, torch.Tensor] = {}
-    if sec["buffers"] is not None:
-        if not isinstance(sec["buffers"], dict) or list(sec["buffers"]) != [b.name for b in bufs]:
-            raise _schema(f"{where}.buffers", f"values for exactly the buffers {[b.name for b in bufs][:5]}")
+    if raw is not None:
+        if not isinstance(raw, dict) or list(raw) != [b.name for b in bufs]:
+            raise _schema(where, f"values for exactly the buffers {[b.name for b in bufs][:5]}")
         for spec in bufs:
-            t = decode_tensor_data(sec["buffers"][spec.name], f"{where}.buffers[{spec.name!r}]")
+            t = decode_tensor_data(raw[spec.name], f"{where}[{spec.name!r}]")
             if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
                 raise _schema(
-                    f"{where}.buffers[{spec.name!r}]",
+                    f"{where}[{spec.name!r}]",
                     f"value {tuple(t.shape)} {t.dtype} does not match its input spec",
                 )
             buffers[spec.name] = t
+    return buffers
 
-    gm = f.graph_module
+
+def _check_train_step_graph(gm: fx.GraphModule, trainable: tuple[str, ...], *, verify: bool) -> None:
+    """The graph outputs (loss, one grad per trainable parameter), its usp_* metadata is well formed,
+    and (when `verify`) it passes usp_graph's verify pass."""
     out_node = gm.graph.find_nodes(op="output")[0]
     outputs = out_node.args[0]
     if not isinstance(outputs, (tuple, list)) or len(outputs) != 1 + len(trainable):
@@ -344,6 +334,42 @@ def _train_step(f: GraphFile, *, groups: Mapping[str, Any] | None, verify: bool)
             verify_graph(gm)
         except VerifyError as e:
             raise _schema("graph", f"fails usp_graph's verify pass: {e}") from None
+
+
+def _train_step(f: GraphFile, *, groups: Mapping[str, Any] | None, verify: bool) -> LoadedTrainStep:
+    sec = f.section
+    where = "train_step"
+    allowed = {"batch_tree", "max_docs", "metadata_device", "token_checks", "sites", "skipped", "buffers"}
+    if set(sec) != allowed:
+        raise _schema(where, f"fields must be {sorted(allowed)}, got {sorted(str(k)[:40] for k in sec)}")
+    max_docs = sec["max_docs"]
+    if isinstance(max_docs, bool) or not isinstance(max_docs, int) or not 1 <= max_docs < 2**31:
+        raise _schema(f"{where}.max_docs", "a positive int")
+    metadata_device = decode_device(sec["metadata_device"], f"{where}.metadata_device")
+
+    params, bufs, batch, trainable = _train_step_inputs(f, max_docs, metadata_device)
+
+    skeleton = _decode_tree(sec["batch_tree"], f"{where}.batch_tree")
+    leaves, batch_spec = pytree.tree_flatten(skeleton)
+    if not all(x == "*" for x in leaves):
+        raise _schema(f"{where}.batch_tree", 'leaves are "*"')
+    tree_names, _, _ = flatten_batch(skeleton)
+    if tree_names != [s.name for s in batch]:
+        raise _schema(
+            f"{where}.batch_tree",
+            f"leaves {tree_names[:5]} do not match the batch inputs {[s.name for s in batch][:5]}",
+        )
+
+    token_checks = _token_checks(sec["token_checks"], f, f"{where}.token_checks")
+    sites = sec["sites"]
+    skipped = sec["skipped"]
+    if not isinstance(sites, list) or not isinstance(skipped, list):
+        raise _schema(where, "sites and skipped are lists")
+
+    buffers = _buffer_values(sec["buffers"], bufs, f"{where}.buffers")
+
+    gm = f.graph_module
+    _check_train_step_graph(gm, trainable, verify=verify)
 
     signature = GraphSignature(
         params=params,
