@@ -917,7 +917,8 @@ def mutate_doc_randomly(doc: dict, rng: random.Random) -> str:
     if choice <= 2:  # a node's target / op / name / args / kwargs / meta
         node = rng.choice(nodes)
         field = rng.choice(["target", "op", "name", "args", "args", "kwargs", "meta", "meta"])
-        if field == "args" and node.get("args") and rng.random() < 0.7:
+        # (args a first edit made a string, say, get a plain field edit: seed 52, case 22)
+        if field == "args" and node.get("args") and rng.random() < 0.7 and isinstance(node["args"], list):
             i = rng.randrange(len(node["args"]))
             how = rng.randrange(3)
             if how == 0:

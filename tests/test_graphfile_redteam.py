@@ -527,6 +527,7 @@ def test_seeded_mutations_load_and_replay_with_only_allowed_outcomes(runs):
 # Fuzz cases that once broke a rule or the fuzzer itself, rerun every day whatever the day's seed.
 REGRESSION_CASES = {
     "20790:175": "the first edit replaced the graph section, the second edited a node: KeyError 'nodes' in the mutator",
+    "52:22": "the first edit made a node's args a string, the second inserted into it: AttributeError in the mutator",
 }
 
 
