@@ -422,3 +422,19 @@ def test_the_constant_mark_on_group_lookups_is_the_one_torch_sets():
     _assume_constant_result(ours)
     assert vars(torch_marked) and vars(ours) == vars(torch_marked)
     assert {k: v for k, v in vars(_group_info).items() if k in vars(torch_marked)} == vars(torch_marked)
+
+
+@pytest.mark.slow
+def test_without_the_installed_entry_point_import_usp_graph_registers_the_backend():
+    """A source checkout (no entry point installed): ``import usp_graph`` registers ``"usp"`` itself,
+    importing Dynamo for it."""
+    out = _fresh(
+        """
+        import importlib.metadata, torch
+        importlib.metadata.entry_points = lambda **kw: importlib.metadata.EntryPoints(())  # none installed
+        import usp_graph
+        from torch._dynamo.backends.registry import lookup_backend
+        report(found=lookup_backend("usp") is usp_graph.usp_backend)
+        """
+    )
+    assert out["found"]
