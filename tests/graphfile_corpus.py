@@ -906,13 +906,19 @@ def _get(x: Any, path: tuple) -> Any:
 
 
 def mutate_doc_randomly(doc: dict, rng: random.Random) -> str:
-    """A random JSON-level edit anywhere in the document; returns what it did."""
-    nodes = doc["graph"]["nodes"]
+    """A random JSON-level edit anywhere in the document; returns what it did. A node edit needs a
+    node list, which an earlier edit of the same case may have replaced or deleted (seed 20790, case
+    175: the graph became ``{"layout": "float32"}``): then the edit goes to a section instead."""
+    graph = doc.get("graph")
+    nodes = graph.get("nodes") if isinstance(graph, dict) else None
     choice = rng.randrange(8)
+    if choice <= 3 and not (isinstance(nodes, list) and nodes and all(isinstance(n, dict) for n in nodes)):
+        choice = 4
     if choice <= 2:  # a node's target / op / name / args / kwargs / meta
         node = rng.choice(nodes)
         field = rng.choice(["target", "op", "name", "args", "args", "kwargs", "meta", "meta"])
-        if field == "args" and node.get("args") and rng.random() < 0.7:
+        # (args a first edit made a string, say, get a plain field edit: seed 52, case 22)
+        if field == "args" and node.get("args") and rng.random() < 0.7 and isinstance(node["args"], list):
             i = rng.randrange(len(node["args"]))
             how = rng.randrange(3)
             if how == 0:

@@ -12,6 +12,7 @@ them re-fingerprinted so they reach every check behind the hash.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import traceback
@@ -22,8 +23,14 @@ from typing import Any
 import pytest
 import torch.fx as fx
 
-from tests.graphfile_corpus import GM_OPS, GM_SYM, STEP, build_bases, mutate_bytes
-from usp_graph.graphfile import GraphFileError, GraphFileVersionWarning, loads, loads_graph_module
+from tests.graphfile_corpus import GM_OPS, GM_SYM, STEP, build_bases, dumps, fast_fingerprint, mutate_bytes
+from usp_graph.graphfile import (
+    GraphFileError,
+    GraphFileSchemaError,
+    GraphFileVersionWarning,
+    loads,
+    loads_graph_module,
+)
 
 CASES = int(os.environ.get("USP_FUZZ_CASES", "500"))
 SEED = int(os.environ.get("USP_FUZZ_SEED", "0"))
@@ -73,3 +80,19 @@ def test_mutated_graph_files_load_or_raise_a_graph_file_error(corpus):
         failures[:5]
     )
     assert outcomes["loaded"] < CASES  # the mutations do bite
+
+
+@pytest.mark.parametrize(
+    "graph",
+    [{"layout": "float32"}, {}, {"nodes": None, "meta": {}}, {"nodes": [1], "meta": {}}, [], "nodes"],
+    ids=["replaced", "empty", "nodes_null", "node_not_an_object", "a_list", "a_string"],
+)
+def test_a_graph_section_without_a_node_list_is_refused_by_the_schema(corpus, graph):
+    """The red-team fuzzer's seed 20790 (case 175) replaced the graph section with
+    ``{"layout": "float32"}``; every such file, re-fingerprinted, is a schema error, never a KeyError."""
+    for _name, data, loader in corpus:
+        doc = json.loads(data)
+        doc["graph"] = graph
+        doc["fingerprint"] = fast_fingerprint(doc)
+        with pytest.raises(GraphFileSchemaError, match=r"graph"):
+            loader(dumps(doc).encode())

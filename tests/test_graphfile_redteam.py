@@ -524,6 +524,21 @@ def test_seeded_mutations_load_and_replay_with_only_allowed_outcomes(runs):
     assert set(bases) == set(BASES), f"bases not mutated: {set(BASES) - set(bases)}"
 
 
+# Fuzz cases that once broke a rule or the fuzzer itself, rerun every day whatever the day's seed.
+REGRESSION_CASES = {
+    "20790:175": "the first edit replaced the graph section, the second edited a node: KeyError 'nodes' in the mutator",
+    "52:22": "the first edit made a node's args a string, the second inserted into it: AttributeError in the mutator",
+}
+
+
+@pytest.mark.parametrize("case", sorted(REGRESSION_CASES))
+def test_fuzz_cases_that_once_failed_now_have_an_allowed_outcome(case):
+    seed, n = map(int, case.split(":"))
+    data, base, flat, what = fuzz_case(seed, n)
+    result = check_file(data, base, flat=flat, seed=n)
+    assert _allowed(result["outcome"]) and not result["problems"], (REGRESSION_CASES[case], what, result)
+
+
 def _main(argv: list[str]) -> None:
     if argv[:1] == ["--worker"]:
         _worker(argv[1], argv[2])

@@ -11,12 +11,31 @@ The import graph is built from the source (AST), not by importing anything:
 - imports inside functions COUNT. Deferring an import hides a cycle from Python, not from a
   reader: the ``cli`` <-> ``demo`` cycle (issue 18) was made of function-local imports only.
   A second test checks the stricter module-level graph with no exception at all.
+
+What a fresh process imports (issue 39): ``import usp_graph``, eager `attention_mode` and a graph-file
+load + replay do not import the compile path (usp_graph's compiler and tracer, inductor's
+compiler). torch itself imports ``torch._dynamo`` (and with it the ``torch._inductor``
+package and its config/utility modules, not its compiler) in two places these paths reach, checked
+below so that a torch that stops doing so tightens the checks:
+- the first call of any ``torch.library.custom_op`` kernel (every usp op): torch/_library/custom_ops.py
+  wraps kernels in ``torch._disable_dynamo``, which imports ``torch._dynamo`` on first call
+  (torch/_compile.py);
+- ``ShapeEnv()`` (a graph file's symbolic sizes): torch/fx/experimental/symbolic_shapes.py imports
+  torch/fx/experimental/validator.py, which imports ``torch._dynamo.exc``.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
+
+import pytest
+import torch
 
 import usp_graph
 
@@ -25,11 +44,7 @@ PACKAGE = Path(usp_graph.__file__).parent
 # Cycles in the full graph that are known and owned elsewhere, as the edges that close them (each
 # a function-local import). Remove an entry once its import is gone; `test_known_exceptions_still_exist`
 # says when.
-KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {
-    # `from .. import __version__` in a function: usp_graph -> graphfile -> reader/writer -> usp_graph.
-    ("usp_graph.graphfile.reader", "usp_graph"): "reads usp_graph.__version__",
-    ("usp_graph.graphfile.writer", "usp_graph"): "reads usp_graph.__version__",
-}
+KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {}
 
 Edges = dict[str, dict[str, str]]  # module -> imported module -> where ("path:line")
 
@@ -194,3 +209,232 @@ def test_known_exceptions_still_exist():
     graph = import_graph(function_local=True)
     gone = [edge for edge in KNOWN_CYCLE_EDGES if edge[1] not in graph.get(edge[0], {})]
     assert not gone, f"remove these from KNOWN_CYCLE_EDGES, their imports are gone: {gone}"
+
+
+def _reach(graph: Edges, start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+# usp_graph's compile path (the passes package is not: a graph file's load runs its verify pass).
+COMPILE_PATH = (
+    "usp_graph.trace",
+    "usp_graph.backend.compiler",
+    "usp_graph.backend.pipeline",
+    "usp_graph.analysis",
+)
+
+
+def test_graph_files_import_nothing_above_them_at_module_level():
+    """graphfile/ never imports the package root (the version comes from the leaf `usp_graph.version`)
+    nor, at module level, the tracer or the compiler: reading a file is not tracing one."""
+    full, top = import_graph(function_local=True), import_graph(function_local=False)
+    graphfile = [m for m in full if m.startswith("usp_graph.graphfile")]
+    assert not [m for m in graphfile if "usp_graph" in full[m]], "a graphfile module imports usp_graph itself"
+    for m in graphfile:
+        reached = _reach(top, m)
+        assert not reached & {"usp_graph", *COMPILE_PATH}, (m, sorted(reached & {"usp_graph", *COMPILE_PATH}))
+
+
+# ---- what a fresh process imports ----------------------------------------------------------------
+
+ROOT = PACKAGE.parent
+# Inductor's compiler: never on the light paths (its package and config come with torch._dynamo).
+INDUCTOR_COMPILER = ("torch._inductor.compile_fx", "torch._inductor.graph", "torch._inductor.lowering",
+                     "torch._inductor.scheduler")  # fmt: skip
+# Where torch itself imports torch._dynamo on these paths (the module docstring says why).
+TORCH_DYNAMO_IMPORTERS = ("torch/_compile.py", "torch/fx/experimental/validator.py")
+
+_PRELUDE = """
+import importlib.abc, json, sys, traceback
+
+class _FirstDynamoImport(importlib.abc.MetaPathFinder):
+    where = None
+
+    def find_spec(self, name, path, target=None):
+        if name == "torch._dynamo" and _FirstDynamoImport.where is None:
+            frames = [f for f in traceback.extract_stack()[:-1] if "importlib" not in f.filename]
+            _FirstDynamoImport.where = f"{frames[-1].filename}:{frames[-1].lineno}"
+        return None
+
+sys.meta_path.insert(0, _FirstDynamoImport())
+
+def report(**extra):
+    print(json.dumps({"modules": sorted(sys.modules), "dynamo_from": _FirstDynamoImport.where, **extra}))
+"""
+
+
+def _fresh(code: str, *args: str) -> dict:
+    """Run `code` (after `_PRELUDE`; it ends with ``report()``) in a fresh interpreter on this tree."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-c", _PRELUDE + textwrap.dedent(code), *args],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["modules"] = set(out["modules"])
+    return out
+
+
+def _assert_no_compiler(out: dict) -> None:
+    assert not out["modules"] & {*COMPILE_PATH, *INDUCTOR_COMPILER}, sorted(
+        out["modules"] & {*COMPILE_PATH, *INDUCTOR_COMPILER}
+    )
+    where = out["dynamo_from"]
+    assert where is None or any(where.split(":")[0].endswith(t) for t in TORCH_DYNAMO_IMPORTERS), (
+        f"torch._dynamo was first imported from {where}, not by torch itself"
+    )
+
+
+@pytest.mark.slow
+def test_import_usp_graph_imports_no_dynamo_and_keeps_its_backend_guard_and_names():
+    out = _fresh(
+        """
+        import torch
+        import torch.nn.functional as F
+        import usp_graph
+        guarded = F.scaled_dot_product_attention is sys.modules["usp_graph.backend.documents"]._checked_sdpa
+        modules, where = sorted(sys.modules), _FirstDynamoImport.where
+        from torch._dynamo.backends.registry import lookup_backend  # after the snapshot: imports Dynamo
+        found = lookup_backend("usp") is usp_graph.usp_backend
+        missing = [n for n in usp_graph.__all__ if getattr(usp_graph, n, None) is None]
+        print(json.dumps({"modules": modules, "dynamo_from": where, "guarded": guarded, "found": found,
+                          "missing": missing}))
+        """
+    )
+    _assert_no_compiler(out)
+    heavy = {"torch._dynamo", "torch._inductor", "networkx", "usp_graph.graphfile", "usp_graph.cp"}
+    assert not out["modules"] & heavy, sorted(out["modules"] & heavy)
+    assert out["guarded"], "import usp_graph no longer installs the eager-SDPA guard of documents()"
+    assert out["found"], 'torch.compile(backend="usp") does not find usp_graph.usp_backend'
+    assert out["missing"] == [], out["missing"]
+
+
+@pytest.mark.slow
+def test_import_usp_graph_imports_no_sympy():
+    """sympy is ~0.3 s of import on these machines; only tracing and graph files need it."""
+    out = _fresh("import torch, usp_graph\nreport()")
+    assert "sympy" not in out["modules"], (
+        "import usp_graph imported sympy (usp_graph/graph_inputs.py imports it at module level for annotations "
+        "only: import it under TYPE_CHECKING)"
+    )
+
+
+def test_every_public_name_and_submodule_resolves_and_a_missing_one_is_an_attribute_error():
+    for name in usp_graph.__all__:
+        assert getattr(usp_graph, name) is not None, name
+    assert set(usp_graph.__all__) <= set(dir(usp_graph))
+    assert usp_graph.analysis.__name__ == "usp_graph.analysis"  # a submodule, imported on first use
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        usp_graph.no_such_name  # noqa: B018
+
+
+@pytest.mark.slow
+def test_torch_itself_imports_dynamo_at_a_custom_ops_first_call_and_for_a_shape_env():
+    """The two places the light paths meet torch._dynamo (module docstring). If torch stops importing
+    it there, forbid torch._dynamo in `_assert_no_compiler`."""
+    op = _fresh(
+        """
+        import torch
+        @torch.library.custom_op("usp_import_probe::ident", mutates_args=())
+        def ident(x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+        before = "torch._dynamo" in sys.modules
+        ident(torch.zeros(1))
+        report(before=before)
+        """
+    )
+    assert not op["before"] and op["dynamo_from"].split(":")[0].endswith("torch/_compile.py"), op[
+        "dynamo_from"
+    ]
+    env = _fresh(
+        """
+        import torch
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+        before = "torch._dynamo" in sys.modules
+        ShapeEnv(duck_shape=False)
+        report(before=before)
+        """
+    )
+    assert not env["before"] and env["dynamo_from"].split(":")[0].endswith(
+        "torch/fx/experimental/validator.py"
+    )
+
+
+@pytest.mark.slow
+def test_eager_attention_mode_imports_no_compiler():
+    out = _fresh(
+        """
+        import torch
+        import torch.nn.functional as F
+        import usp_graph
+        meta = usp_graph.AttentionMetadata.from_lengths([3, 5], max_docs=4)
+        q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+        with usp_graph.attention_mode(meta):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
+        report()
+        """
+    )
+    _assert_no_compiler(out)
+    assert "usp_graph.varlen" not in out["modules"] and "usp_graph.ops.varlen" in out["modules"]
+
+
+@pytest.mark.slow
+def test_a_graph_file_load_and_replay_imports_no_compiler(tmp_path):
+    from tests.graphfile_corpus import STEP, build_bases, example_inputs
+
+    (tmp_path / "step.uspg").write_bytes(build_bases()[STEP])
+    params, batch, meta = example_inputs(STEP)
+    torch.save({"params": params, "batch": batch, "meta": (meta.cu_seqlens, meta.max_seqlen, meta.total_tokens)},
+               tmp_path / "inputs.pt")  # fmt: skip
+    out = _fresh(
+        """
+        import torch
+        import usp_graph
+        step = usp_graph.load(sys.argv[1] + "/step.uspg")
+        d = torch.load(sys.argv[1] + "/inputs.pt")
+        loss, grads = step.replay(d["params"], d["batch"], usp_graph.AttentionMetadata(*d["meta"]))
+        report(loss=float(loss))
+        """,
+        str(tmp_path),
+    )
+    _assert_no_compiler(out)
+    assert out["loss"] > 0
+
+
+def test_the_constant_mark_on_group_lookups_is_the_one_torch_sets():
+    """`ops.collectives` marks `_group_info` as Dynamo's `assume_constant_result` does, without
+    importing Dynamo; if torch changes its mark, this fails (and fullgraph compiles of the collectives
+    would graph-break)."""
+    from usp_graph.ops.collectives import _assume_constant_result, _group_info
+
+    def torch_marked() -> None: ...
+
+    def ours() -> None: ...
+
+    torch.compiler.assume_constant_result(torch_marked)
+    _assume_constant_result(ours)
+    assert vars(torch_marked) and vars(ours) == vars(torch_marked)
+    assert {k: v for k, v in vars(_group_info).items() if k in vars(torch_marked)} == vars(torch_marked)
+
+
+@pytest.mark.slow
+def test_without_the_installed_entry_point_import_usp_graph_registers_the_backend():
+    """A source checkout (no entry point installed): ``import usp_graph`` registers ``"usp"`` itself,
+    importing Dynamo for it."""
+    out = _fresh(
+        """
+        import importlib.metadata, torch
+        importlib.metadata.entry_points = lambda **kw: importlib.metadata.EntryPoints(())  # none installed
+        import usp_graph
+        from torch._dynamo.backends.registry import lookup_backend
+        report(found=lookup_backend("usp") is usp_graph.usp_backend)
+        """
+    )
+    assert out["found"]

@@ -18,29 +18,35 @@ Public entry points:
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
 from . import registry
-from .backend import CompileReport, EagerAttentionError, UspOptions, documents, usp_backend
+from .backend import EagerAttentionError, UspOptions, documents
 from .backend import register as _register_backend
-from .cp import ContextParallel
-from .graphfile import (
-    GraphFile,
-    GraphFileError,
-    InputSpec,
-    LoadedTrainStep,
-    load,
-    load_graph_module,
-    save,
-    save_graph_module,
-)
 from .metadata import AttentionMetadata
 from .mode import attention_mode
 from .ops.varlen import varlen_attn
-from .passes import PassResult, Pipeline, VerifyError, default_pipeline
 from .sdpa import sdpa_to_usp
-from .sites import AttentionSite, find_sites
-from .trace import TrainStepGraph, trace_train_step
+from .version import __version__
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from .backend import CompileReport, usp_backend
+    from .cp import ContextParallel
+    from .graphfile import (
+        GraphFile,
+        GraphFileError,
+        InputSpec,
+        LoadedTrainStep,
+        load,
+        load_graph_module,
+        save,
+        save_graph_module,
+    )
+    from .passes import PassResult, Pipeline, VerifyError, default_pipeline
+    from .sites import AttentionSite, find_sites
+    from .trace import TrainStepGraph, trace_train_step
 
 __all__ = [
     "AttentionMetadata",
@@ -72,6 +78,49 @@ __all__ = [
     "documents",
     "usp_backend",
 ]
+
+# Public names whose modules load on first use: the compiler (Dynamo, inductor, the passes), the
+# tracer, graph files and context parallelism are not paid for by `import usp_graph`, by eager
+# `attention_mode`, or by a process that only loads and replays a graph file (tests/test_imports.py).
+_LAZY = {
+    "CompileReport": ".backend",
+    "usp_backend": ".backend",
+    "ContextParallel": ".cp",
+    "GraphFile": ".graphfile",
+    "GraphFileError": ".graphfile",
+    "InputSpec": ".graphfile",
+    "LoadedTrainStep": ".graphfile",
+    "load": ".graphfile",
+    "load_graph_module": ".graphfile",
+    "save": ".graphfile",
+    "save_graph_module": ".graphfile",
+    "PassResult": ".passes",
+    "Pipeline": ".passes",
+    "VerifyError": ".passes",
+    "default_pipeline": ".passes",
+    "AttentionSite": ".sites",
+    "find_sites": ".sites",
+    "TrainStepGraph": ".trace",
+    "trace_train_step": ".trace",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A lazy public name (`_LAZY`), or a submodule (``usp_graph.analysis``), imported on first use."""
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module, __name__), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 # torch.compile(backend="usp") also works without the installed entry point once usp_graph is imported.
 _register_backend()

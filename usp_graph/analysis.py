@@ -309,30 +309,11 @@ def _reached_from(gm: fx.GraphModule, sources: set[str]) -> set[fx.Node]:
     return out
 
 
-def summarize(
-    gm: fx.GraphModule,
-    *,
-    sites: Any = None,
-    symbols: dict[str, Any] | None = None,
-    values: dict[str, int] | None = None,
-    inputs: Sequence[Any] | None = None,
-    backward: fx.GraphModule | None = None,
-    forward_only: bool = False,
-) -> dict[str, Any]:
-    """Everything inspect shows, as JSON-able data.
-
-    sites: the tracer's `AttentionSite`s (for source locations and not-rewritten reasons).
-    symbols: {readable name: SymInt} to print symbolic sizes as e.g. ``T`` instead of ``s27``.
-    values: {readable name: int} to evaluate symbolic byte counts (e.g. ``{"T": 4096}``).
-    inputs: a graph file's `InputSpec`s, one per placeholder: names and roles for placeholders
-    without a ``usp_input`` tag (a torch.compile dump's ``primals_N``).
-    backward: the graph holding `gm`'s backward when it is another graph (a compile dump's
-    backward.uspg next to its forward.uspg): its nodes' ``usp_fwd_node`` tags name `gm`'s nodes,
-    and pairing looks there. forward_only: `gm` is a forward graph whose backward is not given;
-    pairing is not checked (``pairing_checked`` False) rather than reported missing.
-    """
-    names = {str(v): k for k, v in (symbols or {}).items()}
-
+def _inputs(
+    gm: fx.GraphModule, inputs: Sequence[Any] | None, names: dict[str, str], values: dict[str, int] | None
+) -> tuple[list[dict[str, Any]], Any, Any]:
+    """(one row per placeholder: name, role, shape, dtype; the documents cu_seqlens holds, and that
+    capacity in the example the graph was made with)."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     specs = (
         list(inputs)
@@ -356,9 +337,14 @@ def summarize(
         )
         if role == "cu_seqlens" and capacity is None and isinstance(v, torch.Tensor) and v.dim() == 1:
             capacity, capacity_hint = _capacity(v.shape[0], names, values)
-    inputs = inputs_out
-    meta_inputs = [i for i in inputs if i["role"] in ("cu_seqlens", "max_seqlen")]
+    return inputs_out, capacity, capacity_hint
 
+
+def _attention(
+    gm: fx.GraphModule, sites: Any, meta_inputs: list[dict[str, Any]], names: dict[str, str]
+) -> list[dict[str, Any]]:
+    """One row per attention site: the usp attention ops (shapes, causal, window, strategy, whether
+    the metadata reaches them), then the sites kept as SDPA (the tracer's records, or SDPA nodes)."""
     attention = []
     strategies = _site_strategies(gm)
     fed = _reached_from(gm, {m["node"] for m in meta_inputs})
@@ -412,7 +398,14 @@ def summarize(
                 {"node": n.name, "op": _target_name(n), "source": _source(n, {}), "rewritten": False,
                  "reason": "SDPA left in the graph"}
             )  # fmt: skip
+    return attention
 
+
+def _collectives(
+    gm: fx.GraphModule, names: dict[str, str], values: dict[str, int] | None
+) -> list[dict[str, Any]]:
+    """One row per usp collective: phase, group, bytes per rank, its forward op, and (issued ones)
+    where it is waited for and the compute in between."""
     collectives = []
     overlapped = _overlapped(gm)
     for n in gm.graph.nodes:
@@ -432,6 +425,38 @@ def summarize(
         if n.name in overlapped:  # issued: where it is waited for, and the compute in between
             row["wait"], row["overlap_ops"] = overlapped[n.name]
         collectives.append(row)
+    return collectives
+
+
+def summarize(
+    gm: fx.GraphModule,
+    *,
+    sites: Any = None,
+    symbols: dict[str, Any] | None = None,
+    values: dict[str, int] | None = None,
+    inputs: Sequence[Any] | None = None,
+    backward: fx.GraphModule | None = None,
+    forward_only: bool = False,
+) -> dict[str, Any]:
+    """Everything inspect shows, as JSON-able data.
+
+    sites: the tracer's `AttentionSite`s (for source locations and not-rewritten reasons).
+    symbols: {readable name: SymInt} to print symbolic sizes as e.g. ``T`` instead of ``s27``.
+    values: {readable name: int} to evaluate symbolic byte counts (e.g. ``{"T": 4096}``).
+    inputs: a graph file's `InputSpec`s, one per placeholder: names and roles for placeholders
+    without a ``usp_input`` tag (a torch.compile dump's ``primals_N``).
+    backward: the graph holding `gm`'s backward when it is another graph (a compile dump's
+    backward.uspg next to its forward.uspg): its nodes' ``usp_fwd_node`` tags name `gm`'s nodes,
+    and pairing looks there. forward_only: `gm` is a forward graph whose backward is not given;
+    pairing is not checked (``pairing_checked`` False) rather than reported missing.
+    """
+    names = {str(v): k for k, v in (symbols or {}).items()}
+
+    inputs, capacity, capacity_hint = _inputs(gm, inputs, names, values)
+    meta_inputs = [i for i in inputs if i["role"] in ("cu_seqlens", "max_seqlen")]
+
+    attention = _attention(gm, sites, meta_inputs, names)
+    collectives = _collectives(gm, names, values)
     pairing, unpaired = _pairing(gm, backward) if not (forward_only and backward is None) else ([], [])
     counts = Counter(_target_name(n) for n in gm.graph.nodes if n.op == "call_function")
     passes = Counter(n.meta.get("usp_pass", "?") for n in gm.graph.nodes)

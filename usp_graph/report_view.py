@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import html
+from dataclasses import dataclass
 from typing import Any
 
 from torch import fx
@@ -82,92 +83,142 @@ def step(
     summary: `analysis.summarize(gm, ...)` (its bytes carry ``--values`` when it was given them).
     symbols: {readable name: SymInt}, as given to summarize, to show sizes as ``T`` not ``s27``.
     """
-    names = {str(v): k for k, v in (symbols or {}).items()}
-    coll = {c["node"]: c for c in summary["collectives"]}
-    critical = set(summary.get("critical_path_comm") or ())
-    unpaired = {u["node"]: u for u in summary["unpaired"]}
-    pair_of: dict[str, list[str]] = {}
-    for p in summary["pairing"]:
-        pair_of[p["forward"]] = list(p["backward"])
-        for b in p["backward"]:
-            pair_of.setdefault(b, []).append(p["forward"])
-    by_name = {n.name: n for n in gm.graph.nodes}
-    not_rewritten = {a["node"]: a for a in summary["attention"] if not a["rewritten"]}
-    # a kept site's record (the tracer's, or a compile dump manifest's) names the node before the
-    # joint graph was made; the graph's SDPA nodes (forward and backward) share its source line
-    kept_reason = {a.get("source"): a.get("reason") for a in summary["attention"]
-                   if not a["rewritten"] and a["node"] not in by_name and a.get("source")}  # fmt: skip
+    ix = _Index.of(gm, summary, symbols)
     drawn_sources: set[str] = set()
-    in_pairing = set(pair_of) | set(unpaired)
-
+    events = [
+        ev for order, node in enumerate(gm.graph.nodes) if (ev := _node_event(order, node, ix, drawn_sources))
+    ]
+    _assign_sites(events, ix.by_name)
     lanes: dict[str, dict[str, Any]] = {}
-    events: list[dict[str, Any]] = []
-    for order, node in enumerate(gm.graph.nodes):
-        kind = _kind(node)
-        if kind is None and node.name not in in_pairing:
-            continue
-        kind = kind or "op"
-        site = node.meta.get("usp_site")
-        if not site:
-            owner = by_name.get(node.meta.get("usp_fwd_node") or "")
-            site = owner.meta.get("usp_site") if owner is not None else None
-        src = source_location(node) or str(node.meta.get("source") or "")
-        if not site and kind == "sdpa":
-            site = f"sdpa at {src.rsplit('/', 1)[-1]}" if src else node.name
-            drawn_sources.add(src)
-        phase = node.meta.get("usp_phase") or ""
-        ev: dict[str, Any] = {
-            "node": node.name,
-            "op": _short_op(node),
-            "target": _target_name(node),
-            "kind": kind,
-            "phase": phase,
-            "order": order,
-            "source": src,
-            "in_shapes": _shapes(list(node.all_input_nodes), names),
-            "out_shapes": _out_shapes(node, names),
-            "critical": node.name in critical,
-            "pair": [p for p in pair_of.get(node.name, []) if p in by_name],
-            "pair_elsewhere": [p for p in pair_of.get(node.name, []) if p not in by_name],
-            "alarm": None,
-            "site": site,
-        }
-        if node.name in coll:
-            c = coll[node.name]
-            symbolic = _fmt(_collective_bytes(node)[0], names)
-            ev.update(bytes=c.get("bytes_per_rank"), bytes_symbolic=symbolic, group=c.get("group"),
-                      group_size=c.get("group_size"))  # fmt: skip
-        if node.name in unpaired:
-            u = unpaired[node.name]
-            ev["alarm"] = f"unpaired: {u['missing']}"
-        if kind == "sdpa":
-            reason = (
-                kept_reason.get(src)
-                or not_rewritten.get(node.name, {}).get("reason")
-                or "SDPA left in the graph"
-            )
-            ev["alarm"] = f"not rewritten: {reason}"
-        events.append(ev)
-    _assign_sites(events, by_name)
     for ev in events:
         site = ev.pop("site") or _NO_SITE
         lanes.setdefault(site, {"site": site, "events": []})["events"].append(ev)
-    for a in summary["attention"]:  # sites kept as SDPA that left no node (the tracer's records)
-        if (
-            not a["rewritten"]
-            and a["node"] not in by_name
-            and not (a.get("source") and a["source"] in drawn_sources)
-        ):
-            name = a["node"] or "sdpa"
-            ev = {"node": name, "op": "sdpa", "target": a.get("op", "sdpa"), "kind": "sdpa", "phase": "forward",
-                  "order": -1, "source": a.get("source") or "", "in_shapes": [], "out_shapes": [],
-                  "critical": False, "pair": [], "pair_elsewhere": [],
-                  "alarm": f"not rewritten: {a.get('reason') or 'kept as SDPA'}"}  # fmt: skip
-            if a.get("q_shape"):
-                ev["in_shapes"] = ["q (" + ", ".join(str(d) for d in a["q_shape"]) + ")"]
-            lanes.setdefault(name, {"site": name, "events": []})["events"].append(ev)
-            events.append(ev)
+    for ev in _kept_site_events(summary, ix.by_name, drawn_sources):
+        lanes.setdefault(ev["node"], {"site": ev["node"], "events": []})["events"].append(ev)
+        events.append(ev)
+    ranked = sorted((e for e in events if e["order"] >= 0), key=lambda e: e["order"])
+    for rank, e in enumerate(ranked):
+        e["rank"] = rank
+    for e in events:
+        e.setdefault("rank", None)
+    first_bwd = next((e["rank"] for e in ranked if e["phase"] == "backward"), None)
+    return {
+        "lanes": _lane_records(lanes, summary),
+        "events": len(events),
+        "timeline": len(ranked),
+        "first_backward": first_bwd,
+        "pairs": [(p["forward"], b) for p in summary["pairing"] for b in p["backward"]],
+        "alarms": [{"node": e["node"], "reason": e["alarm"]} for e in events if e["alarm"]],
+        "critical": sorted(ix.critical),
+        "nodes": summary["nodes"],
+    }
 
+
+@dataclass
+class _Index:
+    """The summary's records by node name, for drawing the graph's nodes."""
+
+    names: dict[str, str]  # a SymInt's text -> its readable name
+    by_name: dict[str, fx.Node]
+    coll: dict[str, dict[str, Any]]
+    critical: set[str]
+    unpaired: dict[str, dict[str, Any]]
+    pair_of: dict[str, list[str]]
+    not_rewritten: dict[str, dict[str, Any]]
+    kept_reason: dict[str, Any]
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, summary: dict[str, Any], symbols: dict[str, Any] | None) -> _Index:
+        pair_of: dict[str, list[str]] = {}
+        for p in summary["pairing"]:
+            pair_of[p["forward"]] = list(p["backward"])
+            for b in p["backward"]:
+                pair_of.setdefault(b, []).append(p["forward"])
+        by_name = {n.name: n for n in gm.graph.nodes}
+        # a kept site's record (the tracer's, or a compile dump manifest's) names the node before the
+        # joint graph was made; the graph's SDPA nodes (forward and backward) share its source line
+        kept_reason = {a.get("source"): a.get("reason") for a in summary["attention"]
+                       if not a["rewritten"] and a["node"] not in by_name and a.get("source")}  # fmt: skip
+        return cls(
+            names={str(v): k for k, v in (symbols or {}).items()},
+            by_name=by_name,
+            coll={c["node"]: c for c in summary["collectives"]},
+            critical=set(summary.get("critical_path_comm") or ()),
+            unpaired={u["node"]: u for u in summary["unpaired"]},
+            pair_of=pair_of,
+            not_rewritten={a["node"]: a for a in summary["attention"] if not a["rewritten"]},
+            kept_reason=kept_reason,
+        )
+
+
+def _node_event(order: int, node: fx.Node, ix: _Index, drawn_sources: set[str]) -> dict[str, Any] | None:
+    """The event of one graph node (None: not drawn), with its site, shapes, pair and alarm."""
+    kind = _kind(node)
+    if kind is None and node.name not in ix.pair_of and node.name not in ix.unpaired:
+        return None
+    kind = kind or "op"
+    site = node.meta.get("usp_site")
+    if not site:
+        owner = ix.by_name.get(node.meta.get("usp_fwd_node") or "")
+        site = owner.meta.get("usp_site") if owner is not None else None
+    src = source_location(node) or str(node.meta.get("source") or "")
+    if not site and kind == "sdpa":
+        site = f"sdpa at {src.rsplit('/', 1)[-1]}" if src else node.name
+        drawn_sources.add(src)
+    ev: dict[str, Any] = {
+        "node": node.name,
+        "op": _short_op(node),
+        "target": _target_name(node),
+        "kind": kind,
+        "phase": node.meta.get("usp_phase") or "",
+        "order": order,
+        "source": src,
+        "in_shapes": _shapes(list(node.all_input_nodes), ix.names),
+        "out_shapes": _out_shapes(node, ix.names),
+        "critical": node.name in ix.critical,
+        "pair": [p for p in ix.pair_of.get(node.name, []) if p in ix.by_name],
+        "pair_elsewhere": [p for p in ix.pair_of.get(node.name, []) if p not in ix.by_name],
+        "alarm": None,
+        "site": site,
+    }
+    if node.name in ix.coll:
+        c = ix.coll[node.name]
+        symbolic = _fmt(_collective_bytes(node)[0], ix.names)
+        ev.update(bytes=c.get("bytes_per_rank"), bytes_symbolic=symbolic, group=c.get("group"),
+                  group_size=c.get("group_size"))  # fmt: skip
+    if node.name in ix.unpaired:
+        ev["alarm"] = f"unpaired: {ix.unpaired[node.name]['missing']}"
+    if kind == "sdpa":
+        reason = (
+            ix.kept_reason.get(src)
+            or ix.not_rewritten.get(node.name, {}).get("reason")
+            or "SDPA left in the graph"
+        )
+        ev["alarm"] = f"not rewritten: {reason}"
+    return ev
+
+
+def _kept_site_events(
+    summary: dict[str, Any], by_name: dict[str, fx.Node], drawn_sources: set[str]
+) -> list[dict[str, Any]]:
+    """Events for the sites kept as SDPA that left no node in the graph (the tracer's records)."""
+    out = []
+    for a in summary["attention"]:
+        if a["rewritten"] or a["node"] in by_name or (a.get("source") and a["source"] in drawn_sources):
+            continue
+        name = a["node"] or "sdpa"
+        ev = {"node": name, "op": "sdpa", "target": a.get("op", "sdpa"), "kind": "sdpa", "phase": "forward",
+              "order": -1, "source": a.get("source") or "", "in_shapes": [], "out_shapes": [],
+              "critical": False, "pair": [], "pair_elsewhere": [],
+              "alarm": f"not rewritten: {a.get('reason') or 'kept as SDPA'}"}  # fmt: skip
+        if a.get("q_shape"):
+            ev["in_shapes"] = ["q (" + ", ".join(str(d) for d in a["q_shape"]) + ")"]
+        out.append(ev)
+    return out
+
+
+def _lane_records(lanes: dict[str, dict[str, Any]], summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """One record per lane (an attention site): its events, forward then backward, each in graph order."""
     attention_of = {a.get("site") or a["node"]: a for a in summary["attention"] if a["rewritten"]}
     out_lanes = []
     for i, lane in enumerate(lanes.values()):
@@ -187,22 +238,7 @@ def step(
                 "alarms": sum(1 for e in lane_events if e["alarm"]),
             }
         )
-    ranked = sorted((e for e in events if e["order"] >= 0), key=lambda e: e["order"])
-    for rank, e in enumerate(ranked):
-        e["rank"] = rank
-    for e in events:
-        e.setdefault("rank", None)
-    first_bwd = next((e["rank"] for e in ranked if e["phase"] == "backward"), None)
-    return {
-        "lanes": out_lanes,
-        "events": len(events),
-        "timeline": len(ranked),
-        "first_backward": first_bwd,
-        "pairs": [(p["forward"], b) for p in summary["pairing"] for b in p["backward"]],
-        "alarms": [{"node": e["node"], "reason": e["alarm"]} for e in events if e["alarm"]],
-        "critical": sorted(critical),
-        "nodes": summary["nodes"],
-    }
+    return out_lanes
 
 
 def _assign_sites(events: list[dict[str, Any]], by_name: dict[str, fx.Node]) -> None:

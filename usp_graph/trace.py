@@ -218,18 +218,7 @@ def trace_train_step(
     cp: a `usp_graph.ContextParallel`, forwarded to `sdpa_to_usp` (None: single process).
     passes: the `Pipeline` to run (default `default_pipeline()`; e.g. ``.disable("verify")``).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    _refuse_fsdp(model)
-    if not callable(step_fn):
-        raise TypeError(f"step_fn must be callable as step_fn(model, batch) -> loss, got {step_fn!r}")
-    if not isinstance(metadata, AttentionMetadata):
-        raise TypeError(f"metadata must be a usp_graph.AttentionMetadata, got {type(metadata).__name__}")
-    if not isinstance(metadata.max_seqlen, int) or not isinstance(metadata.total_tokens, int):
-        raise TypeError("metadata must hold concrete ints (max_seqlen, total_tokens), not symbolic sizes")
-    passes = default_pipeline() if passes is None else passes
-    if not isinstance(passes, Pipeline):
-        raise TypeError(f"passes must be a usp_graph.passes.Pipeline, got {type(passes).__name__}")
+    passes = _check_arguments(model, step_fn, metadata, passes)
     names, leaves, batch_spec = flatten_batch(batch)
     for name, leaf in zip(names, leaves, strict=True):
         if not isinstance(leaf, torch.Tensor):
@@ -240,36 +229,11 @@ def trace_train_step(
         raise ValueError("batch has no tensors")
     world = int(getattr(cp, "world", 1))  # under CP the batch holds this rank's 1/world of the tokens
     dims = _dynamic_dims(names, leaves, metadata, dynamic, world)
-    sizes = _check_sizes(names, leaves, dims)
-
-    from torch._dynamo.source import ConstantSource
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
-
-    env = ShapeEnv(duck_shape=False)
-    fake_mode = FakeTensorMode(shape_env=env)
-    syms: dict[str, Any] = {}
-    for dim_name, size in sizes.items():
-        src = ConstantSource(f"dim_{dim_name}")
-        syms[dim_name] = env.create_symintnode(
-            env.create_symbol(size, src, dynamic_dim=DimDynamic.DYNAMIC), hint=size, source=src
-        )
-    meta_values = static_metadata_values(fake_mode, metadata)
-
-    param_items = list(model.named_parameters())
-    buffer_items = list(model.named_buffers())
-    fake_params = [fake_mode.from_tensor(p, static_shapes=True) for _, p in param_items]
-    fake_buffers = [fake_mode.from_tensor(b, static_shapes=True) for _, b in buffer_items]
-    with fake_mode:
-        fake_batch = [
-            torch.empty(
-                [syms[ds[d]] if d in ds else s for d, s in enumerate(t.shape)], dtype=t.dtype, device=t.device
-            )
-            for t, ds in zip(leaves, dims, strict=True)
-        ]
+    fake = _FakeInputs.of(model, leaves, dims, _check_sizes(names, leaves, dims), metadata)
+    env, syms = fake.env, fake.syms
 
     step = _Step(model, step_fn)
-    state_names = ["model." + n for n, _ in param_items] + ["model." + n for n, _ in buffer_items]
+    state_names = ["model." + n for n, _ in fake.param_items] + ["model." + n for n, _ in fake.buffer_items]
     n_state, n_batch = len(state_names), len(leaves)
 
     def forward(*flat: Any) -> torch.Tensor:
@@ -279,11 +243,11 @@ def trace_train_step(
 
     with torch.enable_grad():
         gm = make_fx(forward, tracing_mode="symbolic", pre_dispatch=True, record_stack_traces=True)(
-            *fake_params, *fake_buffers, *fake_batch
+            *fake.values
         )
 
-    _tag_inputs(gm, param_items, buffer_items, names)
-    add_metadata_inputs(gm, meta_values, meta={PASS_META: "trace"})
+    _tag_inputs(gm, fake.param_items, fake.buffer_items, names)
+    add_metadata_inputs(gm, fake.meta_values, meta={PASS_META: "trace"})
     gm.recompile()
     _check_no_input_mutation(gm)
     _check_not_specialized(env, syms, names, dims)
@@ -295,11 +259,11 @@ def trace_train_step(
     skipped = rewrite.skipped if rewrite is not None else ()
 
     symbols = {n: s.node.expr for n, s in syms.items()}
-    symbols["max_seqlen"] = meta_values.max_seqlen.node.expr
+    symbols["max_seqlen"] = fake.meta_values.max_seqlen.node.expr
     signature = GraphSignature(
-        params=tuple(_spec(n, "parameter", p, trainable=p.requires_grad) for n, p in param_items),
-        trainable=tuple(n for n, p in param_items if p.requires_grad),
-        buffers=tuple(_spec(n, "buffer", b) for n, b in buffer_items),
+        params=tuple(_spec(n, "parameter", p, trainable=p.requires_grad) for n, p in fake.param_items),
+        trainable=tuple(n for n, p in fake.param_items if p.requires_grad),
+        buffers=tuple(_spec(n, "buffer", b) for n, b in fake.buffer_items),
         batch=tuple(
             _spec(n, "batch", t, shape=tuple(ds.get(d, s) for d, s in enumerate(t.shape)))
             for n, t, ds in zip(names, leaves, dims, strict=True)
@@ -321,9 +285,78 @@ def trace_train_step(
         sites=tuple(sites),
         skipped=tuple(skipped),
         run=run,
-        buffers=dict(buffer_items),
+        buffers=dict(fake.buffer_items),
         cp_decision=decision.as_dict() if (decision := getattr(cp, "decision", None)) is not None else None,
     )
+
+
+def _check_arguments(
+    model: nn.Module, step_fn: Any, metadata: AttentionMetadata, passes: Pipeline | None
+) -> Pipeline:
+    """`trace_train_step`'s arguments checked; returns the pipeline to run."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _refuse_fsdp(model)
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable as step_fn(model, batch) -> loss, got {step_fn!r}")
+    if not isinstance(metadata, AttentionMetadata):
+        raise TypeError(f"metadata must be a usp_graph.AttentionMetadata, got {type(metadata).__name__}")
+    if not isinstance(metadata.max_seqlen, int) or not isinstance(metadata.total_tokens, int):
+        raise TypeError("metadata must hold concrete ints (max_seqlen, total_tokens), not symbolic sizes")
+    passes = default_pipeline() if passes is None else passes
+    if not isinstance(passes, Pipeline):
+        raise TypeError(f"passes must be a usp_graph.passes.Pipeline, got {type(passes).__name__}")
+    return passes
+
+
+@dataclass
+class _FakeInputs:
+    """The trace's inputs as fake tensors: parameters and buffers with static shapes, the batch with
+    one symbol per named dim (a ShapeEnv without duck sizing), the metadata's static values."""
+
+    env: Any  # ShapeEnv
+    syms: dict[str, Any]  # dim name -> SymInt
+    meta_values: Any
+    param_items: list[tuple[str, torch.Tensor]]
+    buffer_items: list[tuple[str, torch.Tensor]]
+    values: list[torch.Tensor]  # parameters, buffers, batch leaves
+
+    @classmethod
+    def of(
+        cls,
+        model: nn.Module,
+        leaves: list[torch.Tensor],
+        dims: list[dict[int, str]],
+        sizes: dict[str, int],
+        metadata: AttentionMetadata,
+    ) -> _FakeInputs:
+        from torch._dynamo.source import ConstantSource
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+        env = ShapeEnv(duck_shape=False)
+        fake_mode = FakeTensorMode(shape_env=env)
+        syms: dict[str, Any] = {}
+        for dim_name, size in sizes.items():
+            src = ConstantSource(f"dim_{dim_name}")
+            syms[dim_name] = env.create_symintnode(
+                env.create_symbol(size, src, dynamic_dim=DimDynamic.DYNAMIC), hint=size, source=src
+            )
+        meta_values = static_metadata_values(fake_mode, metadata)
+        param_items = list(model.named_parameters())
+        buffer_items = list(model.named_buffers())
+        values = [fake_mode.from_tensor(p, static_shapes=True) for _, p in param_items]
+        values += [fake_mode.from_tensor(b, static_shapes=True) for _, b in buffer_items]
+        with fake_mode:
+            values += [
+                torch.empty(
+                    [syms[ds[d]] if d in ds else s for d, s in enumerate(t.shape)],
+                    dtype=t.dtype,
+                    device=t.device,
+                )
+                for t, ds in zip(leaves, dims, strict=True)
+            ]
+        return cls(env, syms, meta_values, param_items, buffer_items, values)
 
 
 _PREFIX = {"param": "p_", "buffer": "buf_", "batch": "in_"}

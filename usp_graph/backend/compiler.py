@@ -60,9 +60,7 @@ from .joint import input_requires_grad
 from .options import UspOptions
 from .pipeline import GRAPH_STAGE, JOINT_STAGE, CompileContext
 
-__all__ = ["usp_backend", "CompileReport", "BACKEND_NAME"]
-
-BACKEND_NAME = "usp"
+__all__ = ["usp_backend", "CompileReport"]
 
 
 @dataclass(frozen=True)
@@ -197,69 +195,22 @@ class _Compile:
     # -- the compile -----------------------------------------------------------------------------
 
     def run(self) -> Callable[..., Any]:
+        """Rewrite Dynamo's graph (its sites, the documents it reads), compile it with the inner
+        compiler, and wrap it with the feed of per-call metadata."""
         start = time.perf_counter()
         opts = self.opts
         gm = _copy(self.dynamo_gm)
         tag_nodes(gm, "trace")
         values = [node_value(p) for p in gm.graph.find_nodes(op="placeholder")]
         fake_mode, env = _fake_mode_and_env(values)
-        sites = find_sites(gm)
-        warn_side_effect_breaks()  # checkpointed regions Dynamo left out: usp never sees them
-        if not self.ctx.read_repeated:  # described as the rewrite will run them
-            keep_repeated_heads(sites)
-        rewrite = self.pipeline.enabled("rewrite_sdpa")
-        if not rewrite:  # reported like any site the rewrite cannot replace, with why
-            sites = [
-                dataclasses.replace(s, rewritable=False, reason="pass rewrite_sdpa is disabled")
-                for s in sites
-            ]
-        todo = [s for s in sites if s.rewritable]
-        kept = [s for s in sites if not s.rewritable]
         world = opts.cp.world if opts.cp is not None else 1
-        if opts.cp is not None and kept:
-            raise ValueError(
-                "under context parallelism every SDPA must be rewritten (a plain SDPA would attend within this "
-                "rank's shard only), but these cannot be: " + "; ".join(s.describe() for s in kept)
-            )
-        if kept:
-            # Reported, not silent: these keep SDPA's one-document-per-row semantics.
-            warnings.warn(
-                f"usp backend: graph {self.name} keeps {len(kept)} SDPA call(s) as SDPA, and calling it inside "
-                "usp_graph.documents(...) will raise: " + "; ".join(s.describe() for s in kept),
-                stacklevel=2,
-            )
+        rewrite = self.pipeline.enabled("rewrite_sdpa")
+        sites, todo, kept = self._sites(gm, rewrite)
         if opts.dump_dir is not None:
-            self.dump = GraphDump(
-                opts.dump_dir,
-                self.dynamo_gm.meta.get("dynamo_compile_id"),
-                {
-                    "graph": self.name,
-                    "inner": self.inner,
-                    "verify": opts.verify,
-                    "cp": _cp_record(opts.cp),
-                    "sites": [site_record(s, s.rewritable) for s in sites],
-                },
-            )
-            self.dump.graph("dynamo", gm)
-
-        # Self-attention on the key/value stream of cross-attention (an encoder's) takes that stream's
-        # documents: its shape is the key stream's, not the queries'.
-        query_stream = [s for s in todo if not s.kv_stream]
-        rows = shared_rows(query_stream) if query_stream else None
-        mode = "none" if not todo else ("inputs" if rows is not None else "per_row")
-        positions = _positions_input(gm, query_stream, opts, self.name)
-        if positions is not None and mode == "per_row":
-            raise ValueError(
-                f"graph {self.name}: its attention calls differ in batch size or length, so the documents of "
-                f"{positions.name} cannot describe them all; call them with equal shapes or drop option 'documents'"
-            )
-        cross = [s for s in todo if s.cross]
-        kv_length = _kv_length(cross, self.name) if cross and mode == "inputs" else None
-        if kv_length is not None and not _kv_stream_rows_match(todo, rows[0], kv_length):
-            mode = "per_row"  # documents(...) then raises, naming the shapes that differ
-            kv_length = None
-        device = node_value(todo[0].query).device if todo else None
+            self._start_dump(gm, sites)
+        mode, rows, positions, cross, kv_length = self._plan_documents(gm, todo, world)
         ctx = self.ctx
+        device = node_value(todo[0].query).device if todo else None
         ctx.shape_env, ctx.fake_mode, ctx.device, ctx.positions = env, fake_mode, device, positions
         if mode == "inputs":
             ctx.capacity, ctx.max_seqlen = metadata_hints(rows, world)
@@ -310,7 +261,77 @@ class _Compile:
             cross=[s.name for s in cross],
             cp=opts.cp,
         )
-        seconds = time.perf_counter() - start
+        self._report(time.perf_counter() - start, todo, kept, mode)
+        return _with_metadata(compiled, feed)
+
+    def _sites(self, gm: fx.GraphModule, rewrite: bool) -> tuple[list[Any], list[Any], list[Any]]:
+        """(every attention site, those the rewrite replaces, those kept as SDPA: refused under CP,
+        else warned about)."""
+        sites = find_sites(gm)
+        warn_side_effect_breaks()  # checkpointed regions Dynamo left out: usp never sees them
+        if not self.ctx.read_repeated:  # described as the rewrite will run them
+            keep_repeated_heads(sites)
+        if not rewrite:  # reported like any site the rewrite cannot replace
+            sites = [
+                dataclasses.replace(s, rewritable=False, reason="pass rewrite_sdpa is disabled")
+                for s in sites
+            ]
+        todo = [s for s in sites if s.rewritable]
+        kept = [s for s in sites if not s.rewritable]
+        if self.opts.cp is not None and kept:
+            raise ValueError(
+                "under context parallelism every SDPA must be rewritten (a plain SDPA would attend within this "
+                "rank's shard only), but these cannot be: " + "; ".join(s.describe() for s in kept)
+            )
+        if kept:
+            # Reported, not silent: these keep SDPA's one-document-per-row semantics.
+            warnings.warn(
+                f"usp backend: graph {self.name} keeps {len(kept)} SDPA call(s) as SDPA, and calling it inside "
+                "usp_graph.documents(...) will raise: " + "; ".join(s.describe() for s in kept),
+                stacklevel=3,
+            )
+        return sites, todo, kept
+
+    def _start_dump(self, gm: fx.GraphModule, sites: list[Any]) -> None:
+        opts = self.opts
+        self.dump = GraphDump(
+            opts.dump_dir,
+            self.dynamo_gm.meta.get("dynamo_compile_id"),
+            {
+                "graph": self.name,
+                "inner": self.inner,
+                "verify": opts.verify,
+                "cp": _cp_record(opts.cp),
+                "sites": [site_record(s, s.rewritable) for s in sites],
+            },
+        )
+        self.dump.graph("dynamo", gm)
+
+    def _plan_documents(self, gm: fx.GraphModule, todo: list[Any], world: int):
+        """How the compiled graph learns its documents: (mode: "inputs" (metadata as graph inputs),
+        "per_row" or "none"; the shared rows; the position-ids input of option documents; the
+        cross-attention sites; the key/value stream's length)."""
+        # Self-attention on the key/value stream of cross-attention (an encoder's) takes that stream's
+        # documents: its shape is the key stream's, not the queries'.
+        query_stream = [s for s in todo if not s.kv_stream]
+        rows = shared_rows(query_stream) if query_stream else None
+        mode = "none" if not todo else ("inputs" if rows is not None else "per_row")
+        positions = _positions_input(gm, query_stream, self.opts, self.name)
+        if positions is not None and mode == "per_row":
+            raise ValueError(
+                f"graph {self.name}: its attention calls differ in batch size or length, so the documents of "
+                f"{positions.name} cannot describe them all; call them with equal shapes or drop option 'documents'"
+            )
+        cross = [s for s in todo if s.cross]
+        kv_length = _kv_length(cross, self.name) if cross and mode == "inputs" else None
+        if kv_length is not None and not _kv_stream_rows_match(todo, rows[0], kv_length):
+            mode = "per_row"  # documents(...) then raises, naming the shapes that differ
+            kv_length = None
+        return mode, rows, positions, cross, kv_length
+
+    def _report(self, seconds: float, todo: list[Any], kept: list[Any], mode: str) -> None:
+        """The `CompileReport` of this compile, to options ``on_compile`` (and the dump's manifest)."""
+        opts = self.opts
         report = CompileReport(
             graph=self.name,
             rewritten=tuple(s.describe() for s in todo),
@@ -329,7 +350,6 @@ class _Compile:
             self.dump.update(compile_seconds=seconds)
         if opts.on_compile is not None:
             opts.on_compile(report)
-        return _with_metadata(compiled, feed)
 
 
 def _row_position_embeddings(

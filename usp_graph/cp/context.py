@@ -97,37 +97,16 @@ class ContextParallel:
         is_causal: bool = True,
         rates=None,
     ) -> None:
+        # 1. "auto" decides the strategy and its options; 2. the options are checked against the
+        # strategy; 3. the process groups are set up; 4. the strategy's degrees (and usp's subgroups).
         self.decision = None
         auto_inputs = {"documents": documents, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
                        "dtype": dtype, "rates": rates}  # fmt: skip
         if strategy == "auto":
             named = {"ulysses_degree": ulysses_degree, "load_balance": load_balance,
                      "max_document_len": max_document_len, "across": across}  # fmt: skip
-            fixed = [k for k, v in named.items() if v is not None]
-            if fixed:
-                raise ValueError(f"strategy 'auto' chooses {', '.join(fixed)} itself; leave them out")
-            missing = [k for k in ("documents", "heads", "head_dim") if auto_inputs[k] is None]
-            if missing:
-                raise ValueError(
-                    f"strategy 'auto' needs {', '.join(missing)}: the document lengths of a step (or a "
-                    "few sampled steps), the query heads and the head dim of the attention it will run"
-                )
-            from .auto import resolve
-
-            if not dist.is_available() or not dist.is_initialized():
-                raise ValueError(
-                    "ContextParallel needs torch.distributed initialized: call init_process_group first"
-                )
-            if mesh is not None and group is not None:
-                raise ValueError("pass either group or mesh, not both")
-            if mesh is not None and mesh.ndim != 1:
-                raise ValueError(f"strategy 'auto' takes a 1-D mesh (the CP dim), got {mesh.ndim}-D")
-            on = mesh.get_group() if mesh is not None else (group if group is not None else dist.group.WORLD)
-            self.decision = resolve(on, documents, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                                    dtype=dtype or torch.bfloat16, is_causal=is_causal, rates=rates,
-                                    device=None)  # fmt: skip
-            strategy = self.decision.strategy
-            opts = self.decision.options
+            self.decision = _decide(group, mesh, named, auto_inputs, is_causal)
+            strategy, opts = self.decision.strategy, self.decision.options
             ulysses_degree = opts.get("ulysses_degree")
             load_balance = opts.get("load_balance")
             max_document_len = opts.get("max_document_len")
@@ -135,49 +114,10 @@ class ContextParallel:
             given = [k for k, v in auto_inputs.items() if v is not None]
             if given:
                 raise ValueError(f"{', '.join(given)}: only for strategy 'auto', not {strategy!r}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)} or 'auto'; got {strategy!r}")
-        if load_balance not in LOAD_BALANCE:
-            raise ValueError(f"load_balance must be None or 'zigzag', got {load_balance!r}")
-        if strategy == "usp":
-            if across not in (None, "ring", "halo"):
-                raise ValueError(
-                    f"across must be 'ring' or 'halo' (how usp's Ulysses groups share K/V), got {across!r}"
-                )
-            across = across or "ring"
-        elif across is not None:
-            raise ValueError(f"across is only for strategy 'usp', not {strategy!r}")
-        self.across = across
-        if strategy == "halo" or across == "halo":
-            what = "strategy 'halo'" if strategy == "halo" else "usp with across='halo'"
-            if (
-                isinstance(max_document_len, bool)
-                or not isinstance(max_document_len, int)
-                or max_document_len < 1
-            ):
-                raise ValueError(
-                    f"{what} needs max_document_len, a positive int: the longest document a step may "
-                    f"hold; got {max_document_len!r}"
-                )
-            if load_balance is not None:
-                raise ValueError(
-                    f"{what} needs contiguous shards (load_balance=None): its halo is the neighbouring "
-                    "chunks; packed documents balance causal work without zigzag"
-                )
-        elif max_document_len is not None:
-            raise ValueError(
-                f"max_document_len is only for strategy 'halo' and usp with across='halo', not {strategy!r}"
-            )
+        self.across = _check_options(strategy, load_balance, max_document_len, across, head_groups)
         self.max_document_len = max_document_len
-        if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1:
-            raise ValueError(f"head_groups must be a positive int, got {head_groups!r}")
-        if head_groups != 1 and strategy != "ulysses":
-            raise ValueError(f"head_groups is only for strategy 'ulysses', not {strategy!r}")
         self.head_groups = head_groups
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError(
-                "ContextParallel needs torch.distributed initialized: call init_process_group first"
-            )
+        _require_distributed()
         if mesh is not None and group is not None:
             raise ValueError("pass either group or mesh, not both")
         self.strategy = strategy
@@ -185,25 +125,7 @@ class ContextParallel:
         self.check_metadata = check_metadata
         ring_group = ulysses_group = None
         if mesh is not None:
-            if strategy == "usp":
-                if mesh.ndim != 2:
-                    raise ValueError(f"strategy 'usp' needs a 2-D mesh (ring, ulysses), got {mesh.ndim}-D")
-                ring_group, ulysses_group = mesh.get_group(0), mesh.get_group(1)
-                if ulysses_degree not in (None, mesh.size(1)):
-                    raise ValueError(
-                        f"ulysses_degree={ulysses_degree} disagrees with the mesh's {mesh.size(1)}"
-                    )
-                ulysses_degree = mesh.size(1)
-                # The whole CP group: every rank of the mesh.
-                group = dist.new_group([int(r) for r in mesh.mesh.flatten().tolist()])
-            else:
-                if mesh.ndim != 1:
-                    names = getattr(mesh, "mesh_dim_names", None) or ()
-                    hint = f"; pass its CP dim, e.g. mesh=mesh[{names[-1]!r}]" if names else ""
-                    raise ValueError(
-                        f"strategy {strategy!r} needs a 1-D mesh (the CP dim), got {mesh.ndim}-D{hint}"
-                    )
-                group = mesh.get_group()
+            group, ring_group, ulysses_group, ulysses_degree = _mesh_groups(strategy, mesh, ulysses_degree)
         self.group = group if group is not None else dist.group.WORLD
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -211,8 +133,12 @@ class ContextParallel:
             raise ValueError("this process is not a member of the given CP group")
         self.group_name = self.group.group_name
         self.layout = ChunkLayout(self.world, zigzag=load_balance == "zigzag")
+        self._set_degrees(ulysses_degree, ring_group, ulysses_group)
 
-        if strategy == "usp":
+    def _set_degrees(self, ulysses_degree: int | None, ring_group, ulysses_group) -> None:
+        """Ranks per Ulysses group and per ring (usp: `ulysses_degree`, its subgroups made here
+        unless a 2-D mesh gave them; ulysses: all of them; ring, allgather_kv, halo: one)."""
+        if self.strategy == "usp":
             if ulysses_degree is None:
                 raise ValueError("strategy 'usp' needs ulysses_degree (ranks per Ulysses group)")
             if isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int) or ulysses_degree < 1:
@@ -233,34 +159,17 @@ class ContextParallel:
                         + ", ".join(f"{d} on rank {r}" for r, d in enumerate(degrees))
                         + "; every rank must pass the same"
                     )
-                ring_group, ulysses_group = self._make_subgroups(ulysses_degree)
+                ring_group, ulysses_group = _usp_subgroups(self.group, self.world, self.rank, ulysses_degree)
             self.ulysses_degree = ulysses_degree
             self.ring_size = self.world // ulysses_degree
         elif ulysses_degree is not None:
-            raise ValueError(f"ulysses_degree is only for strategy 'usp', not {strategy!r}")
+            raise ValueError(f"ulysses_degree is only for strategy 'usp', not {self.strategy!r}")
         else:
             self.ulysses_degree, self.ring_size = (
-                (self.world, 1) if strategy == "ulysses" else (1, self.world)
+                (self.world, 1) if self.strategy == "ulysses" else (1, self.world)
             )
         self.ring_group_name = ring_group.group_name if ring_group is not None else self.group_name
         self.ulysses_group_name = ulysses_group.group_name if ulysses_group is not None else self.group_name
-
-    def _make_subgroups(self, u: int):
-        # new_group is collective: every rank creates every subgroup, in the same order.
-        ranks = [dist.get_global_rank(self.group, i) for i in range(self.world)]
-        # Subgroups do not inherit the parent's timeout (they would get 30 min): pass it on, so a
-        # failed peer still surfaces within the configured time.
-        timeout = group_timeout(self.group)
-        mine_u = mine_r = None
-        for i in range(self.world // u):
-            g = dist.new_group([ranks[i * u + j] for j in range(u)], timeout=timeout)
-            if self.rank // u == i:
-                mine_u = g
-        for j in range(u):
-            g = dist.new_group([ranks[i * u + j] for i in range(self.world // u)], timeout=timeout)
-            if self.rank % u == j:
-                mine_r = g
-        return mine_r, mine_u
 
     def __repr__(self) -> str:
         extra = f", ulysses_degree={self.ulysses_degree}" if self.strategy == "usp" else ""
@@ -349,25 +258,7 @@ class ContextParallel:
         """Debug check: every rank holds the same document boundaries (host sync). Ranks that
         disagree, in capacity too, get the same `ValueError` on every rank; one that never arrives
         is a `CollectiveError` (the group's timeout)."""
-        cu = cu_seqlens.cu_seqlens if isinstance(cu_seqlens, AttentionMetadata) else cu_seqlens
-        what = "assert_same_metadata (check_metadata)"
-        sizes = [row[0] for row in gather_ints(f"{what}: capacity", self.group, [cu.numel()])]
-        if len(set(sizes)) > 1:  # gathering the boundaries themselves would need equal sizes
-            raise ValueError(
-                "CP ranks disagree on the document boundaries' capacity: cu_seqlens holds "
-                + ", ".join(f"{n} entries on rank {r}" for r, n in enumerate(sizes))
-                + "; every rank must pass the same global metadata (the same max_docs too)"
-            )
-        mine = cu.reshape(-1).to(torch.int64)
-        gathered = mine.new_empty(self.world * mine.numel())
-        run_collective(what, self.group, lambda: all_gather_into(gathered, mine, self.group))
-        rows = gathered.view(self.world, -1)
-        bad = [r for r in range(self.world) if not torch.equal(rows[r], rows[0])]
-        if bad:
-            raise ValueError(
-                f"CP ranks disagree on the document boundaries: ranks {bad} differ from rank 0 "
-                f"({rows[bad[0]].tolist()} vs {rows[0].tolist()}); every rank must pass the same global metadata"
-            )
+        _check_same_metadata(cu_seqlens, self.group, self.world)
 
     # ---- training helpers ------------------------------------------------------------------------
 
@@ -390,22 +281,49 @@ class ContextParallel:
         A parameter with no grad on this rank contributes zeros; it gets a grad when any rank has one.
         FSDP2's sharded (DTensor) grads are refused: see `usp_graph.fsdp` for that layout.
         """
-        params = list(params)
-        _refuse_fsdp_grads(params, self.group)
-        buckets: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-        for p in params:
-            if p.requires_grad:
-                buckets.setdefault((p.dtype, p.device), []).append(p)
-        for bucket in buckets.values():  # one collective per dtype/device, in a fixed order
-            flat = torch.cat(
-                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
-            )
-            total = _ordered_sum(flat, self.group)
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                p.grad = total[offset : offset + n].view_as(p).clone()
-                offset += n
+        _reduce_grads(list(params), self.group)
+
+
+def _check_same_metadata(cu_seqlens: Tensor | AttentionMetadata, group, world: int) -> None:
+    """`ContextParallel.assert_same_metadata` over `group` of `world` ranks."""
+    cu = cu_seqlens.cu_seqlens if isinstance(cu_seqlens, AttentionMetadata) else cu_seqlens
+    what = "assert_same_metadata (check_metadata)"
+    sizes = [row[0] for row in gather_ints(f"{what}: capacity", group, [cu.numel()])]
+    if len(set(sizes)) > 1:  # gathering the boundaries themselves would need equal sizes
+        raise ValueError(
+            "CP ranks disagree on the document boundaries' capacity: cu_seqlens holds "
+            + ", ".join(f"{n} entries on rank {r}" for r, n in enumerate(sizes))
+            + "; every rank must pass the same global metadata (the same max_docs too)"
+        )
+    mine = cu.reshape(-1).to(torch.int64)
+    gathered = mine.new_empty(world * mine.numel())
+    run_collective(what, group, lambda: all_gather_into(gathered, mine, group))
+    rows = gathered.view(world, -1)
+    bad = [r for r in range(world) if not torch.equal(rows[r], rows[0])]
+    if bad:
+        raise ValueError(
+            f"CP ranks disagree on the document boundaries: ranks {bad} differ from rank 0 "
+            f"({rows[bad[0]].tolist()} vs {rows[0].tolist()}); every rank must pass the same global metadata"
+        )
+
+
+def _reduce_grads(params: list[torch.nn.Parameter], group) -> None:
+    """`ContextParallel.reduce_grads` over `group`: one ordered sum per dtype and device."""
+    _refuse_fsdp_grads(params, group)
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.requires_grad:
+            buckets.setdefault((p.dtype, p.device), []).append(p)
+    for bucket in buckets.values():  # one collective per dtype/device, in a fixed order
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]
+        )
+        total = _ordered_sum(flat, group)
+        offset = 0
+        for p in bucket:
+            n = p.numel()
+            p.grad = total[offset : offset + n].view_as(p).clone()
+            offset += n
 
 
 def _refuse_fsdp_grads(params: list[torch.nn.Parameter], group) -> None:
@@ -429,3 +347,122 @@ def _refuse_fsdp_grads(params: list[torch.nn.Parameter], group) -> None:
         "and build the loss with its token_mean (FSDP's divide factor set to 1); its reduce_grads does "
         "what the layout needs"
     )
+
+
+# ---- construction: "auto", the option checks, the process groups --------------------------------
+
+
+def _require_distributed() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("ContextParallel needs torch.distributed initialized: call init_process_group first")
+
+
+def _decide(group, mesh, named: dict[str, object], auto_inputs: dict[str, object], is_causal: bool):
+    """Strategy ``"auto"``: the `usp_graph.cp.auto` decision for these documents and heads on the
+    CP group (a collective: it measures the group's rates unless given)."""
+    fixed = [k for k, v in named.items() if v is not None]
+    if fixed:
+        raise ValueError(f"strategy 'auto' chooses {', '.join(fixed)} itself; leave them out")
+    missing = [k for k in ("documents", "heads", "head_dim") if auto_inputs[k] is None]
+    if missing:
+        raise ValueError(
+            f"strategy 'auto' needs {', '.join(missing)}: the document lengths of a step (or a "
+            "few sampled steps), the query heads and the head dim of the attention it will run"
+        )
+    from .auto import resolve
+
+    _require_distributed()
+    if mesh is not None and group is not None:
+        raise ValueError("pass either group or mesh, not both")
+    if mesh is not None and mesh.ndim != 1:
+        raise ValueError(f"strategy 'auto' takes a 1-D mesh (the CP dim), got {mesh.ndim}-D")
+    on = mesh.get_group() if mesh is not None else (group if group is not None else dist.group.WORLD)
+    a = auto_inputs
+    return resolve(on, a["documents"], heads=a["heads"], kv_heads=a["kv_heads"], head_dim=a["head_dim"],
+                   dtype=a["dtype"] or torch.bfloat16, is_causal=is_causal, rates=a["rates"],
+                   device=None)  # fmt: skip
+
+
+def _check_options(
+    strategy: str,
+    load_balance: str | None,
+    max_document_len: int | None,
+    across: str | None,
+    head_groups: int,
+) -> str | None:
+    """Each option against the strategy it belongs to; returns `across` (usp's default: ``"ring"``)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)} or 'auto'; got {strategy!r}")
+    if load_balance not in LOAD_BALANCE:
+        raise ValueError(f"load_balance must be None or 'zigzag', got {load_balance!r}")
+    if strategy == "usp":
+        if across not in (None, "ring", "halo"):
+            raise ValueError(
+                f"across must be 'ring' or 'halo' (how usp's Ulysses groups share K/V), got {across!r}"
+            )
+        across = across or "ring"
+    elif across is not None:
+        raise ValueError(f"across is only for strategy 'usp', not {strategy!r}")
+    if strategy == "halo" or across == "halo":
+        what = "strategy 'halo'" if strategy == "halo" else "usp with across='halo'"
+        if (
+            isinstance(max_document_len, bool)
+            or not isinstance(max_document_len, int)
+            or max_document_len < 1
+        ):
+            raise ValueError(
+                f"{what} needs max_document_len, a positive int: the longest document a step may "
+                f"hold; got {max_document_len!r}"
+            )
+        if load_balance is not None:
+            raise ValueError(
+                f"{what} needs contiguous shards (load_balance=None): its halo is the neighbouring "
+                "chunks; packed documents balance causal work without zigzag"
+            )
+    elif max_document_len is not None:
+        raise ValueError(
+            f"max_document_len is only for strategy 'halo' and usp with across='halo', not {strategy!r}"
+        )
+    if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1:
+        raise ValueError(f"head_groups must be a positive int, got {head_groups!r}")
+    if head_groups != 1 and strategy != "ulysses":
+        raise ValueError(f"head_groups is only for strategy 'ulysses', not {strategy!r}")
+    return across
+
+
+def _mesh_groups(strategy: str, mesh, ulysses_degree: int | None):
+    """(CP group, ring group, Ulysses group, ulysses_degree) of a `DeviceMesh`: usp's 2-D mesh gives
+    its ring and Ulysses dims (and a new group of every rank in it); other strategies take a 1-D mesh."""
+    if strategy != "usp":
+        if mesh.ndim != 1:
+            names = getattr(mesh, "mesh_dim_names", None) or ()
+            hint = f"; pass its CP dim, e.g. mesh=mesh[{names[-1]!r}]" if names else ""
+            raise ValueError(f"strategy {strategy!r} needs a 1-D mesh (the CP dim), got {mesh.ndim}-D{hint}")
+        return mesh.get_group(), None, None, ulysses_degree
+    if mesh.ndim != 2:
+        raise ValueError(f"strategy 'usp' needs a 2-D mesh (ring, ulysses), got {mesh.ndim}-D")
+    ring_group, ulysses_group = mesh.get_group(0), mesh.get_group(1)
+    if ulysses_degree not in (None, mesh.size(1)):
+        raise ValueError(f"ulysses_degree={ulysses_degree} disagrees with the mesh's {mesh.size(1)}")
+    # The whole CP group: every rank of the mesh.
+    group = dist.new_group([int(r) for r in mesh.mesh.flatten().tolist()])
+    return group, ring_group, ulysses_group, mesh.size(1)
+
+
+def _usp_subgroups(group, world: int, rank: int, u: int):
+    """(this rank's ring group, its Ulysses group) for usp with `u` consecutive ranks per Ulysses group."""
+    # new_group is collective: every rank creates every subgroup, in the same order.
+    ranks = [dist.get_global_rank(group, i) for i in range(world)]
+    # Subgroups do not inherit the parent's timeout (they would get 30 min): pass it on, so a
+    # failed peer still surfaces within the configured time.
+    timeout = group_timeout(group)
+    mine_u = mine_r = None
+    for i in range(world // u):
+        g = dist.new_group([ranks[i * u + j] for j in range(u)], timeout=timeout)
+        if rank // u == i:
+            mine_u = g
+    for j in range(u):
+        g = dist.new_group([ranks[i * u + j] for i in range(world // u)], timeout=timeout)
+        if rank % u == j:
+            mine_r = g
+    return mine_r, mine_u

@@ -256,9 +256,6 @@ def _decode(
     if name in _FUNCTIONS:
         budget.work += budget.nodes - first + 1
     args = [a for a, *_ in decoded]
-    degrees = [d for _, d, *_ in decoded]
-    bits = [b for _, _, b, *_ in decoded]
-    terms = [t for *_, t in decoded]
     nesting = max(n for _, _, _, n, _ in decoded) + (name in _FUNCTIONS)
     if nesting > MAX_FUNCTION_NESTING:
         raise _fail(
@@ -271,6 +268,27 @@ def _decode(
     want = sympy.logic.boolalg.Boolean if name in _LOGIC else sympy.Expr
     if not all(isinstance(a, want) for a in args):
         raise _fail(where, f"{name} takes {'conditions' if name in _LOGIC else 'numbers'}, got {_short(raw)}")
+    degree, value_bits, expanded = _bounds(name, args, decoded, where)
+    try:
+        out = cls(*args)
+    except (TypeError, ValueError, ArithmeticError, AttributeError, AssertionError, RecursionError) as e:
+        raise _fail(
+            where, f"{name}{tuple(args)} is not a valid expression: {type(e).__name__}: {e}"
+        ) from None
+    if not isinstance(out, sympy.Basic):
+        raise _fail(where, f"{name} did not build an expression")
+    _check_size(out, where)
+    return out, degree, value_bits, nesting, expanded
+
+
+def _bounds(
+    name: str, args: list[sympy.Basic], decoded: list[tuple[sympy.Basic, int, int, int, int]], where: str
+) -> tuple[int, int, int]:
+    """(degree, value bits, expanded terms) bounds of `name` over its decoded arguments; refused
+    over MAX_EXPANDED_TERMS, MAX_DEGREE or MAX_VALUE_BITS."""
+    degrees = [d for _, d, *_ in decoded]
+    bits = [b for _, _, b, *_ in decoded]
+    terms = [t for *_, t in decoded]
     if name in ("Pow", "PowByNatural"):
         exp = int(args[1])
         if not isinstance(args[1], sympy.Integer) or abs(exp) > _MAX_POW:  # pragma: no cover - checked above
@@ -299,16 +317,7 @@ def _decode(
             f"{name} could reach {value_bits}-bit values, over the {MAX_VALUE_BITS} bits a size expression may "
             "have (a literal or power too large)",
         )
-    try:
-        out = cls(*args)
-    except (TypeError, ValueError, ArithmeticError, AttributeError, AssertionError, RecursionError) as e:
-        raise _fail(
-            where, f"{name}{tuple(args)} is not a valid expression: {type(e).__name__}: {e}"
-        ) from None
-    if not isinstance(out, sympy.Basic):
-        raise _fail(where, f"{name} did not build an expression")
-    _check_size(out, where)
-    return out, degree, value_bits, nesting, expanded
+    return degree, value_bits, expanded
 
 
 def _short(x: Any) -> str:

@@ -24,6 +24,7 @@ import torch.fx as fx
 from .. import registry
 from ..ops.collectives import wait_args
 from ..signature import check_bindings, evaluate_recorded
+from ..version import __version__ as USP_VERSION
 from . import document
 from .allowlist import check_call, resolve_target, result_kind
 from .collective_args import check_collectives
@@ -338,11 +339,9 @@ class _FakeValues:
 
 
 def _check_versions(versions: dict[str, Any], strict: bool, source: str) -> None:
-    from .. import __version__ as usp_version
-
     mismatched = [
         f"{what} {versions.get(what)!r} (this process: {mine})"
-        for what, mine in (("torch", torch.__version__), ("usp_graph", usp_version))
+        for what, mine in (("torch", torch.__version__), ("usp_graph", USP_VERSION))
         if versions.get(what) != mine
     ]
     if not mismatched:
@@ -360,10 +359,8 @@ def _check_versions(versions: dict[str, Any], strict: bool, source: str) -> None
 
 
 def read_document(doc: dict[str, Any], *, source: str, values: bool, strict_versions: bool) -> GraphFile:
-    """A parsed, fingerprint-checked document -> GraphFile (every field validated)."""
-    from torch._dynamo.source import ConstantSource
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
-
+    """A parsed, fingerprint-checked document -> GraphFile (every field validated): the header, the
+    symbols, guards, world, constants and inputs, then the graph built from its nodes."""
     top = {"format", "format_version", "kind", "versions", "symbols", "guards", "inputs", "world", "graph",
            "constants", "meta", "fingerprint", "train_step"}  # fmt: skip
     _only_keys(doc, top, "file")
@@ -376,14 +373,70 @@ def read_document(doc: dict[str, Any], *, source: str, values: bool, strict_vers
             raise _schema(f"file.versions.{k[:40]}", "versions are strings")
     _check_versions(versions, strict_versions, source)
 
-    env = ShapeEnv(duck_shape=False)
-    dims: dict[str, sympy.Symbol] = {}
-    hints: dict[str, int | None] = {}
-    ranges: dict[str, tuple[int, int | None]] = {}
-    symbols: dict[str, torch.SymInt] = {}
-    declared = _field(doc, "symbols", dict, "file")
+    env, symbols = _decode_symbols(_field(doc, "symbols", dict, "file"))
+    f = GraphFile(
+        graph_module=None,  # type: ignore[arg-type]
+        kind=kind,
+        inputs=(),
+        symbols={name: s for name, (s, _, _) in symbols.items()},
+        dims={name: s.node.expr for name, (s, _, _) in symbols.items()},
+        hints={name: hint for name, (_, hint, _) in symbols.items()},
+        ranges={name: bounds for name, (_, _, bounds) in symbols.items()},
+        guards=(),
+        world=None,
+        meta={},
+        versions=dict(versions),
+        fingerprint=doc["fingerprint"],
+        section=doc.get(kind) if kind != "graph_module" else None,
+        path=None,
+    )
+    if kind == "train_step" and not isinstance(f.section, dict):
+        raise _schema("file", "a train_step file has a 'train_step' object")
+    if kind == "graph_module" and "train_step" in doc:
+        raise _schema("file", "a graph_module file has no 'train_step' section")
+    f.guards = _decode_guards(_field(doc, "guards", list, "file"), f)
+    f.meta = _field(doc, "meta", dict, "file")
+    world = _field(doc, "world", (dict, type(None)), "file")
+    f.world = None if world is None else _decode_world(world)
+
+    constants: dict[str, torch.Tensor] = {}
+    for name, data in _field(doc, "constants", dict, "file").items():
+        _check_name(name, f"constants.{name[:40]}", "constant", attribute=True)
+        constants[name] = decode_tensor_data(data, f"constants.{name}")
+
+    raw_inputs = _field(doc, "inputs", list, "file")
+    specs = [_decode_input(data, f, f"inputs[{i}]") for i, data in enumerate(raw_inputs)]
+    graph_doc = _field(doc, "graph", dict, "file")
+    _only_keys(graph_doc, {"nodes", "meta"}, "graph")
+    fakes = _FakeValues(f, env) if values else None
+    gm = _build_graph(_field(graph_doc, "nodes", list, "graph"), constants, fakes, f, specs)
+    for k, v in _field(graph_doc, "meta", dict, "graph").items():
+        if not META_KEY.fullmatch(k):
+            raise _schema(f"graph.meta.{k[:40]}", "graph metadata keys are usp_*")
+        if k in GRAPH_META and not GRAPH_META[k](v):
+            raise _schema(f"graph.meta.{k}", f"unexpected value {str(v)[:60]!r}")
+        gm.meta[k] = v
+    f.graph_module = gm
+
+    f.inputs = tuple(specs)
+    return f
+
+
+def _decode_symbols(
+    declared: dict[str, Any],
+) -> tuple[Any, dict[str, tuple[torch.SymInt, int | None, tuple[int, int | None]]]]:
+    """The file's ``symbols`` -> (a ShapeEnv, name -> (its SymInt, hint, (min, max))). A symbol
+    without a hint is unbacked."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
     if len(declared) > MAX_SYMBOLS:
         raise _schema("symbols", f"{len(declared)} symbols declared; graph files hold at most {MAX_SYMBOLS}")
+    env = ShapeEnv(duck_shape=False)
+    # torch's own source of a named constant; ShapeEnv() has just imported torch._dynamo (its
+    # validator does), so this import costs nothing more (tests/test_imports.py).
+    from torch._dynamo.source import ConstantSource
+
+    symbols = {}
     for name, info in declared.items():
         where = f"symbols.{name[:40]}"
         if not SYMBOL_NAME.fullmatch(name):
@@ -407,89 +460,48 @@ def read_document(doc: dict[str, Any], *, source: str, values: bool, strict_vers
                 hint, src, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True
             )
             s = env.create_symintnode(sym, hint=hint, source=src)
-        dims[name] = s.node.expr
-        symbols[name] = s
-        hints[name] = hint
-        ranges[name] = (lo, hi)
+        symbols[name] = (s, hint, (lo, hi))
+    return env, symbols
 
-    f = GraphFile(
-        graph_module=None,  # type: ignore[arg-type]
-        kind=kind,
-        inputs=(),
-        symbols=symbols,
-        dims=dims,
-        hints=hints,
-        ranges=ranges,
-        guards=(),
-        world=None,
-        meta={},
-        versions=dict(versions),
-        fingerprint=doc["fingerprint"],
-        section=doc.get(kind) if kind != "graph_module" else None,
-        path=None,
-    )
-    if kind == "train_step" and not isinstance(f.section, dict):
-        raise _schema("file", "a train_step file has a 'train_step' object")
-    if kind == "graph_module" and "train_step" in doc:
-        raise _schema("file", "a graph_module file has no 'train_step' section")
+
+def _decode_guards(raw: list[Any], f: GraphFile) -> tuple[tuple[Any, str], ...]:
+    """The file's ``guards``: [condition over the symbols, where it was recorded] each."""
     guards = []
-    for i, g in enumerate(_field(doc, "guards", list, "file")):
+    for i, g in enumerate(raw):
         if not isinstance(g, list) or len(g) != 2 or not isinstance(g[1], str):
             raise _schema(f"guards[{i}]", "a guard is [condition, where]")
         cond = f.expr(g[0], f"guards[{i}]")
         if not isinstance(cond, (sympy.logic.boolalg.Boolean, sympy.core.relational.Relational)):
             raise _schema(f"guards[{i}]", f"{cond} is not a condition")
         guards.append((cond, g[1]))
-    f.guards = tuple(guards)
-    f.meta = _field(doc, "meta", dict, "file")
+    return tuple(guards)
 
-    world = _field(doc, "world", (dict, type(None)), "file")
-    if world is not None:
-        _only_keys(world, {"size", "rank", "groups"}, "world")
-        size = _field(world, "size", int, "world")
-        rank = _field(world, "rank", int, "world")
-        if not 0 <= rank < size:
-            raise _schema("world", f"rank {rank} is not in a world of {size}")
-        groups = []
-        for i, g in enumerate(_field(world, "groups", list, "world")):
-            where = f"world.groups[{i}]"
-            _only_keys(g if isinstance(g, dict) else {}, {"name", "ranks"}, where)
-            name = _field(g, "name", str, where)
-            ranks = _field(g, "ranks", list, where)
-            if (
-                not ranks
-                or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < size for r in ranks)
-                or len(set(ranks)) != len(ranks)
-            ):
-                raise _schema(where, f"ranks must be distinct ints in [0, {size})")
-            if rank not in ranks:
-                raise _schema(where, f"the saving rank {rank} is not in its own group {ranks}")
-            groups.append(GroupSpec(name, tuple(ranks)))
-        if len({g.name for g in groups}) != len(groups):
-            raise _schema("world.groups", "group names repeat")
-        f.world = WorldSpec(size, rank, tuple(groups))
 
-    constants: dict[str, torch.Tensor] = {}
-    for name, data in _field(doc, "constants", dict, "file").items():
-        _check_name(name, f"constants.{name[:40]}", "constant", attribute=True)
-        constants[name] = decode_tensor_data(data, f"constants.{name}")
-
-    raw_inputs = _field(doc, "inputs", list, "file")
-    specs = [_decode_input(data, f, f"inputs[{i}]") for i, data in enumerate(raw_inputs)]
-    graph_doc = _field(doc, "graph", dict, "file")
-    _only_keys(graph_doc, {"nodes", "meta"}, "graph")
-    fakes = _FakeValues(f, env) if values else None
-    gm = _build_graph(_field(graph_doc, "nodes", list, "graph"), constants, fakes, f, specs)
-    for k, v in _field(graph_doc, "meta", dict, "graph").items():
-        if not META_KEY.fullmatch(k):
-            raise _schema(f"graph.meta.{k[:40]}", "graph metadata keys are usp_*")
-        if k in GRAPH_META and not GRAPH_META[k](v):
-            raise _schema(f"graph.meta.{k}", f"unexpected value {str(v)[:60]!r}")
-        gm.meta[k] = v
-    f.graph_module = gm
-
-    f.inputs = tuple(specs)
-    return f
+def _decode_world(world: dict[str, Any]) -> WorldSpec:
+    """The file's ``world``: the writer's world size and rank and its process groups' global ranks."""
+    _only_keys(world, {"size", "rank", "groups"}, "world")
+    size = _field(world, "size", int, "world")
+    rank = _field(world, "rank", int, "world")
+    if not 0 <= rank < size:
+        raise _schema("world", f"rank {rank} is not in a world of {size}")
+    groups = []
+    for i, g in enumerate(_field(world, "groups", list, "world")):
+        where = f"world.groups[{i}]"
+        _only_keys(g if isinstance(g, dict) else {}, {"name", "ranks"}, where)
+        name = _field(g, "name", str, where)
+        ranks = _field(g, "ranks", list, where)
+        if (
+            not ranks
+            or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < size for r in ranks)
+            or len(set(ranks)) != len(ranks)
+        ):
+            raise _schema(where, f"ranks must be distinct ints in [0, {size})")
+        if rank not in ranks:
+            raise _schema(where, f"the saving rank {rank} is not in its own group {ranks}")
+        groups.append(GroupSpec(name, tuple(ranks)))
+    if len({g.name for g in groups}) != len(groups):
+        raise _schema("world.groups", "group names repeat")
+    return WorldSpec(size, rank, tuple(groups))
 
 
 _INPUT_KINDS = {"tensor": "T", "symint": "I", "int": "I", "float": "F", "bool": "B", "none": "N", "any": "?"}
@@ -615,6 +627,30 @@ def _is_c10d_wait(target: Any) -> bool:
     return _is_c10d(target) and target._schema.name == "_c10d_functional::wait_tensor"
 
 
+@dataclass
+class _Built:
+    """What `_build_graph` has built so far: the graph, its nodes by name and their result kinds, the
+    placeholders matched to input specs, the constants read, whether the output came."""
+
+    specs: Sequence[InputSpec]
+    constants: dict[str, torch.Tensor]
+    groups: dict[str, int] | None
+    graph: fx.Graph = field(default_factory=fx.Graph)
+    env: dict[str, fx.Node] = field(default_factory=dict)
+    kinds: dict[fx.Node, Any] = field(default_factory=dict)
+    used_constants: set[str] = field(default_factory=set)
+    n_placeholders: int = 0
+    seen_output: bool = False
+
+    def ref(self, where: str) -> Callable[[str], fx.Node]:
+        def get(name: str) -> fx.Node:
+            if name not in self.env:
+                raise _schema(where, f"refers to node {name[:40]!r}, which is not defined before it")
+            return self.env[name]
+
+        return get
+
+
 def _build_graph(
     nodes: list[Any],
     constants: dict[str, torch.Tensor],
@@ -622,22 +658,10 @@ def _build_graph(
     f: GraphFile,
     specs: Sequence[InputSpec],
 ) -> fx.GraphModule:
-    graph = fx.Graph()
-    env: dict[str, fx.Node] = {}
-    kinds: dict[fx.Node, Any] = {}
+    """The file's nodes -> a `ReplayGraphModule`: each node decoded and checked in order (name, op,
+    arguments, target, metadata), then the whole graph (writes, issued collectives, constants)."""
     groups = {g.name: len(g.ranks) for g in f.world.groups} if f.world is not None else None
-    used_constants: set[str] = set()
-    seen_output = False
-    n_placeholders = 0
-
-    def ref(where: str) -> Callable[[str], fx.Node]:
-        def get(name: str) -> fx.Node:
-            if name not in env:
-                raise _schema(where, f"refers to node {name[:40]!r}, which is not defined before it")
-            return env[name]
-
-        return get
-
+    b = _Built(specs, constants, groups)
     if not nodes:
         raise _schema("graph.nodes", "a graph has at least an output node")
     for i, data in enumerate(nodes):
@@ -648,10 +672,10 @@ def _build_graph(
         name = _field(data, "name", str, where)
         op = _field(data, "op", str, where)
         _check_name(name, where, "node")
-        if name in env:
+        if name in b.env:
             raise _schema(where, f"node name {name!r} is used twice")
         where = f"graph.nodes[{i}] ({name})"
-        if seen_output:
+        if b.seen_output:
             raise _schema(where, "nodes after the output node")
         if op not in OPS:
             raise _schema(
@@ -659,89 +683,107 @@ def _build_graph(
             )
         raw_args = _field(data, "args", list, where, optional=True) or []
         raw_kwargs = _field(data, "kwargs", dict, where, optional=True) or {}
-        args = tuple(decode_arg(a, ref(where), f"{where}.args[{j}]") for j, a in enumerate(raw_args))
+        args = tuple(decode_arg(a, b.ref(where), f"{where}.args[{j}]") for j, a in enumerate(raw_args))
         kwargs = {}
         for k, v in raw_kwargs.items():
             if not IDENT.fullmatch(k):
                 raise _schema(where, f"keyword {k[:40]!r} is not an identifier")
-            kwargs[k] = decode_arg(v, ref(where), f"{where}.kwargs.{k}")
-        if op == "placeholder":
-            target = _field(data, "target", str, where, optional=True) or name
-            if target != name or args or kwargs:
-                raise _schema(where, "a placeholder's target is its name, with no args")
-            if len(env) != n_placeholders:
-                raise _schema(where, "placeholders come first")
-            if n_placeholders >= len(specs):
-                raise _schema("inputs", f"{len(specs)} input specs for more placeholders")
-            if specs[n_placeholders].node != name:
-                raise _schema(
-                    f"inputs[{n_placeholders}]",
-                    f"describes node {specs[n_placeholders].node[:40]!r} but placeholder {n_placeholders} is {name!r}",
-                )
-            kind = _INPUT_KINDS[specs[n_placeholders].kind]
-            n_placeholders += 1
-        elif op == "call_function":
-            target = resolve_target(data.get("target"), where)
-            check_call(target, args, kwargs, where, kinds.__getitem__)
-            check_static(data["target"], target, args, kwargs, where, groups)
-            kind = result_kind(target, args, kinds.__getitem__, where)
-        elif op == "get_attr":
-            target = _field(data, "target", str, where)
-            if target not in constants:
-                raise _schema(where, f"reads constant {target[:40]!r}, which the file does not hold")
-            if args or kwargs:
-                raise _schema(where, "get_attr takes no args")
-            used_constants.add(target)
-            kind = "T"
-        else:
-            target = "output"
-            if (
-                _field(data, "target", str, where, optional=True) not in (None, "output")
-                or len(args) != 1
-                or kwargs
-            ):
-                raise _schema(where, "the output node has one argument (the outputs) and no target")
-            seen_output = True
-            kind = "N"
-        node = graph.create_node(op, target, args, kwargs, name=name)
+            kwargs[k] = decode_arg(v, b.ref(where), f"{where}.kwargs.{k}")
+        target, kind = _node_target(b, op, name, data, args, kwargs, where)
+        node = b.graph.create_node(op, target, args, kwargs, name=name)
         if node.name != name:
             raise _schema(where, f"node name {name!r} is reserved in FX graphs")
-        env[name] = node
-        kinds[node] = kind
-        meta = _field(data, "meta", dict, where, optional=True) or {}
-        for k, v in meta.items():
-            if k == "val":
-                if fakes is not None:
-                    node.meta["val"] = fakes.val(v, f"{where}.meta.val")
-            elif k == "source":
-                m = SOURCE.fullmatch(v) if isinstance(v, str) else None
-                if m is None:
-                    raise _schema(f"{where}.meta.source", "a source location is 'file:line in function'")
-                node.meta["stack_trace"] = f'  File "{m["file"]}", line {m["line"]}, in {m["fn"]}\n'
-            elif META_KEY.fullmatch(k):
-                if k in NODE_META and not NODE_META[k](v):
-                    raise _schema(f"{where}.meta.{k}", f"unexpected value {str(v)[:60]!r}")
-                node.meta[k] = v
-            else:
-                raise _schema(f"{where}.meta", f"unknown metadata key {k[:40]!r}")
-    if not seen_output:
+        b.env[name] = node
+        b.kinds[node] = kind
+        _decode_node_meta(node, _field(data, "meta", dict, where, optional=True) or {}, fakes, where)
+    return _finish_graph(b)
+
+
+def _node_target(
+    b: _Built,
+    op: str,
+    name: str,
+    data: dict[str, Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    where: str,
+) -> tuple[Any, Any]:
+    """(target, result kind) of one node: a placeholder matches the next input spec, a call resolves
+    against the allowlist and the op's schema, a get_attr reads a constant the file holds."""
+    if op == "placeholder":
+        target = _field(data, "target", str, where, optional=True) or name
+        if target != name or args or kwargs:
+            raise _schema(where, "a placeholder's target is its name, with no args")
+        if len(b.env) != b.n_placeholders:
+            raise _schema(where, "placeholders come first")
+        if b.n_placeholders >= len(b.specs):
+            raise _schema("inputs", f"{len(b.specs)} input specs for more placeholders")
+        spec = b.specs[b.n_placeholders]
+        if spec.node != name:
+            raise _schema(
+                f"inputs[{b.n_placeholders}]",
+                f"describes node {spec.node[:40]!r} but placeholder {b.n_placeholders} is {name!r}",
+            )
+        b.n_placeholders += 1
+        return target, _INPUT_KINDS[spec.kind]
+    if op == "call_function":
+        target = resolve_target(data.get("target"), where)
+        check_call(target, args, kwargs, where, b.kinds.__getitem__)
+        check_static(data["target"], target, args, kwargs, where, b.groups)
+        return target, result_kind(target, args, b.kinds.__getitem__, where)
+    if op == "get_attr":
+        target = _field(data, "target", str, where)
+        if target not in b.constants:
+            raise _schema(where, f"reads constant {target[:40]!r}, which the file does not hold")
+        if args or kwargs:
+            raise _schema(where, "get_attr takes no args")
+        b.used_constants.add(target)
+        return target, "T"
+    if _field(data, "target", str, where, optional=True) not in (None, "output") or len(args) != 1 or kwargs:
+        raise _schema(where, "the output node has one argument (the outputs) and no target")
+    b.seen_output = True
+    return "output", "N"
+
+
+def _decode_node_meta(node: fx.Node, meta: dict[str, Any], fakes: _FakeValues | None, where: str) -> None:
+    """A node's kept metadata: its fake value (when values are read), its source location, usp_* keys."""
+    for k, v in meta.items():
+        if k == "val":
+            if fakes is not None:
+                node.meta["val"] = fakes.val(v, f"{where}.meta.val")
+        elif k == "source":
+            m = SOURCE.fullmatch(v) if isinstance(v, str) else None
+            if m is None:
+                raise _schema(f"{where}.meta.source", "a source location is 'file:line in function'")
+            node.meta["stack_trace"] = f'  File "{m["file"]}", line {m["line"]}, in {m["fn"]}\n'
+        elif META_KEY.fullmatch(k):
+            if k in NODE_META and not NODE_META[k](v):
+                raise _schema(f"{where}.meta.{k}", f"unexpected value {str(v)[:60]!r}")
+            node.meta[k] = v
+        else:
+            raise _schema(f"{where}.meta", f"unknown metadata key {k[:40]!r}")
+
+
+def _finish_graph(b: _Built) -> fx.GraphModule:
+    """Whole-graph checks once every node is read, then the module holding the constants."""
+    if not b.seen_output:
         raise _schema("graph.nodes", "the graph has no output node (truncated node list?)")
-    if n_placeholders != len(specs):
-        raise _schema("inputs", f"{len(specs)} input specs for {n_placeholders} placeholders")
-    _check_writes(graph)
-    _check_issued(graph)
-    check_collectives(graph, groups)
-    unused = set(constants) - used_constants
+    if b.n_placeholders != len(b.specs):
+        raise _schema("inputs", f"{len(b.specs)} input specs for {b.n_placeholders} placeholders")
+    _check_writes(b.graph)
+    _check_issued(b.graph)
+    check_collectives(b.graph, b.groups)
+    unused = set(b.constants) - b.used_constants
     if unused:
         raise _schema("constants", f"constants {sorted(unused)[:5]} are not read by any node")
     root = torch.nn.Module()
-    for name, t in constants.items():
+    for name, t in b.constants.items():
         root.register_buffer(name, t)
     try:
-        graph.lint()
+        b.graph.lint()
     except (RuntimeError, AssertionError) as e:  # pragma: no cover - construction above keeps it linted
         raise _schema("graph", f"not a well-formed graph: {e}") from None
-    return ReplayGraphModule(root, graph)
+    return ReplayGraphModule(root, b.graph)
 
 
 def loads_graph_module(

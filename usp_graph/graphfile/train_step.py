@@ -16,20 +16,22 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..signature import GraphSignature, TrainStep, flatten_batch
-from ..trace import TrainStepGraph
 from . import document
 from .errors import GraphFileError, GraphFileSchemaError
 from .reader import GraphFile, read_document
 from .specs import InputSpec
 from .values import decode_device, decode_tensor_data, encode_tensor_data
 from .writer import build_document
+
+if TYPE_CHECKING:
+    from ..trace import TrainStepGraph
 
 __all__ = ["save", "load", "loads", "LoadedTrainStep", "SavedSite"]
 
@@ -115,6 +117,8 @@ def save(
     ``buffers=``). A CP graph records its process groups by global ranks (see
     `usp_graph.graphfile.groups`); save it on its rank, with torch.distributed initialized.
     """
+    from ..trace import TrainStepGraph  # the tracer, here only: loading a file never imports it
+
     if not isinstance(graph, (TrainStepGraph, LoadedTrainStep)):
         raise TypeError(
             f"save takes a TrainStepGraph from usp_graph.trace_train_step (or a loaded one), got {type(graph).__name__}; "
@@ -225,9 +229,11 @@ def _site(item: Any, where: str, kept: bool) -> SavedSite:
     return SavedSite(item[0], item[1], item[2], item[3] if kept else None)
 
 
-def _inputs_by_role(f: GraphFile, max_docs: int, metadata_device: Any) -> dict[str, list[InputSpec]]:
-    """The file's inputs grouped by role, in the order a train step takes them (parameters,
-    buffers, batch, then the metadata inputs cu_seqlens and max_seqlen)."""
+def _train_step_inputs(
+    f: GraphFile, max_docs: int, metadata_device: torch.device
+) -> tuple[tuple[InputSpec, ...], tuple[InputSpec, ...], tuple[InputSpec, ...], tuple[str, ...]]:
+    """(parameters, buffers, batch, trainable names): the inputs in that order, then the two
+    metadata inputs (cu_seqlens and the symint max_seqlen), each dim a declared symbol."""
     by_role: dict[str, list[InputSpec]] = {"parameter": [], "buffer": [], "batch": [], "metadata": []}
     order = list(by_role)
     last = 0
@@ -253,28 +259,26 @@ def _inputs_by_role(f: GraphFile, max_docs: int, metadata_device: Any) -> dict[s
             f"a train step ends with cu_seqlens (int32, ({max_docs + 1},), on {metadata_device}) and the "
             "symint max_seqlen",
         )
-    return by_role
+    params = tuple(_as_tensor_spec(s, f"inputs[{s.name}]", named_dims=False) for s in by_role["parameter"])
+    bufs = tuple(_as_tensor_spec(s, f"inputs[{s.name}]", named_dims=False) for s in by_role["buffer"])
+    batch = tuple(_as_tensor_spec(s, f"inputs[{s.name}]", named_dims=True) for s in by_role["batch"])
+    for what, specs in (("parameter", params), ("buffer", bufs), ("batch", batch)):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise _schema("inputs", f"{what} names repeat")
+    trainable = tuple(s.name for s in by_role["parameter"] if s.trainable)
+    for name in ["max_seqlen"] + [d for s in batch for d in s.shape if isinstance(d, str)]:
+        if name not in f.dims:
+            raise _schema("inputs", f"dim {name!r} has no entry in the file's symbols")
+    return params, bufs, batch, trainable
 
 
-def _batch_spec(f: GraphFile, raw: Any, batch: tuple[Any, ...], where: str) -> Any:
-    """The batch's pytree spec, decoded from its skeleton, whose leaves are the batch inputs."""
-    skeleton = _decode_tree(raw, where)
-    leaves, batch_spec = pytree.tree_flatten(skeleton)
-    if not all(x == "*" for x in leaves):
-        raise _schema(where, 'leaves are "*"')
-    tree_names, _, _ = flatten_batch(skeleton)
-    if tree_names != [s.name for s in batch]:
-        raise _schema(
-            where, f"leaves {tree_names[:5]} do not match the batch inputs {[s.name for s in batch][:5]}"
-        )
-    return batch_spec
-
-
-def _token_checks(f: GraphFile, raw: Any, where: str) -> list[tuple[str, str | None, Any]]:
-    if not isinstance(raw, list):
-        raise _schema(where, "a list")
+def _token_checks(raw_checks: Any, f: GraphFile, where: str) -> list[tuple[str, str | None, Any]]:
+    """The per-site token-count checks: [site, source, expression over the symbols] each."""
     token_checks = []
-    for i, item in enumerate(raw):
+    if not isinstance(raw_checks, list):
+        raise _schema(where, "a list")
+    for i, item in enumerate(raw_checks):
         w = f"{where}[{i}]"
         if (
             not isinstance(item, list)
@@ -287,26 +291,26 @@ def _token_checks(f: GraphFile, raw: Any, where: str) -> list[tuple[str, str | N
     return token_checks
 
 
-def _buffer_values(raw: Any, bufs: tuple[Any, ...], where: str) -> dict[str, torch.Tensor]:
-    """The buffers' values the file holds (none when it holds none), each matching its input spec."""
+def _buffer_values(raw: Any, bufs: tuple[InputSpec, ...], where: str) -> dict[str, torch.Tensor]:
+    """The saved buffer values (None: the file holds none), each matching its input spec."""
     buffers: dict[str, torch.Tensor] = {}
-    if raw is None:
-        return buffers
-    if not isinstance(raw, dict) or list(raw) != [b.name for b in bufs]:
-        raise _schema(where, f"values for exactly the buffers {[b.name for b in bufs][:5]}")
-    for spec in bufs:
-        t = decode_tensor_data(raw[spec.name], f"{where}[{spec.name!r}]")
-        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-            raise _schema(
-                f"{where}[{spec.name!r}]", f"value {tuple(t.shape)} {t.dtype} does not match its input spec"
-            )
-        buffers[spec.name] = t
+    if raw is not None:
+        if not isinstance(raw, dict) or list(raw) != [b.name for b in bufs]:
+            raise _schema(where, f"values for exactly the buffers {[b.name for b in bufs][:5]}")
+        for spec in bufs:
+            t = decode_tensor_data(raw[spec.name], f"{where}[{spec.name!r}]")
+            if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+                raise _schema(
+                    f"{where}[{spec.name!r}]",
+                    f"value {tuple(t.shape)} {t.dtype} does not match its input spec",
+                )
+            buffers[spec.name] = t
     return buffers
 
 
-def _check_graph(gm: Any, trainable: tuple[str, ...], verify: bool) -> None:
-    """The graph outputs (loss, one grad per trainable parameter), its meta, and (verify) the
-    package's verify pass."""
+def _check_train_step_graph(gm: fx.GraphModule, trainable: tuple[str, ...], *, verify: bool) -> None:
+    """The graph outputs (loss, one grad per trainable parameter), its usp_* metadata is well formed,
+    and (when `verify`) it passes usp_graph's verify pass."""
     out_node = gm.graph.find_nodes(op="output")[0]
     outputs = out_node.args[0]
     if not isinstance(outputs, (tuple, list)) or len(outputs) != 1 + len(trainable):
@@ -343,28 +347,29 @@ def _train_step(f: GraphFile, *, groups: Mapping[str, Any] | None, verify: bool)
         raise _schema(f"{where}.max_docs", "a positive int")
     metadata_device = decode_device(sec["metadata_device"], f"{where}.metadata_device")
 
-    by_role = _inputs_by_role(f, max_docs, metadata_device)
-    params = tuple(_as_tensor_spec(s, f"inputs[{s.name}]", named_dims=False) for s in by_role["parameter"])
-    bufs = tuple(_as_tensor_spec(s, f"inputs[{s.name}]", named_dims=False) for s in by_role["buffer"])
-    batch = tuple(_as_tensor_spec(s, f"inputs[{s.name}]", named_dims=True) for s in by_role["batch"])
-    for what, specs in (("parameter", params), ("buffer", bufs), ("batch", batch)):
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise _schema("inputs", f"{what} names repeat")
-    trainable = tuple(s.name for s in by_role["parameter"] if s.trainable)
-    for name in ["max_seqlen"] + [d for s in batch for d in s.shape if isinstance(d, str)]:
-        if name not in f.dims:
-            raise _schema("inputs", f"dim {name!r} has no entry in the file's symbols")
+    params, bufs, batch, trainable = _train_step_inputs(f, max_docs, metadata_device)
 
-    batch_spec = _batch_spec(f, sec["batch_tree"], batch, f"{where}.batch_tree")
-    token_checks = _token_checks(f, sec["token_checks"], f"{where}.token_checks")
+    skeleton = _decode_tree(sec["batch_tree"], f"{where}.batch_tree")
+    leaves, batch_spec = pytree.tree_flatten(skeleton)
+    if not all(x == "*" for x in leaves):
+        raise _schema(f"{where}.batch_tree", 'leaves are "*"')
+    tree_names, _, _ = flatten_batch(skeleton)
+    if tree_names != [s.name for s in batch]:
+        raise _schema(
+            f"{where}.batch_tree",
+            f"leaves {tree_names[:5]} do not match the batch inputs {[s.name for s in batch][:5]}",
+        )
+
+    token_checks = _token_checks(sec["token_checks"], f, f"{where}.token_checks")
     sites = sec["sites"]
     skipped = sec["skipped"]
     if not isinstance(sites, list) or not isinstance(skipped, list):
         raise _schema(where, "sites and skipped are lists")
+
     buffers = _buffer_values(sec["buffers"], bufs, f"{where}.buffers")
+
     gm = f.graph_module
-    _check_graph(gm, trainable, verify)
+    _check_train_step_graph(gm, trainable, verify=verify)
 
     signature = GraphSignature(
         params=params,

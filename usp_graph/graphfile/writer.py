@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..signature import symbol_range
+from ..version import __version__ as USP_VERSION
 from . import document
 from .allowlist import target_name
 from .exprs import encode_expr
@@ -273,8 +274,6 @@ def build_document(
 ) -> dict[str, Any]:
     """The JSON document for `gm` (fingerprint included). `section(encode_expr)` adds the
     kind-specific part, encoding expressions with the same symbol names as the graph."""
-    from .. import __version__ as usp_version
-
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"expected a torch.fx.GraphModule, got {type(gm).__name__}")
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
@@ -327,7 +326,7 @@ def build_document(
         "kind": kind,
         "versions": {
             "torch": torch.__version__,
-            "usp_graph": usp_version,
+            "usp_graph": USP_VERSION,
             "python": platform.python_version(),
         },
         "symbols": sym_table,

@@ -67,7 +67,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import registry
 from ..distributed import (
@@ -183,6 +182,9 @@ def _check_all_to_all(
 def _all_to_all_shape(
     shape: Sequence[IntLike], sd: int, gd: int, ss: Sequence[IntLike], gs: Sequence[IntLike], group_name: str
 ) -> list[IntLike]:
+    # Here, not at import: symbolic_shapes brings sympy, which only a trace (already holding it) needs.
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
     out = list(shape)
     if sd != gd:
         if all(statically_known_true(s == ss[0]) for s in ss):
@@ -586,7 +588,15 @@ for _op in (all_to_all_start_op, all_gather_start_op, reduce_scatter_start_op, w
 # Public wrappers.
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compiler.assume_constant_result` without importing Dynamo: torch's decorator imports
+    ``torch._dynamo`` (and with it inductor, ~1 s) only to set this mark, which Dynamo reads when it
+    traces a call of `fn`. tests/test_imports.py checks that torch's decorator sets the same mark."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@_assume_constant_result
 def _group_info(group: dist.ProcessGroup | str | None) -> tuple[str, int, int]:
     """(name, size, this rank's index) of `group`. A constant to Dynamo, so the wrappers trace with
     ``fullgraph=True`` (it cannot trace the group lookup itself)."""

@@ -117,7 +117,6 @@ def schedule(gm: fx.GraphModule) -> int:
     nodes changed position."""
     graph = gm.graph
     nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
     is_issue = {n for n in nodes if n.meta.get(ASYNC_META) == "issue" and n.op == "call_function"}
     if not is_issue:
         return 0
@@ -125,8 +124,19 @@ def schedule(gm: fx.GraphModule) -> int:
     head = [n for n in nodes if n.op in ("placeholder", "get_attr")]
     output = [n for n in nodes if n.op == "output"]
     body = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
+    order = _Scheduler(nodes, body, is_issue, is_wait).run()
+    moved = sum(1 for a, b in zip(order, body, strict=True) if a is not b)
+    if moved:
+        new = head + order + output
+        for prev, n in zip(new, new[1:], strict=False):
+            prev.append(n)
+        graph.lint()
+        gm.recompile()
+    return moved
 
-    # Dependencies: data inputs, plus a chain through the order-keeping nodes.
+
+def _dependencies(body: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """Each node's data inputs in `body`, plus a chain through the order-keeping nodes."""
     deps: dict[fx.Node, list[fx.Node]] = {}
     previous = None
     for n in body:
@@ -136,60 +146,66 @@ def schedule(gm: fx.GraphModule) -> int:
                 d.append(previous)
             previous = n
         deps[n] = d
-    users: dict[fx.Node, list[fx.Node]] = {n: [] for n in body}
-    waiting = {n: len(set(d)) for n, d in deps.items()}
-    for n, d in deps.items():
-        for i in set(d):
-            users[i].append(n)
+    return deps
 
-    issues = sorted(is_issue, key=pos.__getitem__)
-    next_issue = 0
-    cone: set[fx.Node] = set()
-    emitted: set[fx.Node] = set()
-    ready_issue: list[tuple[int, fx.Node]] = []
-    ready_cone: list[tuple[int, fx.Node]] = []
-    ready_other: list[tuple[int, fx.Node]] = []
-    ready_wait: list[tuple[int, fx.Node]] = []
-    ready: set[fx.Node] = set()
 
-    def push(n: fx.Node) -> None:
-        ready.add(n)
-        item = (pos[n], n)
-        if n in is_issue:
-            heapq.heappush(ready_issue, item)
-        elif n in is_wait:
-            heapq.heappush(ready_wait, item)
-        elif n in cone:
-            heapq.heappush(ready_cone, item)
+class _Scheduler:
+    """List scheduling of a graph's body: of the ready nodes, issues first, then the cone of the
+    next issue (its unemitted ancestors), then other compute, then waits (the cone's first)."""
+
+    def __init__(
+        self, nodes: list[fx.Node], body: list[fx.Node], is_issue: set[fx.Node], is_wait: set[fx.Node]
+    ) -> None:
+        self.body, self.is_issue, self.is_wait = body, is_issue, is_wait
+        self.pos = {n: i for i, n in enumerate(nodes)}
+        self.deps = _dependencies(body)
+        self.issues = sorted(is_issue, key=self.pos.__getitem__)
+        self.next_issue = 0
+        self.cone: set[fx.Node] = set()
+        self.emitted: set[fx.Node] = set()
+        self.ready: set[fx.Node] = set()
+        self.ready_issue: list[tuple[int, fx.Node]] = []
+        self.ready_cone: list[tuple[int, fx.Node]] = []
+        self.ready_other: list[tuple[int, fx.Node]] = []
+        self.ready_wait: list[tuple[int, fx.Node]] = []
+
+    def push(self, n: fx.Node) -> None:
+        self.ready.add(n)
+        item = (self.pos[n], n)
+        if n in self.is_issue:
+            heapq.heappush(self.ready_issue, item)
+        elif n in self.is_wait:
+            heapq.heappush(self.ready_wait, item)
+        elif n in self.cone:
+            heapq.heappush(self.ready_cone, item)
         else:
-            heapq.heappush(ready_other, item)
+            heapq.heappush(self.ready_other, item)
 
-    def new_cone() -> None:
+    def new_cone(self) -> None:
         """The unemitted ancestors of the next issue not yet emitted (the issue included)."""
-        nonlocal next_issue
-        cone.clear()
-        while next_issue < len(issues) and issues[next_issue] in emitted:
-            next_issue += 1
-        if next_issue == len(issues):
+        self.cone.clear()
+        while self.next_issue < len(self.issues) and self.issues[self.next_issue] in self.emitted:
+            self.next_issue += 1
+        if self.next_issue == len(self.issues):
             return
-        stack = [issues[next_issue]]
+        stack = [self.issues[self.next_issue]]
         while stack:
             n = stack.pop()
-            if n in emitted or n in cone:
+            if n in self.emitted or n in self.cone:
                 continue
-            cone.add(n)
-            stack.extend(deps[n])
-        for n in cone:
-            if n in ready and n not in is_issue and n not in is_wait:
-                heapq.heappush(ready_cone, (pos[n], n))
+            self.cone.add(n)
+            stack.extend(self.deps[n])
+        for n in self.cone:
+            if n in self.ready and n not in self.is_issue and n not in self.is_wait:
+                heapq.heappush(self.ready_cone, (self.pos[n], n))
 
-    def pop(heap: list[tuple[int, fx.Node]], where: set[fx.Node] | None = None) -> fx.Node | None:
+    def pop(self, heap: list[tuple[int, fx.Node]], where: set[fx.Node] | None = None) -> fx.Node | None:
         """The earliest node of `heap` not yet emitted (and in `where`, when given)."""
         skipped = []
         found = None
         while heap:
             item = heapq.heappop(heap)
-            if item[1] in emitted:
+            if item[1] in self.emitted:
                 continue
             if where is not None and item[1] not in where:
                 skipped.append(item)
@@ -200,38 +216,37 @@ def schedule(gm: fx.GraphModule) -> int:
             heapq.heappush(heap, item)
         return found
 
-    for n in body:
-        if waiting[n] == 0:
-            push(n)
-    new_cone()
-    order: list[fx.Node] = []
-    while len(order) < len(body):
-        n = (
-            pop(ready_issue)
-            or pop(ready_cone)
-            or pop(ready_other)
-            or pop(ready_wait, cone)
-            or pop(ready_wait)
-        )
-        assert n is not None, "the graph has a cycle"
-        order.append(n)
-        emitted.add(n)
-        ready.discard(n)
-        for u in users[n]:
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                push(u)
-        if n in cone and n in is_issue:
-            new_cone()
-
-    moved = sum(1 for a, b in zip(order, body, strict=True) if a is not b)
-    if moved:
-        new = head + order + output
-        for prev, n in zip(new, new[1:], strict=False):
-            prev.append(n)
-        graph.lint()
-        gm.recompile()
-    return moved
+    def run(self) -> list[fx.Node]:
+        """The body in its new order."""
+        users: dict[fx.Node, list[fx.Node]] = {n: [] for n in self.body}
+        waiting = {n: len(set(d)) for n, d in self.deps.items()}
+        for n, d in self.deps.items():
+            for i in set(d):
+                users[i].append(n)
+        for n in self.body:
+            if waiting[n] == 0:
+                self.push(n)
+        self.new_cone()
+        order: list[fx.Node] = []
+        while len(order) < len(self.body):
+            n = (
+                self.pop(self.ready_issue)
+                or self.pop(self.ready_cone)
+                or self.pop(self.ready_other)
+                or self.pop(self.ready_wait, self.cone)
+                or self.pop(self.ready_wait)
+            )
+            assert n is not None, "the graph has a cycle"
+            order.append(n)
+            self.emitted.add(n)
+            self.ready.discard(n)
+            for u in users[n]:
+                waiting[u] -= 1
+                if waiting[u] == 0:
+                    self.push(u)
+            if n in self.cone and n in self.is_issue:
+                self.new_cone()
+        return order
 
 
 def overlap(gm: fx.GraphModule) -> PassResult:
