@@ -555,12 +555,29 @@ def register() -> None:
     _guard_model_classes()
 
 
+def _calls_attention_interface(cls: type) -> bool:
+    """Whether `cls`'s modeling code calls transformers' attention interface: transformers' own
+    reading of the class's module (`_can_set_attn_implementation`), else the module's source names
+    the interface's table. Decided per class, never by a list of families: a family that moves to
+    the interface (Falcon in transformers 5) runs under "usp" from then on."""
+    import inspect
+
+    can_set = getattr(cls, "_can_set_attn_implementation", None)
+    if callable(can_set):
+        return bool(can_set())
+    module = sys.modules.get(cls.__module__)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return True  # unreadable (a notebook's class): let transformers decide
+    return "ALL_ATTENTION_FUNCTIONS" in source or "class " not in source
+
+
 def _refuse_own_attention(cls: type) -> None:
     """A model class whose attention layers do not call transformers' attention interface
-    (Bloom and MPT with ALiBi, Falcon, GPT-Neo, ...) would never run usp: it would take usp's
-    "no mask" for its own attention (wrong without a word) or fail looking the name up."""
-    can_set = getattr(cls, "_can_set_attn_implementation", None)
-    if callable(can_set) and not can_set():
+    (Bloom and MPT with ALiBi, GPT-Neo, ...) would never run usp: it would take usp's "no mask"
+    for its own attention (wrong without a word) or fail looking the name up."""
+    if not _calls_attention_interface(cls):
         raise _refuse(
             f"{cls.__name__} computes attention in its own code, not through transformers' attention interface, "
             "so usp would not run (and its attention would get no mask)",
