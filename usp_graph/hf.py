@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import re
 import sys
 import weakref
 from typing import Any
@@ -570,7 +571,8 @@ def _calls_attention_interface(cls: type) -> bool:
         source = inspect.getsource(module) if module is not None else ""
     except (OSError, TypeError):
         return True  # unreadable (a notebook's class): let transformers decide
-    return "ALL_ATTENTION_FUNCTIONS" in source or "class " not in source
+    has_attention_class = re.search(r"^class \w*Attention\w*\(nn\.Module\):", source, re.MULTILINE)
+    return "ALL_ATTENTION_FUNCTIONS" in source or has_attention_class is None
 
 
 def _refuse_own_attention(cls: type) -> None:
