@@ -179,7 +179,7 @@ def test_flash_attention_kwargs_give_documents_where_attention_gets_no_position_
 
 
 def test_flash_attention_kwargs_are_read_once_per_forward_in_eager(monkeypatch):
-    import usp_graph.hf as hf
+    import usp_graph.resolve as hf
 
     _, model = _models("llama")
     batch = _flattened(_batch(8)[0])
