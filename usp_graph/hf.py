@@ -39,9 +39,11 @@ import sys
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import resolve
+from .masks import positions_mask
 from .ops.boundaries import device_assert
 from .resolve import ROUTED, DocumentStarts, UnsupportedAttention, documents_for_call
 from .resolve import refuse as _refuse
@@ -78,7 +80,13 @@ def usp_attention_forward(
     window = _window(module, kwargs, is_causal)
     gqa = key.shape[1] != h
     metadata = documents_for_call(module, kwargs, b, length, mask_starts=mask_starts, like=query)
-    if metadata is ROUTED:  # attention_mode, backend usp or usp_graph's tracer applies the documents
+    if metadata is ROUTED and torch.compiler.is_compiling() and kwargs.get("position_ids") is not None:
+        # Backend usp applies the block's documents. Given as the mask transformers would build
+        # from the position ids, the rewrite also checks that they count the block's documents,
+        # as on the "sdpa" door (`masks.check_positions_match`); the mask is read, never computed.
+        mask = positions_mask(kwargs["position_ids"].expand(b, length), is_causal=is_causal, window=window)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    elif metadata is ROUTED:  # attention_mode, backend usp or usp_graph's tracer applies the documents
         out = windowed_sdpa(
             query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, window=window
         )

@@ -51,6 +51,7 @@ __all__ = [
     "document_starts",
     "cu_seqlens_from_positions",
     "check_positions_match",
+    "positions_mask",
     "documents_of_mask",
 ]
 
@@ -323,6 +324,27 @@ def document_starts(pos_BL: Tensor) -> Tensor:
     idx = torch.arange(flat.shape[0], device=flat.device)
     prev = torch.cat([flat[:1] - 1, flat[:-1]])
     return (flat != prev + 1) | (idx % length == 0)
+
+
+def positions_mask(pos_BL: Tensor, *, is_causal: bool, window: tuple[int, int] | None = None) -> Tensor:
+    """(B, 1, L, L) bool: the band (causal, or `window` in flash-attention's convention) inside the
+    documents `pos_BL` counts: the mask transformers builds from packed position ids. Only for a
+    graph that backend usp rewrites: it reads the mask's form (`mask_form`, at a probe length)
+    and checks the active metadata against these positions (`check_positions_match`); the (L, L)
+    mask itself is never computed."""
+    b, length = pos_BL.shape
+    seg_BL = segments_of_positions(pos_BL)
+    keep = seg_BL[:, :, None] == seg_BL[:, None, :]
+    idx = torch.arange(length, device=pos_BL.device)
+    back = idx[:, None] - idx[None, :]  # q - k
+    left, right = window if window is not None else (UNBOUNDED, UNBOUNDED)
+    if is_causal:
+        keep = keep & (back >= 0)
+    elif right != UNBOUNDED:
+        keep = keep & (back >= -right)
+    if left != UNBOUNDED:
+        keep = keep & (back <= left)
+    return keep[:, None]
 
 
 def cu_seqlens_from_positions(pos_BL: Tensor, capacity: int | None = None) -> Tensor:

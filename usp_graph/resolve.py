@@ -111,10 +111,14 @@ def _compiling_frame() -> tuple[bool, bool]:
     except Exception:  # noqa: BLE001 - not under Dynamo, or another torch layout
         return True, False
     from .backend.compiler import BACKEND_NAME, usp_backend
+    from .mode import _SDPAToUSP
 
     fn = _backend_function(compiler)
     usp = fn is usp_backend or getattr(compiler, "compiler_name", None) == BACKEND_NAME
-    return usp, attention_mode_active()
+    # Dynamo moves the active torch function modes off the real stack while it traces.
+    stack = getattr(getattr(tx, "symbolic_torch_function_state", None), "mode_stack", ())
+    mode = any(isinstance(getattr(m, "value", None), _SDPAToUSP) for m in stack)
+    return usp, mode or attention_mode_active()
 
 
 def _block_active() -> bool:
