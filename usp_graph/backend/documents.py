@@ -71,6 +71,7 @@ def documents(
     global _PACKED
     if metadata is not None:
         _guard_eager_sdpa()
+        _recompute_checkpoints_in_blocks()
     token = _CURRENT.set((metadata, kv))
     packed, _PACKED = _PACKED, metadata is not None
     try:
@@ -156,3 +157,88 @@ def _guard_eager_sdpa() -> None:
 
 
 _guard_eager_sdpa()
+
+
+# ------------------------------------------------------------------------------------------------
+# Activation checkpoints recompute inside the block they ran in.
+
+_CHECKPOINT_ENTRIES: tuple[Any, Any] | None = None
+
+
+@contextlib.contextmanager
+def _within(block: tuple[AttentionMetadata | None, AttentionMetadata | None]) -> Iterator[None]:
+    """Enter `block` (a `documents` block's metadata and kv) again, unless it is the active one."""
+    global _PACKED
+    if _CURRENT.get() == block:
+        yield
+        return
+    token = _CURRENT.set(block)
+    packed, _PACKED = _PACKED, block[0] is not None
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+        _PACKED = packed
+
+
+class _Then:
+    """Enter `first`, then `second` (checkpoint's own recompute context, then the block)."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(self.first)
+        self.stack.enter_context(self.second)
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self.stack.__exit__(*exc)
+
+
+def _recompute_checkpoints_in_blocks() -> None:
+    """`torch.utils.checkpoint` reruns a region's forward when backward needs its activations, after
+    the `documents` block has usually closed: eager attention would then read no block, save other
+    tensors than the forward did (a CheckpointError) or attend across documents. Checkpoint's two
+    entry points (module globals it looks up at every call) are wrapped, once and for good (the
+    same objects ever after: compiled code that reads them is not recompiled), so that a region
+    started inside a block recomputes inside the same block; outside any block and while compiling
+    (Dynamo turns checkpoints into its own operator) they call checkpoint's own. The same rule as
+    `attention_mode`'s recompute (`usp_graph.mode`)."""
+    global _CHECKPOINT_ENTRIES
+    import torch.utils.checkpoint as ckpt
+
+    if _CHECKPOINT_ENTRIES is not None:
+        return
+    generator = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
+    function = getattr(ckpt, "CheckpointFunction", None)
+    if generator is None or function is None:  # another torch layout: leave checkpoint alone
+        return
+    _CHECKPOINT_ENTRIES = (generator, function)
+
+    def nonreentrant(fn, preserve, context_fn, determinism_check, debug, *rest, **kwargs):
+        block = _CURRENT.get()
+        if block[0] is None or debug or torch.compiler.is_compiling():
+            return generator(fn, preserve, context_fn, determinism_check, debug, *rest, **kwargs)
+
+        def with_block():
+            forward_ctx, recompute_ctx = context_fn()
+            return forward_ctx, _Then(recompute_ctx, _within(block))
+
+        return generator(fn, preserve, with_block, determinism_check, debug, *rest, **kwargs)
+
+    class _Reentrant:
+        @staticmethod
+        def apply(run_function, preserve_rng_state, *args):
+            block = _CURRENT.get()
+            if block[0] is None or torch.compiler.is_compiling():
+                return function.apply(run_function, preserve_rng_state, *args)
+
+            def run_in_block(*a):
+                with _within(block):
+                    return run_function(*a)
+
+            return function.apply(run_in_block, preserve_rng_state, *args)
+
+    ckpt._checkpoint_without_reentrant_generator = nonreentrant
+    ckpt.CheckpointFunction = _Reentrant
