@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import resolve
-from .masks import positions_mask
+from .masks import document_starts, positions_mask
 from .ops.boundaries import device_assert
 from .resolve import ROUTED, DocumentStarts, UnsupportedAttention, documents_for_call
 from .resolve import refuse as _refuse
@@ -230,7 +230,46 @@ def usp_mask(
     device = kwargs.get("device")
     if device is None and isinstance(kwargs.get("cache_position"), Tensor):
         device = kwargs["cache_position"].device
-    return _mask_starts(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, device)
+    read = _mask_starts(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, device)
+    pos = None if compiling or read is None else _positions_a_cache_hid()
+    if pos is not None and tuple(pos.shape[-1:]) == (q_length,) and pos.shape[0] in (1, batch_size):
+        read = DocumentStarts(
+            read.starts | document_starts(pos.expand(batch_size, q_length)).reshape(read.starts.shape)
+        )
+    return read
+
+
+# transformers' mask builders, which skip the packed-sequence mask when a cache is passed.
+_MASK_BUILDERS = {"create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask"}
+
+
+def _positions_a_cache_hid() -> Tensor | None:
+    """The position ids transformers' mask builder (the caller) had but did not read because a cache
+    was passed (``use_cache=True``, the default of ``model(**batch)`` in eval): with no packed mask,
+    models whose attention gets no position ids (GPT-BigCode, Persimmon) crossed documents. Read
+    from the builder's frame, in eager only (a new cache: the mask reader sees no offset)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return None
+        if frame.f_code.co_name in _MASK_BUILDERS and frame.f_globals.get("__name__", "").endswith(
+            "masking_utils"
+        ):
+            break
+        frame = frame.f_back
+    else:
+        return None
+    found = frame.f_locals
+    cache = found.get("cache", found.get("past_key_values"))
+    pos = found.get("position_ids")
+    if (
+        cache is None
+        or found.get("attention_mask") is not None
+        or not isinstance(pos, Tensor)
+        or pos.dim() != 2
+    ):
+        return None
+    return pos
 
 
 def _mask_starts(
