@@ -79,7 +79,9 @@ def usp_attention_forward(
     is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     window = _window(module, kwargs, is_causal)
     gqa = key.shape[1] != h
-    metadata = documents_for_call(module, kwargs, b, length, mask_starts=mask_starts, like=query)
+    metadata = documents_for_call(
+        module, kwargs, b, length, mask_starts=mask_starts, like=query, is_causal=is_causal
+    )
     if metadata is ROUTED and torch.compiler.is_compiling() and kwargs.get("position_ids") is not None:
         # Backend usp applies the block's documents. Given as the mask transformers would build
         # from the position ids, the rewrite also checks that they count the block's documents,

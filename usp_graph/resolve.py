@@ -28,6 +28,7 @@ lengths, is refused on every door, not used).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -180,6 +181,55 @@ def _refuse_encoder_decoder_kwargs(module: torch.nn.Module, kwargs: dict[str, An
 
 
 # ------------------------------------------------------------------------------------------------
+# What usp cannot know: said once per cause.
+
+_WARNED: set[str] = set()
+
+
+@torch._dynamo.assume_constant_result
+def _warn_once(cause: str, message: str) -> bool:
+    """warnings.warn(`message`) the first time `cause` is met (while Dynamo traces: at trace time)."""
+    if cause not in _WARNED:
+        _WARNED.add(cause)
+        warnings.warn(f"usp_graph: {message}", UserWarning, stacklevel=4)
+    return True
+
+
+def _rope_type(config: Any) -> str | None:
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, name, None)
+        if isinstance(params, dict):
+            kind = params.get("rope_type", params.get("type"))
+            if kind is None and params and all(isinstance(v, dict) for v in params.values()):
+                kind = next((p.get("rope_type") for p in params.values() if p.get("rope_type")), None)
+            if kind is not None:
+                return str(kind)
+    return None
+
+
+def warn_where_unknown(module: torch.nn.Module, is_causal: bool, from_positions: bool) -> None:
+    """Say once what usp cannot know about a call whose documents it attends within: an encoder given
+    documents only by its position ids (the model's own implementations attend the whole row: usp
+    cannot tell whether the documents were meant), and rotary scaling computed from the row's
+    length (dynamic, longrope: each document alone would get other frequencies)."""
+    config = getattr(module, "config", None)
+    if from_positions and not is_causal:
+        _warn_once(
+            "encoder",
+            f"{type(module).__name__} attends bidirectionally and its documents come only from the position ids: "
+            "usp attends within each document, while the model's own attention implementations attend the whole "
+            "row; pass usp_graph.documents(metadata) to say the documents are meant",
+        )
+    kind = _rope_type(config)
+    if kind is not None and ("dynamic" in kind or kind == "longrope"):
+        _warn_once(
+            f"rope:{kind}",
+            f"{type(module).__name__}'s rotary scaling ({kind}) is computed from the packed row's length, not each "
+            "document's: each document's result can differ from the document run alone",
+        )
+
+
+# ------------------------------------------------------------------------------------------------
 # The precedence table.
 
 
@@ -191,13 +241,30 @@ def documents_for_call(
     *,
     mask_starts: Tensor | None,
     like: Tensor,
+    is_causal: bool = True,
 ) -> AttentionMetadata | None | _Routed:
     """The documents of one self-attention call of `b` rows of `length` tokens, by the table of the
-    module docstring: metadata, None (one document per row), or `ROUTED`."""
+    module docstring: metadata, None (one document per row), or `ROUTED`. Says once what usp
+    cannot know about them (`warn_where_unknown`)."""
+    found, source = _documents_for_call(module, kwargs, b, length, mask_starts, like)
+    if found is not None:
+        warn_where_unknown(module, is_causal, source == "positions")
+    return found
+
+
+def _documents_for_call(
+    module: torch.nn.Module,
+    kwargs: dict[str, Any],
+    b: int,
+    length: int,
+    mask_starts: Tensor | None,
+    like: Tensor,
+) -> tuple[AttentionMetadata | None | _Routed, str]:
+    """(documents, the source that gave them: "routed", "block", "flash", "positions", "rows")."""
     if torch.compiler.is_compiling():
         return _in_graph(module, kwargs, b, length, mask_starts, like)
     if _is_tracing(like) or attention_mode_active():
-        return ROUTED
+        return ROUTED, "routed"
     from .backend.documents import current_documents, current_kv_documents
 
     if current_kv_documents() is not None:
@@ -211,12 +278,15 @@ def documents_for_call(
     if block is not None:
         _refuse_chunks_in_block(module)
         _check_block_eager(block, kwargs.get("position_ids"), b, length)
-        return block
+        return block, "block"
     _refuse_encoder_decoder_kwargs(module, kwargs)
     metadata = _flash_eager(kwargs, b, length)
-    if metadata is None:
-        metadata = _positions_eager(kwargs.get("position_ids"), b, length, mask_starts)
-    return metadata
+    if metadata is not None:
+        return metadata, "flash"
+    metadata = _positions_eager(kwargs.get("position_ids"), b, length, mask_starts)
+    return metadata, "rows" if metadata is None else "positions" if kwargs.get(
+        "position_ids"
+    ) is not None else "mask"
 
 
 def _in_graph(
@@ -226,16 +296,19 @@ def _in_graph(
     length: int,
     mask_starts: Tensor | None,
     like: Tensor,
-) -> AttentionMetadata | None | _Routed:
+) -> tuple[AttentionMetadata | None | _Routed, str]:
     refuse_unhonoured(like)
     if _block_active():  # backend "usp" rewrites this site with the block's documents
         _refuse_chunks_in_block(module)
-        return ROUTED
+        return ROUTED, "block"
     _refuse_encoder_decoder_kwargs(module, kwargs)
     metadata = _flash_in_graph(kwargs, b, length)
-    if metadata is None:
-        metadata = _positions_in_graph(kwargs.get("position_ids"), b, length, mask_starts)
-    return metadata
+    if metadata is not None:
+        return metadata, "flash"
+    metadata = _positions_in_graph(kwargs.get("position_ids"), b, length, mask_starts)
+    return metadata, "rows" if metadata is None else "positions" if kwargs.get(
+        "position_ids"
+    ) is not None else "mask"
 
 
 def _distinct(ends: list[int]) -> list[int]:
