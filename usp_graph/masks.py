@@ -539,8 +539,8 @@ def mask_form(mask: fx.Node, *, batch: int, length: int) -> MaskForm | str:
 
 
 def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
+    """`mask_form`, uncached: the mask's own subgraph, its leaves classified (`_mask_leaves`),
+    evaluated at a probe length (`_probe`), its form read from the results (`_form_of_runs`)."""
     gm = mask.graph.owning_module
     if gm is None:
         return "the mask's graph has no module to evaluate it with"
@@ -550,6 +550,33 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
     nodes, leaves = sliced
     if any(n.op == "call_function" and n.target is operator.setitem for n in nodes):
         return "the mask is built by in-place assignment, which usp_graph does not evaluate"
+    classified = _mask_leaves(leaves, batch, length)
+    if isinstance(classified, str):
+        return classified
+    positions, fixed = classified
+    probed = _probe(gm, nodes, leaves, mask, fixed, batch, length)
+    if isinstance(probed, str):
+        return probed
+    evaluate, probe, resized = probed
+
+    def run(pos: Tensor | None) -> Tensor | None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        args = [pos if leaf is positions else fixed[leaf] for leaf in leaves]
+        with unset_fake_temporarily(), torch.no_grad():
+            try:
+                return _as_keep_BLL(evaluate(*args), batch, probe)
+            except Exception:  # noqa: BLE001 - any failure means: not a mask we can evaluate
+                return None
+
+    return _form_of_runs(run, positions, batch, probe, resized)
+
+
+def _mask_leaves(
+    leaves: list[fx.Node], batch: int, length: int
+) -> tuple[fx.Node | None, dict[fx.Node, Any]] | str:
+    """(the position ids input, the values of the other leaves), or why the mask depends on
+    something that is not position ids (a padding mask, a float input, a mask made elsewhere)."""
     positions: fx.Node | None = None
     fixed: dict[fx.Node, Any] = {}
     for leaf in leaves:
@@ -590,6 +617,20 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
             positions = leaf
         else:
             return f"the mask depends on input {leaf.name}, which has no example value"
+    return positions, fixed
+
+
+def _probe(
+    gm: fx.GraphModule,
+    nodes: list[fx.Node],
+    leaves: list[fx.Node],
+    mask: fx.Node,
+    fixed: dict[fx.Node, Any],
+    batch: int,
+    length: int,
+) -> tuple[fx.GraphModule, int, bool] | str:
+    """(an evaluator of the mask at the probe length, that length, whether it differs from the
+    step's); `fixed` values near the step's length move with it."""
     probe = probe_length(nodes, batch, length)
     if probe is None:
         return (
@@ -603,17 +644,14 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
     for leaf, value in fixed.items():
         if type(value) is int and abs(abs(value) - length) <= _NEAR and sizes:
             fixed[leaf] = _moved(value, length, probe)
-    evaluate = _evaluator(gm, nodes, leaves, mask, sizes)
-    length = probe
+    return _evaluator(gm, nodes, leaves, mask, sizes), probe, sizes is not None
 
-    def run(pos: Tensor | None) -> Tensor | None:
-        args = [pos if leaf is positions else fixed[leaf] for leaf in leaves]
-        with unset_fake_temporarily(), torch.no_grad():
-            try:
-                return _as_keep_BLL(evaluate(*args), batch, length)
-            except Exception:  # noqa: BLE001 - any failure means: not a mask we can evaluate
-                return None
 
+def _form_of_runs(
+    run: Any, positions: fx.Node | None, batch: int, length: int, resized: bool
+) -> MaskForm | str:
+    """The form of a mask `run(positions)` evaluates at `length` tokens: its band on one document
+    per row, then on random document layouts (`_probe_positions`)."""
     pval = _node_value(positions) if positions is not None else None
     device = pval.device if pval is not None else torch.device("cpu")
     rows = _hint(pval.shape[0]) if pval is not None else batch
@@ -621,7 +659,7 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
     base = torch.arange(length, dtype=dtype).expand(rows, length).to(device)
     keep = run(base if positions is not None else None)
     if keep is None:
-        at = "" if sizes is None else f" (evaluated at a probe length of {probe} tokens)"
+        at = f" (evaluated at a probe length of {length} tokens)" if resized else ""
         return f"the mask could not be evaluated as a 0/-inf or boolean (B, 1, L, L) mask{at}"
     window = band_of(keep)
     if window is None:
