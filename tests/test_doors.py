@@ -182,3 +182,33 @@ def test_int64_cu_seq_lens_outside_int32_are_refused_before_the_cast():
     cu = torch.tensor([0, 5, 2**32 + tokens], dtype=torch.int64)
     with pytest.raises(UnsupportedAttention, match="outside int32"):
         model(input_ids=_ids(), cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=tokens, max_length_k=tokens)
+
+
+def _bidirectional_mistral():
+    model = make_lm("mistral")
+    model.config.is_causal = False  # transformers then builds |q - k| <= w inside documents
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    return model
+
+
+def test_the_window_comes_from_the_models_mask_where_it_says_more_than_the_layer():
+    # A sliding-window decoder run bidirectionally: the mask keeps |q - k| <= w, the layer's
+    # window read the flash way keeps |q - k| <= w - 1 (0.06 off).
+    ref, model = _bidirectional_mistral(), _bidirectional_mistral()
+    model.set_attn_implementation("usp")
+    ids, pos = _ids(3), packed_positions(LENGTHS)
+    expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bidirectional with documents from position ids: said once
+        assert max_err(lm_forward(model, ids, pos), expected) < 1e-10
+
+
+def test_a_window_that_lives_only_in_the_mask_is_kept():
+    ref, model = make_lm("qwen2"), make_lm("qwen2")  # a sliding window on its second layer
+    for layer in model.model.layers:  # the layers forget their window; the mask still has it
+        layer.self_attn.sliding_window = None
+    model.set_attn_implementation("usp")
+    ids, pos = _ids(4), packed_positions(LENGTHS)
+    expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
+    assert max_err(lm_forward(model, ids, pos), expected) < 1e-10

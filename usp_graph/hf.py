@@ -70,14 +70,14 @@ def usp_attention_forward(
 ) -> tuple[Tensor, None]:
     """transformers' attention interface: (B, H, L, K) query, (B, G, L, K) key/value ->
     ((B, L, H, K) output, None)."""
-    mask_starts = None
+    mask_starts = mask_window = None
     if isinstance(attention_mask, DocumentStarts):
-        mask_starts, attention_mask = attention_mask.starts, None
+        mask_starts, mask_window, attention_mask = attention_mask.starts, attention_mask.window, None
     _refuse_what_usp_does_not_compute(module, query, key, attention_mask, dropout, kwargs)
     b, h, length, _ = query.shape
     is_causal = kwargs.get("is_causal")
     is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    window = _window(module, kwargs, is_causal)
+    window = _window(module, kwargs, is_causal, mask_window)
     gqa = key.shape[1] != h
     metadata = documents_for_call(
         module, kwargs, b, length, mask_starts=mask_starts, like=query, is_causal=is_causal
@@ -140,9 +140,19 @@ def _refuse_what_usp_does_not_compute(
         )
 
 
-def _window(module: torch.nn.Module, kwargs: dict[str, Any], is_causal: bool) -> tuple[int, int] | None:
-    """flash-attention's window of the layer: transformers' ``sliding_window`` w keeps keys fewer
-    than w tokens back (and, bidirectional, fewer than w ahead): ``(w - 1, w - 1)``."""
+def _window(
+    module: torch.nn.Module,
+    kwargs: dict[str, Any],
+    is_causal: bool,
+    mask_window: tuple[int, int] | None = None,
+) -> tuple[int, int] | None:
+    """flash-attention's window of the call: the model's mask's where it was read (`_mask_window`:
+    what "sdpa" computes, also where the layer holds no window, or, bidirectional, counts one less),
+    else the layer's: transformers' ``sliding_window`` w keeps keys fewer than w tokens back (and,
+    bidirectional, fewer than w ahead): ``(w - 1, w - 1)``."""
+    if mask_window is not None:
+        left, right = mask_window
+        return (left, -1) if is_causal else (left, left if right == -1 else right)
     sw = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if sw is None:
         return None
@@ -194,6 +204,44 @@ def _unknown_pieces(fn: Any, seen: set[int] | None = None) -> list[str]:
     return found
 
 
+# transformers' window pieces: name -> the flash-attention window of its ``sliding_window`` w.
+_WINDOW_PIECES = {
+    "sliding_window_overlay.<locals>.inner_mask": lambda w: (w - 1, -1),  # kv > q - w
+    "sliding_window_bidirectional_overlay.<locals>.inner_mask": lambda w: (w, w),  # |q - kv| <= w
+}
+
+
+def _mask_window(fn: Any, seen: set[int] | None = None) -> tuple[int, int] | None:
+    """The window a mask function's own pieces hold (eager: Dynamo cannot read closure cells), or
+    None when it holds none. Of two windows, the narrower (the mask ANDs them)."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return None
+    seen.add(id(fn))
+    if isinstance(fn, (list, tuple)):
+        found = [w for f in fn if (w := _mask_window(f, seen)) is not None]
+        return min(found, default=None)
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    if code is None:
+        return None
+    values = {}
+    for name, cell in zip(code.co_freevars, cells, strict=False):
+        try:
+            values[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    piece = _WINDOW_PIECES.get(getattr(fn, "__qualname__", ""))
+    w = values.get("sliding_window")
+    if piece is not None and isinstance(w, int) and not isinstance(w, bool) and w >= 1:
+        return piece(w)
+    found = [
+        w
+        for v in values.values()
+        if (callable(v) or isinstance(v, (list, tuple))) and (w := _mask_window(v, seen))
+    ]
+    return min(found, default=None)
+
+
 def usp_mask(
     batch_size: int,
     q_length: int | None = None,
@@ -233,6 +281,8 @@ def usp_mask(
     if device is None and isinstance(kwargs.get("cache_position"), Tensor):
         device = kwargs["cache_position"].device
     read = _mask_starts(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, device)
+    if read is not None and not compiling:
+        read.window = _mask_window(mask_function)
     pos = None if compiling or read is None else _positions_a_cache_hid()
     if pos is not None and tuple(pos.shape[-1:]) == (q_length,) and pos.shape[0] in (1, batch_size):
         read = DocumentStarts(

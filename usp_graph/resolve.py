@@ -566,10 +566,13 @@ class DocumentStarts:
     ids but does not pass them to attention: Persimmon, GPTBigCode), and cuts documents at its
     starts too (chunked attention under compile, where the mask function cannot be inspected)."""
 
-    __slots__ = ("starts",)
+    __slots__ = ("starts", "window")
 
-    def __init__(self, starts: Tensor) -> None:
+    def __init__(self, starts: Tensor, window: tuple[int, int] | None = None) -> None:
         self.starts = starts
+        # The mask's own sliding window (flash-attention's (left, right); right -1: as far as the
+        # left, for a bidirectional mask), read in eager from transformers' window pieces.
+        self.window = window
 
     def __repr__(self) -> str:
         return f"DocumentStarts(shape={tuple(self.starts.shape)})"
