@@ -212,3 +212,22 @@ def test_a_window_that_lives_only_in_the_mask_is_kept():
     ids, pos = _ids(4), packed_positions(LENGTHS)
     expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
     assert max_err(lm_forward(model, ids, pos), expected) < 1e-10
+
+
+def test_a_model_that_reads_its_mask_itself_is_refused_with_the_reason():
+    # Doge builds a dynamic mask from `attention_mask.dtype` and slices of it: an AttributeError
+    # from inside the model before, now the reason and the fix.
+    import transformers
+
+    config = transformers.DogeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="usp")
+    with pytest.raises(UnsupportedAttention, match="reads its attention mask in its own code"):
+        model(input_ids=_ids()[:, :10], position_ids=torch.arange(10)[None], use_cache=False)

@@ -576,3 +576,28 @@ class DocumentStarts:
 
     def __repr__(self) -> str:
         return f"DocumentStarts(shape={tuple(self.starts.shape)})"
+
+    # Model code that reads its attention mask itself (Doge's dynamic mask: ``attention_mask.dtype``,
+    # slices of it) gets a refusal with the reason, not an AttributeError from deep inside the model.
+    def _read_by_model(self, what: str) -> UnsupportedAttention:
+        return refuse(
+            f"the model reads its attention mask in its own code ({what}), and usp builds no mask (it attends "
+            "within the documents directly)",
+            'use attn_implementation="sdpa" (or "eager") for this model',
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise self._read_by_model(f"attention_mask.{name}")
+
+    def __getitem__(self, index: Any) -> Any:
+        raise self._read_by_model("attention_mask[...]")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise refuse(
+            f"the model reads its attention mask in its own code ({getattr(func, '__name__', func)}(mask, ...)), "
+            "and usp builds no mask (it attends within the documents directly)",
+            'use attn_implementation="sdpa" (or "eager") for this model',
+        )
