@@ -231,3 +231,21 @@ def test_a_model_that_reads_its_mask_itself_is_refused_with_the_reason():
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="usp")
     with pytest.raises(UnsupportedAttention, match="reads its attention mask in its own code"):
         model(input_ids=_ids()[:, :10], position_ids=torch.arange(10)[None], use_cache=False)
+
+
+def test_chunked_attention_compiled_with_flash_attention_kwargs_keeps_its_chunk_cuts():
+    # The documents of cu_seq_lens_q/k replaced the mask's chunk cuts (0.2 off).
+    from tests.realmodels import compile_usp
+    from tests.test_hf import _llama4_chunked
+
+    ref, model = _llama4_chunked("sdpa"), _llama4_chunked("usp")
+    ids, pos = _ids(5), packed_positions(LENGTHS)
+    expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    torch._dynamo.reset()
+    out = compile_usp(model)(
+        input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=14, max_length_k=14,
+        use_cache=False,
+    ).logits  # fmt: skip
+    assert max_err(out, expected) < 1e-10
+    torch._dynamo.reset()

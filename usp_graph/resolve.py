@@ -302,7 +302,7 @@ def _in_graph(
         _refuse_chunks_in_block(module)
         return ROUTED, "block"
     _refuse_encoder_decoder_kwargs(module, kwargs)
-    metadata = _flash_in_graph(kwargs, b, length)
+    metadata = _flash_in_graph(kwargs, b, length, mask_starts)
     if metadata is not None:
         return metadata, "flash"
     metadata = _positions_in_graph(kwargs.get("position_ids"), b, length, mask_starts)
@@ -522,10 +522,13 @@ def _flash_eager(kwargs: dict[str, Any], b: int, length: int) -> AttentionMetada
     return _remember(key, source, AttentionMetadata(cu, longest, tokens))
 
 
-def _flash_in_graph(kwargs: dict[str, Any], b: int, length: int) -> AttentionMetadata | None:
+def _flash_in_graph(
+    kwargs: dict[str, Any], b: int, length: int, mask_starts: Tensor | None = None
+) -> AttentionMetadata | None:
     """The documents of flash-attention's kwargs in a compiled graph: bound L (no value read on the
     host, no guard on the batch's longest document); checked on the device against the position
-    ids when transformers passes them too."""
+    ids when transformers passes them too; cut also where the model's mask separates neighbours
+    (`DocumentStarts`: the chunks of chunked attention)."""
     cu = _flash_boundaries(kwargs, b, length)
     if cu is None:
         return None
@@ -538,7 +541,12 @@ def _flash_in_graph(kwargs: dict[str, Any], b: int, length: int) -> AttentionMet
             'attn_implementation="usp": cu_seq_lens_q does not describe the tokens of this call (it must start '
             "at 0, never decrease and end at batch x length)",
         )
-    return AttentionMetadata(cu, length, b * length)
+    tokens = b * length
+    if mask_starts is not None and tuple(mask_starts.shape) == (b, length):
+        starts = torch.zeros(tokens + 1, dtype=torch.bool, device=cu.device)
+        starts = starts.scatter(0, cu.long().clamp(0, tokens), True)[:tokens]
+        cu = cu_seqlens_from_starts(starts | mask_starts.to(cu.device).reshape(-1))
+    return AttentionMetadata(cu, length, tokens)
 
 
 def _positions_in_graph(
