@@ -249,3 +249,17 @@ def test_chunked_attention_compiled_with_flash_attention_kwargs_keeps_its_chunk_
     ).logits  # fmt: skip
     assert max_err(out, expected) < 1e-10
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rotary_scaling_from_the_row_length_is_warned_about_once(rope_type):
+    from usp_graph import resolve
+
+    layer = torch.nn.Module()
+    layer.config = type("Config", (), {"rope_parameters": {"rope_type": rope_type, "factor": 2.0}})()
+    resolve._WARNED.discard(f"rope:{rope_type}")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            resolve.warn_where_unknown(layer, True, True)
+    assert len([w for w in seen if "row's length" in str(w.message)]) == 1

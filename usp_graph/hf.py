@@ -9,25 +9,22 @@ no mask built for it.
 Registered with transformers' ``AttentionInterface`` and ``AttentionMaskInterface`` (when
 transformers' modeling code is imported, or at ``import usp_graph`` if it already was), so
 transformers builds no (T, T) mask: the mask builder of ``"usp"`` returns None after checking that
-nothing would be lost (`usp_mask`). Each attention call then takes its documents from, in order:
-
-1. an active `usp_graph.attention_mode(metadata, cp=...)` (eager; context parallelism too),
-2. an active `usp_graph.documents(metadata)` (under ``torch.compile(backend="usp")``, which
-   rewrites the call as an attention site; in eager code, directly),
-3. the ``position_ids`` transformers passes to attention, in the padding-free convention
-   (``DataCollatorWithFlattening``, flash-attention's): a document starts where a position is 0
-   and at each row start. Eager reads them once per forward (one host sync, shared by every
-   layer); compiled code derives the boundaries inside the graph (capacity T + 1; on CUDA the
-   kernels cut them to the documents with one host read per step),
-4. otherwise one document per batch row (SDPA's own semantics).
+nothing would be lost (`usp_mask`). Each attention call asks `usp_graph.resolve` which documents
+it attends within (one precedence table for every door: an active ``attention_mode``, an active
+``documents`` block, flash-attention's ``cu_seq_lens_q/k``, ``position_ids``, the model's mask's
+document starts, else one document per row); a block the active compiler would ignore (any
+backend but usp, or ``attention_mode`` around compiled code) fails the call with the fix, and
+block metadata that contradicts the call's position ids is refused, as on the "sdpa" door.
 
 Causal or bidirectional from the module (``module.is_causal``, or the ``is_causal`` transformers
-passes), a sliding window from the layer (the ``sliding_window`` transformers passes, else
-``module.sliding_window``; flash-attention's reading: ``window - 1`` keys back, and forward too
-when bidirectional), grouped-query attention without repeating K/V. Refused with the reason: a
-padding mask or a 4-D mask (pack the documents instead), a mask function beyond documents, causal
-and windows (multimodal blocks, chunked attention), a KV cache (query and key lengths differ),
-logit softcapping, attention sinks, a position bias, dropout inside attention.
+passes), a sliding window from the model's mask where eager code can read it (`_mask_window`),
+else from the layer (the ``sliding_window`` transformers passes, else ``module.sliding_window``;
+flash-attention's reading: ``window - 1`` keys back, and forward too when bidirectional),
+grouped-query attention without repeating K/V. Refused with the reason: a padding mask or a 4-D
+mask (pack the documents instead), a mask function beyond documents, causal and windows
+(multimodal blocks, chunked attention in eager), model code that reads the mask itself, a KV
+cache (query and key lengths differ), logit softcapping, attention sinks, a position bias,
+dropout inside attention.
 """
 
 from __future__ import annotations
