@@ -111,21 +111,26 @@ def _compiling_frame() -> tuple[bool, bool]:
         compiler = tx.output.compiler_fn
     except Exception:  # noqa: BLE001 - not under Dynamo, or another torch layout
         return True, False
-    from .backend.compiler import BACKEND_NAME, usp_backend
     from .mode import _SDPAToUSP
 
     fn = _backend_function(compiler)
-    usp = fn is usp_backend or getattr(compiler, "compiler_name", None) == BACKEND_NAME
+    usp = getattr(compiler, "compiler_name", None) == "usp" or (
+        getattr(fn, "__module__", None) == "usp_graph.backend.compiler"
+        and getattr(fn, "__name__", None) == "usp_backend"
+    )  # by name: the backend imports this module, never the other way
     # Dynamo moves the active torch function modes off the real stack while it traces.
     stack = getattr(getattr(tx, "symbolic_torch_function_state", None), "mode_stack", ())
     mode = any(isinstance(getattr(m, "value", None), _SDPAToUSP) for m in stack)
     return usp, mode or attention_mode_active()
 
 
-def _block_active() -> bool:
-    from .backend.documents import packed_documents_active
+# The `documents` blocks' state: `usp_graph.backend.documents`, which sets itself here when it is
+# imported (it imports this module; before it is, no block can be active).
+_BLOCKS: Any = None
 
-    return packed_documents_active()
+
+def _block_active() -> bool:
+    return _BLOCKS is not None and _BLOCKS.packed_documents_active()
 
 
 def refuse_unhonoured(like: Tensor) -> None:
@@ -265,16 +270,17 @@ def _documents_for_call(
         return _in_graph(module, kwargs, b, length, mask_starts, like)
     if _is_tracing(like) or attention_mode_active():
         return ROUTED, "routed"
-    from .backend.documents import current_documents, current_kv_documents
-
-    if current_kv_documents() is not None:
+    if _BLOCKS is None:
+        block = kv_block = None
+    else:
+        block, kv_block = _BLOCKS.current_documents(), _BLOCKS.current_kv_documents()
+    if kv_block is not None:
         raise refuse(
             "documents(..., kv=...) in eager code: eager attention cannot tell cross-attention calls from "
             "self-attention ones",
             'compile the model with backend="usp" inside the block (it reads which calls are cross-attention '
             "from the graph)",
         )
-    block = current_documents()
     if block is not None:
         _refuse_chunks_in_block(module)
         _check_block_eager(block, kwargs.get("position_ids"), b, length)

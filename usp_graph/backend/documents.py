@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import resolve
 from ..metadata import AttentionMetadata
 from ..resolve import attention_mode_active, refuse_unhonoured
 
@@ -157,6 +159,8 @@ def _guard_eager_sdpa() -> None:
 
 
 _guard_eager_sdpa()
+
+resolve._BLOCKS = sys.modules[__name__]  # the resolver reads the blocks from here
 
 
 # ------------------------------------------------------------------------------------------------
