@@ -139,9 +139,10 @@ def refuse_unhonoured(like: Tensor) -> None:
     `attention_mode` (eager only) under any backend. Nothing outside compiled code."""
     if not torch.compiler.is_compiling():
         return
-    block = _block_active()  # a module global: Dynamo guards on it
     for_usp, mode = _compiling_frame()
-    if block and not for_usp:
+    # The block's state is a module global Dynamo guards on: read only where it decides (backend
+    # usp handles both, and a guard there would recompile between packed and per-row batches).
+    if not for_usp and _block_active():
         why = (
             "usp_graph.documents(...) is active, but this code is compiled with a backend other than "
             '"usp", which ignores the block (every row would be one document); compile with '
