@@ -123,25 +123,6 @@ def test_attention_mode_around_a_compiled_model_is_refused_with_the_fix(impl, ba
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_a_checkpointed_layer_recomputes_inside_the_documents_block_it_ran_in(reentrant):
-    # backward() after the block: the recompute read no block and failed with a CheckpointError
-    # (the block's capacity differs from the position ids' count), or attended other documents.
-    ref, model = make_lm("llama"), make_lm("llama")
-    model.set_attn_implementation("usp")
-    model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    ids, pos = _ids(1), packed_positions(LENGTHS)
-    expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
-    weighted_loss(expected).backward()
-    with documents(AttentionMetadata.from_lengths(LENGTHS, max_docs=8)):
-        out = lm_forward(model, ids, pos)
-    weighted_loss(out).backward()  # after the block
-    g, g_ref = grads(model), grads(ref)
-    assert max_err(out, expected) < 1e-10
-    assert max(max_err(g[k], g_ref[k]) for k in g_ref) < 1e-10
-
-
 @pytest.mark.parametrize("family", ["gpt_bigcode", "persimmon"])
 def test_models_whose_attention_gets_no_position_ids_keep_documents_with_the_cache_on(family):
     # use_cache is the default of model(**batch) in eval; transformers then builds no packed mask.

@@ -73,7 +73,6 @@ def documents(
     global _PACKED
     if metadata is not None:
         _guard_eager_sdpa()
-        _recompute_checkpoints_in_blocks()
     token = _CURRENT.set((metadata, kv))
     packed, _PACKED = _PACKED, metadata is not None
     try:
@@ -159,6 +158,7 @@ def _guard_eager_sdpa() -> None:
 
 
 _guard_eager_sdpa()
+<<<<<<< HEAD
 
 resolve._BLOCKS = sys.modules[__name__]  # the resolver reads the blocks from here
 
@@ -246,3 +246,5 @@ def _recompute_checkpoints_in_blocks() -> None:
 
     ckpt._checkpoint_without_reentrant_generator = nonreentrant
     ckpt.CheckpointFunction = _Reentrant
+=======
+>>>>>>> parent of 03ceeee (documents(): activation checkpoints started inside a block recompute inside it (eager "usp" + gradient checkpointing + backward after the block: no CheckpointError, no other documents' grads))
