@@ -101,7 +101,7 @@ def _backend_function(fn: Any) -> Any:
 
 @torch._dynamo.assume_constant_result
 def _compiling_frame() -> tuple[bool, bool]:
-    """(compiled for backend usp, an `attention_mode` is active), read while Dynamo traces a frame
+    """(compiled for backend usp, an `attention_mode` with documents is active), read while Dynamo traces a frame
     (a constant of the trace: Dynamo runs this on the host rather than tracing it). Outside Dynamo
     (export, usp_graph's tracer): (True, False), nothing to refuse."""
     try:
@@ -111,6 +111,8 @@ def _compiling_frame() -> tuple[bool, bool]:
         compiler = tx.output.compiler_fn
     except Exception:  # noqa: BLE001 - not under Dynamo, or another torch layout
         return True, False
+    from torch.overrides import _get_current_function_mode_stack
+
     from .mode import _SDPAToUSP
 
     fn = _backend_function(compiler)
@@ -120,8 +122,10 @@ def _compiling_frame() -> tuple[bool, bool]:
     )  # by name: the backend imports this module, never the other way
     # Dynamo moves the active torch function modes off the real stack while it traces.
     stack = getattr(getattr(tx, "symbolic_torch_function_state", None), "mode_stack", ())
-    mode = any(isinstance(getattr(m, "value", None), _SDPAToUSP) for m in stack)
-    return usp, mode or attention_mode_active()
+    modes = [getattr(m, "value", None) for m in stack] + list(_get_current_function_mode_stack())
+    # attention_mode() without metadata or cp is SDPA's own per-row semantics: compiled code agrees.
+    mode = any(isinstance(m, _SDPAToUSP) and (m.metadata is not None or m.cp is not None) for m in modes)
+    return usp, mode
 
 
 # The `documents` blocks' state: `usp_graph.backend.documents`, which sets itself here when it is
