@@ -101,8 +101,8 @@ def _backend_function(fn: Any) -> Any:
 
 @torch._dynamo.assume_constant_result
 def _compiling_frame() -> tuple[bool, bool]:
-    """(compiled for backend usp, an `attention_mode` with documents is active), read while Dynamo traces a frame
-    (a constant of the trace: Dynamo runs this on the host rather than tracing it). Outside Dynamo
+    """(compiled for backend usp, an `attention_mode` with documents is active), read while Dynamo
+    traces a frame (a constant of the trace: Dynamo runs this on the host rather than tracing it). Outside Dynamo
     (export, usp_graph's tracer): (True, False), nothing to refuse."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
