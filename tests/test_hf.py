@@ -179,7 +179,7 @@ def test_flash_attention_kwargs_give_documents_where_attention_gets_no_position_
 
 
 def test_flash_attention_kwargs_are_read_once_per_forward_in_eager(monkeypatch):
-    import usp_graph.hf as hf
+    import usp_graph.resolve as hf
 
     _, model = _models("llama")
     batch = _flattened(_batch(8)[0])
@@ -528,10 +528,21 @@ def test_device_assert_messages_compile_under_inductor():
         compiled(-torch.ones(4))
 
 
+def _calls_attention_interface(model_class) -> bool:
+    """Whether `model_class`'s modeling code calls transformers' attention interface (read from its
+    source, the way transformers itself decides whether an implementation can be set)."""
+    import inspect
+
+    source = inspect.getsource(sys.modules[model_class.__module__])
+    return "ALL_ATTENTION_FUNCTIONS" in source
+
+
 @pytest.mark.parametrize("family", ["bloom", "falcon"])
-def test_a_model_that_computes_attention_itself_is_refused_at_construction(family):
+def test_a_model_that_computes_attention_itself_is_refused_and_one_that_calls_the_interface_runs(family):
     # Bloom (ALiBi) took usp's "no mask" for its own attention: causal no more, wrong without a
-    # word; Falcon failed with KeyError('usp') in its own table of attention classes.
+    # word; Falcon failed with KeyError('usp') in its own table of attention classes until its
+    # modeling code called transformers' attention interface (transformers 5.x): then it runs
+    # under "usp", each document its own.
     import transformers
 
     config = {
@@ -540,8 +551,18 @@ def test_a_model_that_computes_attention_itself_is_refused_at_construction(famil
             num_hidden_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64
         ),
     }[family]()
-    with pytest.raises(UnsupportedAttention, match="computes attention in its own code"):
-        transformers.AutoModelForCausalLM.from_config(config, attn_implementation="usp")
+    cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    if not _calls_attention_interface(cls):
+        with pytest.raises(UnsupportedAttention, match="computes attention in its own code"):
+            transformers.AutoModelForCausalLM.from_config(config, attn_implementation="usp")
+        return
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="usp").double()
+    model.load_state_dict(ref.state_dict())
+    ids, pos = _batch(5)
+    expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
+    assert max_err(lm_forward(model, ids, pos), expected) < 1e-10
 
 
 @pytest.mark.parametrize("family", ["persimmon", "gpt_bigcode"])

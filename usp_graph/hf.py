@@ -9,54 +9,46 @@ no mask built for it.
 Registered with transformers' ``AttentionInterface`` and ``AttentionMaskInterface`` (when
 transformers' modeling code is imported, or at ``import usp_graph`` if it already was), so
 transformers builds no (T, T) mask: the mask builder of ``"usp"`` returns None after checking that
-nothing would be lost (`usp_mask`). Each attention call then takes its documents from, in order:
-
-1. an active `usp_graph.attention_mode(metadata, cp=...)` (eager; context parallelism too),
-2. an active `usp_graph.documents(metadata)` (under ``torch.compile(backend="usp")``, which
-   rewrites the call as an attention site; in eager code, directly),
-3. the ``position_ids`` transformers passes to attention, in the padding-free convention
-   (``DataCollatorWithFlattening``, flash-attention's): a document starts where a position is 0
-   and at each row start. Eager reads them once per forward (one host sync, shared by every
-   layer); compiled code derives the boundaries inside the graph (capacity T + 1; on CUDA the
-   kernels cut them to the documents with one host read per step),
-4. otherwise one document per batch row (SDPA's own semantics).
+nothing would be lost (`usp_mask`). Each attention call asks `usp_graph.resolve` which documents
+it attends within (one precedence table for every door: an active ``attention_mode``, an active
+``documents`` block, flash-attention's ``cu_seq_lens_q/k``, ``position_ids``, the model's mask's
+document starts, else one document per row); a block the active compiler would ignore (any
+backend but usp, or ``attention_mode`` around compiled code) fails the call with the fix, and
+block metadata that contradicts the call's position ids is refused, as on the "sdpa" door.
 
 Causal or bidirectional from the module (``module.is_causal``, or the ``is_causal`` transformers
-passes), a sliding window from the layer (the ``sliding_window`` transformers passes, else
-``module.sliding_window``; flash-attention's reading: ``window - 1`` keys back, and forward too
-when bidirectional), grouped-query attention without repeating K/V. Refused with the reason: a
-padding mask or a 4-D mask (pack the documents instead), a mask function beyond documents, causal
-and windows (multimodal blocks, chunked attention), a KV cache (query and key lengths differ),
-logit softcapping, attention sinks, a position bias, dropout inside attention.
+passes), a sliding window from the model's mask where eager code can read it (`_mask_window`),
+else from the layer (the ``sliding_window`` transformers passes, else ``module.sliding_window``;
+flash-attention's reading: ``window - 1`` keys back, and forward too when bidirectional),
+grouped-query attention without repeating K/V. Refused with the reason: a padding mask or a 4-D
+mask (pack the documents instead), a mask function beyond documents, causal and windows
+(multimodal blocks, chunked attention in eager), model code that reads the mask itself, a KV
+cache (query and key lengths differ), logit softcapping, attention sinks, a position bias,
+dropout inside attention.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import re
 import sys
-import weakref
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from .masks import check_positions_match, cu_seqlens_from_starts, document_starts
-from .metadata import AttentionMetadata
+from . import resolve
+from .masks import document_starts, positions_mask
 from .ops.boundaries import device_assert
+from .resolve import ROUTED, DocumentStarts, UnsupportedAttention, documents_for_call
+from .resolve import refuse as _refuse
 from .sdpa import _is_tracing, sdpa_to_usp, windowed_sdpa
 
 __all__ = ["ATTENTION", "register", "usp_attention_forward", "usp_mask"]
 
 ATTENTION = "usp"
-
-
-class UnsupportedAttention(ValueError):
-    """A call of attention implementation "usp" that it would not compute exactly."""
-
-
-def _refuse(what: str, fix: str) -> UnsupportedAttention:
-    return UnsupportedAttention(f'attn_implementation="usp": {what}; {fix}')
 
 
 # ------------------------------------------------------------------------------------------------
@@ -75,9 +67,45 @@ def usp_attention_forward(
 ) -> tuple[Tensor, None]:
     """transformers' attention interface: (B, H, L, K) query, (B, G, L, K) key/value ->
     ((B, L, H, K) output, None)."""
-    mask_starts = None
+    mask_starts = mask_window = None
     if isinstance(attention_mask, DocumentStarts):
-        mask_starts, attention_mask = attention_mask.starts, None
+        mask_starts, mask_window, attention_mask = attention_mask.starts, attention_mask.window, None
+    _refuse_what_usp_does_not_compute(module, query, key, attention_mask, dropout, kwargs)
+    b, h, length, _ = query.shape
+    is_causal = kwargs.get("is_causal")
+    is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    window = _window(module, kwargs, is_causal, mask_window)
+    gqa = key.shape[1] != h
+    metadata = documents_for_call(
+        module, kwargs, b, length, mask_starts=mask_starts, like=query, is_causal=is_causal
+    )
+    if metadata is ROUTED and torch.compiler.is_compiling() and kwargs.get("position_ids") is not None:
+        # Backend usp applies the block's documents. Given as the mask transformers would build
+        # from the position ids, the rewrite also checks that they count the block's documents,
+        # as on the "sdpa" door (`masks.check_positions_match`); the mask is read, never computed.
+        mask = positions_mask(kwargs["position_ids"].expand(b, length), is_causal=is_causal, window=window)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    elif metadata is ROUTED:  # attention_mode, backend usp or usp_graph's tracer applies the documents
+        out = windowed_sdpa(
+            query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, window=window
+        )
+    else:
+        out = sdpa_to_usp(
+            query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, metadata=metadata,
+            window=window,
+        )  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _refuse_what_usp_does_not_compute(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    attention_mask: Any,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> None:
+    """A mask, logit softcapping, sinks, a position bias, dropout, a KV cache: refused with the fix."""
     if attention_mask is not None:
         raise _refuse(
             f"an attention mask of shape {tuple(attention_mask.shape)} reached attention (a 4-D mask passed to the "
@@ -101,306 +129,33 @@ def usp_attention_forward(
             f"dropout inside attention ({dropout}) is not supported",
             "set the model's attention_dropout to 0.0 for training",
         )
-    b, h, lq, _ = query.shape
-    g, lk = key.shape[1], key.shape[2]
+    lq, lk = query.shape[2], key.shape[2]
     if lq != lk:
         raise _refuse(
             f"query length {lq} != key length {lk}: a KV cache from earlier steps (generation)",
             'usp attends within the packed documents of one forward pass; generate with model.set_attn_implementation("sdpa")',
         )
-    is_causal = kwargs.get("is_causal")
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    is_causal = bool(is_causal)
-    window = _window(module, kwargs, is_causal)
-    gqa = g != h
-    if torch.compiler.is_compiling():
-        from .backend.documents import packed_documents_active
-
-        if packed_documents_active():  # backend "usp" rewrites this site with the block's documents
-            _refuse_chunks_in_block(module)
-            out = windowed_sdpa(
-                query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, window=window
-            )
-        else:
-            _refuse_encoder_decoder_kwargs(module, kwargs)
-            metadata = _flash_in_graph(kwargs, b, lq)
-            if metadata is None:
-                metadata = _positions_in_graph(kwargs.get("position_ids"), b, lq, mask_starts)
-            out = sdpa_to_usp(
-                query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, metadata=metadata,
-                window=window,
-            )  # fmt: skip
-    elif _is_tracing(query) or _in_attention_mode():
-        # Traced (usp_graph's own tracer rewrites the site) or routed by attention_mode.
-        out = windowed_sdpa(
-            query, key, value, is_causal=is_causal, scale=scaling, enable_gqa=gqa, window=window
-        )
-    else:
-        from .backend.documents import current_documents, current_kv_documents
-
-        if current_kv_documents() is not None:
-            raise _refuse(
-                "documents(..., kv=...) in eager code: eager attention cannot tell cross-attention calls from "
-                "self-attention ones",
-                'compile the model with backend="usp" inside the block (it reads which calls are cross-attention '
-                "from the graph)",
-            )
-        metadata = current_documents()
-        if metadata is not None:
-            # Also here: a refusal raised while Dynamo traces the call above reruns it in eager.
-            _refuse_chunks_in_block(module)
-        else:
-            _refuse_encoder_decoder_kwargs(module, kwargs)
-            metadata = _flash_eager(kwargs, b, lq)
-        if metadata is None:
-            metadata = _positions_eager(kwargs.get("position_ids"), b, lq, mask_starts)
-        out = sdpa_to_usp(
-            query,
-            key,
-            value,
-            is_causal=is_causal,
-            scale=scaling,
-            enable_gqa=gqa,
-            metadata=metadata,
-            window=window,
-        )
-    return out.transpose(1, 2).contiguous(), None
 
 
-def _refuse_chunks_in_block(module: torch.nn.Module) -> None:
-    """Chunked attention (Llama 4) inside a `documents` block: the block's documents would replace
-    the chunks, which compiled code cannot read from the mask function (without the block the
-    documents are cut at the chunks, `DocumentStarts`)."""
-    if getattr(getattr(module, "config", None), "attention_chunk_size", None):
-        raise _refuse(
-            "chunked attention (attention_chunk_size) inside usp_graph.documents(...)",
-            "compile without the block: documents then come from the position ids, cut at the chunks",
-        )
-
-
-def _refuse_encoder_decoder_kwargs(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
-    """An encoder-decoder model hands every attention call (encoder, decoder, cross) the same
-    position ids or flash-attention kwargs, of one of its streams: usp cannot tell which call they
-    describe (BART's decoder was attended with the source's documents)."""
-    if not getattr(getattr(module, "config", None), "is_encoder_decoder", False):
-        return
-    if any(kwargs.get(n) is not None for n in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k")):
-        raise _refuse(
-            f"{type(module).__name__} is part of an encoder-decoder model, whose attention calls all get the same "
-            "position ids (or flash-attention kwargs) of one stream",
-            'compile the model with backend="usp" under usp_graph.documents(target_meta, kv=source_meta), which '
-            "tells cross-attention from the graph's data flow",
-        )
-
-
-def _window(module: torch.nn.Module, kwargs: dict[str, Any], is_causal: bool) -> tuple[int, int] | None:
-    """flash-attention's window of the layer: transformers' ``sliding_window`` w keeps keys fewer
-    than w tokens back (and, bidirectional, fewer than w ahead): ``(w - 1, w - 1)``."""
+def _window(
+    module: torch.nn.Module,
+    kwargs: dict[str, Any],
+    is_causal: bool,
+    mask_window: tuple[int, int] | None = None,
+) -> tuple[int, int] | None:
+    """flash-attention's window of the call: the model's mask's where it was read (`_mask_window`:
+    what "sdpa" computes, also where the layer holds no window, or, bidirectional, counts one less),
+    else the layer's: transformers' ``sliding_window`` w keeps keys fewer than w tokens back (and,
+    bidirectional, fewer than w ahead): ``(w - 1, w - 1)``."""
+    if mask_window is not None:
+        left, right = mask_window
+        return (left, -1) if is_causal else (left, left if right == -1 else right)
     sw = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if sw is None:
         return None
     if isinstance(sw, bool) or not isinstance(sw, int) or sw < 1:
         raise _refuse(f"sliding_window={sw!r} is not a positive int", "fix the model config's sliding_window")
     return (sw - 1, -1) if is_causal else (sw - 1, sw - 1)
-
-
-def _in_attention_mode() -> bool:
-    from torch.overrides import _get_current_function_mode_stack
-
-    from .mode import _SDPAToUSP
-
-    return any(isinstance(m, _SDPAToUSP) for m in _get_current_function_mode_stack())
-
-
-def _rows(position_ids: Any, b: int, length: int) -> Tensor | None:
-    if position_ids is None:
-        return None
-    if not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.is_floating_point():
-        raise _refuse(
-            f"position_ids must be a 2-D integer tensor, got {getattr(position_ids, 'shape', type(position_ids))}",
-            "pass (batch, length) position ids that restart at 0 at each packed document",
-        )
-    if position_ids.shape[-1] != length or position_ids.shape[0] not in (1, b):
-        raise _refuse(
-            f"position_ids of shape {tuple(position_ids.shape)} do not describe the ({b}, {length}) tokens of this call",
-            "pass position ids for exactly the model's input tokens",
-        )
-    return position_ids.expand(b, length)
-
-
-# Documents read from position ids (or flash-attention's kwargs), by tensor identity: every layer
-# of a forward (and every recompute of a checkpointed layer) gets the same tensor; one host sync in
-# all. Emptied by `usp_mask`, which transformers calls at the start of every forward, so a buffer
-# refilled in place between forwards (through numpy or .data, which no version counter sees) is
-# read again; CPU tensors are also compared by value on every hit (no sync there).
-_READ: dict[tuple[Any, ...], tuple[weakref.ref, Tensor | None, AttentionMetadata]] = {}
-
-
-def _version(t: Any) -> int | None:
-    """`t`'s version counter (None: not a tensor, or an inference tensor, which keeps none)."""
-    return t._version if isinstance(t, Tensor) and not t.is_inference() else None
-
-
-def _recalled(key: tuple[Any, ...], source: Tensor) -> AttentionMetadata | None:
-    """What `_remember` kept for `source` under `key` (None: nothing, another tensor since, or, on
-    the CPU, other values)."""
-    hit = _READ.get(key)
-    if hit is None or hit[0]() is not source:
-        return None
-    return hit[2] if hit[1] is None or torch.equal(hit[1], source) else None
-
-
-def _remember(key: tuple[Any, ...], source: Tensor, metadata: AttentionMetadata) -> AttentionMetadata:
-    if len(_READ) >= 8:
-        _READ.clear()
-    snapshot = source.detach().clone() if source.device.type == "cpu" else None
-    _READ[key] = (weakref.ref(source), snapshot, metadata)
-    return metadata
-
-
-def _positions_eager(
-    position_ids: Any, b: int, length: int, mask_starts: Tensor | None = None
-) -> AttentionMetadata | None:
-    """The documents of `position_ids` (transformers' reading) cut also where the model's mask
-    separates neighbours (`DocumentStarts`), read once per forward; None: neither given."""
-    source = position_ids if position_ids is not None else mask_starts
-    if source is None:
-        return None
-    key = (id(position_ids), _version(position_ids), id(mask_starts), b, length)
-    hit = _recalled(key, source)
-    if hit is not None:
-        return hit
-    pos_BL = _rows(position_ids, b, length)
-    tokens = b * length
-    if tokens == 0:
-        return None
-    starts = _starts(pos_BL, mask_starts, b, length)
-    cu = torch.cat([starts.nonzero().squeeze(1), starts.new_tensor([tokens], dtype=torch.long)]).to(
-        torch.int32
-    )
-    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    if pos_BL is not None and bool((pos_BL < 0).any()):
-        raise _refuse(
-            "position_ids hold a negative position", "pass position ids that restart at 0 at each document"
-        )
-    return _remember(key, source, AttentionMetadata(cu, longest, tokens))
-
-
-def _starts(pos_BL: Tensor | None, mask_starts: Tensor | None, b: int, length: int) -> Tensor:
-    """(T,) bool: where a document starts by the position ids, by the model's mask, or both."""
-    if mask_starts is not None and tuple(mask_starts.shape) != (b, length):
-        mask_starts = None  # another call's shape (a mask built for other lengths): not this call's
-    if pos_BL is None:
-        assert mask_starts is not None
-        return mask_starts.reshape(-1)
-    starts = document_starts(pos_BL)
-    return starts if mask_starts is None else starts | mask_starts.to(starts.device).reshape(-1)
-
-
-def _flash_boundaries(kwargs: dict[str, Any], b: int, length: int) -> Tensor | None:
-    """flash-attention's packed-sequence boundaries, as transformers hands them to attention
-    (``cu_seq_lens_q`` / ``cu_seq_lens_k``: what ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
-    returns), checked in shape: one 1-D integer tensor for queries and keys. None: not given."""
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is None and cu_k is None:
-        return None
-    for name, cu in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
-        if cu is not None and (
-            not isinstance(cu, Tensor) or cu.dim() != 1 or cu.is_floating_point() or cu.shape[0] < 2
-        ):
-            raise _refuse(
-                f"{name} must be a 1-D integer tensor (document starts, then the token count), got "
-                f"{getattr(cu, 'shape', type(cu))}",
-                "pass the cu_seq_lens_q/k that DataCollatorWithFlattening(return_flash_attn_kwargs=True) returns",
-            )
-    if cu_q is not None and cu_k is not None and cu_k is not cu_q and cu_k.shape != cu_q.shape:
-        raise _refuse(
-            f"cu_seq_lens_q ({cu_q.shape[0] - 1} documents) and cu_seq_lens_k ({cu_k.shape[0] - 1}) differ",
-            "usp reads one set of documents for queries and keys from these arguments; give the key/value "
-            "stream's documents with usp_graph.documents(meta, kv=kv_meta)",
-        )
-    cu = cu_q if cu_q is not None else cu_k
-    if cu_q is not None and cu_k is not None and cu_k is not cu_q:
-        device_assert(
-            torch.eq(cu_q, cu_k).all(),
-            'attn_implementation="usp": cu_seq_lens_q and cu_seq_lens_k differ; usp reads one set of documents '
-            "for queries and keys from these arguments",
-        )
-    return cu.to(torch.int32)
-
-
-def _flash_eager(kwargs: dict[str, Any], b: int, length: int) -> AttentionMetadata | None:
-    """The documents of flash-attention's kwargs (`_flash_boundaries`), read once per tensor; the
-    position ids, when transformers passes them too, must count the same documents."""
-    given = [kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "position_ids")]
-    source = given[0] if given[0] is not None else given[1]
-    key = (b, length, *((id(t), _version(t)) for t in given))
-    if isinstance(source, Tensor):  # every layer after the first: read already
-        hit = _recalled(key, source)
-        if hit is not None:
-            return hit
-    cu = _flash_boundaries(kwargs, b, length)
-    if cu is None:
-        return None
-    pos = given[2]
-    tokens = b * length
-    ends = cu.tolist()
-    if ends[0] != 0 or ends[-1] != tokens or any(y < x for x, y in zip(ends, ends[1:], strict=False)):
-        raise _refuse(
-            f"cu_seq_lens_q {ends[:4]}{'...' if len(ends) > 4 else ''}{ends[-1:]} does not describe the {tokens} "
-            f"tokens of this call ({b} x {length}): it must start at 0, never decrease and end at {tokens}",
-            "pass the boundaries of the packed batch the model is called with",
-        )
-    if pos is not None:
-        counted = _positions_eager(pos, b, length)
-        if counted is not None and counted.cu_seqlens.tolist() != [
-            x for i, x in enumerate(ends) if i == 0 or x != ends[i - 1]
-        ]:
-            raise _refuse(
-                "the position ids transformers passes to attention count other documents than cu_seq_lens_q "
-                "(positions counted along the row, e.g. a model called without position_ids, give rotary angles "
-                "that do not restart at each document)",
-                "pass position_ids restarting at each document too (DataCollatorWithFlattening's default, "
-                "return_position_ids=True)",
-            )
-    longest = max((y - x for x, y in zip(ends, ends[1:], strict=False)), default=0)
-    return _remember(key, source, AttentionMetadata(cu, longest, tokens))
-
-
-def _flash_in_graph(kwargs: dict[str, Any], b: int, length: int) -> AttentionMetadata | None:
-    """The documents of flash-attention's kwargs in a compiled graph: bound L (no value read on the
-    host, no guard on the batch's longest document); checked on the device against the position
-    ids when transformers passes them too."""
-    cu = _flash_boundaries(kwargs, b, length)
-    if cu is None:
-        return None
-    pos_BL = _rows(kwargs.get("position_ids"), b, length)
-    if pos_BL is not None:
-        check_positions_match(cu, pos_BL)  # also: cu starts at 0 and ends at the call's B x L tokens
-    else:
-        device_assert(
-            (cu[0] == 0) & (cu[-1] == b * length) & (cu[1:] >= cu[:-1]).all(),
-            'attn_implementation="usp": cu_seq_lens_q does not describe the tokens of this call (it must start '
-            "at 0, never decrease and end at batch x length)",
-        )
-    return AttentionMetadata(cu, length, b * length)
-
-
-def _positions_in_graph(
-    position_ids: Any, b: int, length: int, mask_starts: Tensor | None = None
-) -> AttentionMetadata | None:
-    """The documents of `position_ids` and of the model's mask (`_starts`) computed on their
-    device inside the graph: capacity T + 1 (every token could start one) and max_seqlen L, so no
-    value is read on the host."""
-    pos_BL = _rows(position_ids, b, length)
-    if mask_starts is not None and tuple(mask_starts.shape) != (b, length):
-        mask_starts = None
-    if pos_BL is None and mask_starts is None:
-        return None
-    return AttentionMetadata(
-        cu_seqlens_from_starts(_starts(pos_BL, mask_starts, b, length)), length, b * length
-    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -446,6 +201,44 @@ def _unknown_pieces(fn: Any, seen: set[int] | None = None) -> list[str]:
     return found
 
 
+# transformers' window pieces: name -> the flash-attention window of its ``sliding_window`` w.
+_WINDOW_PIECES = {
+    "sliding_window_overlay.<locals>.inner_mask": lambda w: (w - 1, -1),  # kv > q - w
+    "sliding_window_bidirectional_overlay.<locals>.inner_mask": lambda w: (w, w),  # |q - kv| <= w
+}
+
+
+def _mask_window(fn: Any, seen: set[int] | None = None) -> tuple[int, int] | None:
+    """The window a mask function's own pieces hold (eager: Dynamo cannot read closure cells), or
+    None when it holds none. Of two windows, the narrower (the mask ANDs them)."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return None
+    seen.add(id(fn))
+    if isinstance(fn, (list, tuple)):
+        found = [w for f in fn if (w := _mask_window(f, seen)) is not None]
+        return min(found, default=None)
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    if code is None:
+        return None
+    values = {}
+    for name, cell in zip(code.co_freevars, cells, strict=False):
+        try:
+            values[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    piece = _WINDOW_PIECES.get(getattr(fn, "__qualname__", ""))
+    w = values.get("sliding_window")
+    if piece is not None and isinstance(w, int) and not isinstance(w, bool) and w >= 1:
+        return piece(w)
+    found = [
+        w
+        for v in values.values()
+        if (callable(v) or isinstance(v, (list, tuple))) and (w := _mask_window(v, seen))
+    ]
+    return min(found, default=None)
+
+
 def usp_mask(
     batch_size: int,
     q_length: int | None = None,
@@ -464,7 +257,7 @@ def usp_mask(
     # only; the README says so.
     compiling = torch.compiler.is_compiling()
     if not compiling:
-        _READ.clear()  # a new forward: documents are read again from its tensors
+        resolve._READ.clear()  # a new forward: documents are read again from its tensors
     unknown = _unknown_pieces(mask_function) if mask_function is not None and not compiling else []
     if unknown:
         raise _refuse(
@@ -484,25 +277,48 @@ def usp_mask(
     device = kwargs.get("device")
     if device is None and isinstance(kwargs.get("cache_position"), Tensor):
         device = kwargs["cache_position"].device
-    return _mask_starts(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, device)
+    read = _mask_starts(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, device)
+    if read is not None and not compiling:
+        read.window = _mask_window(mask_function)
+    pos = None if compiling or read is None else _positions_a_cache_hid()
+    if pos is not None and tuple(pos.shape[-1:]) == (q_length,) and pos.shape[0] in (1, batch_size):
+        read = DocumentStarts(
+            read.starts | document_starts(pos.expand(batch_size, q_length)).reshape(read.starts.shape)
+        )
+    return read
 
 
-class DocumentStarts:
-    """What "usp"'s mask builder hands transformers in place of a mask, and transformers hands each
-    attention call: ``starts`` ((B, L) bool), where the model's own mask separates a token from the
-    one before it (a new packed document, a chunk of chunked attention), read from the model's mask
-    function at L - 1 pairs of neighbours: O(B x L), never (L, L). Attention takes its documents
-    from it when nothing better says (a model that builds its packed-document mask from position
-    ids but does not pass them to attention: Persimmon, GPTBigCode), and cuts documents at its
-    starts too (chunked attention under compile, where the mask function cannot be inspected)."""
+# transformers' mask builders, which skip the packed-sequence mask when a cache is passed.
+_MASK_BUILDERS = {"create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask"}
 
-    __slots__ = ("starts",)
 
-    def __init__(self, starts: Tensor) -> None:
-        self.starts = starts
-
-    def __repr__(self) -> str:
-        return f"DocumentStarts(shape={tuple(self.starts.shape)})"
+def _positions_a_cache_hid() -> Tensor | None:
+    """The position ids transformers' mask builder (the caller) had but did not read because a cache
+    was passed (``use_cache=True``, the default of ``model(**batch)`` in eval): with no packed mask,
+    models whose attention gets no position ids (GPT-BigCode, Persimmon) crossed documents. Read
+    from the builder's frame, in eager only (a new cache: the mask reader sees no offset)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return None
+        if frame.f_code.co_name in _MASK_BUILDERS and frame.f_globals.get("__name__", "").endswith(
+            "masking_utils"
+        ):
+            break
+        frame = frame.f_back
+    else:
+        return None
+    found = frame.f_locals
+    cache = found.get("cache", found.get("past_key_values"))
+    pos = found.get("position_ids")
+    if (
+        cache is None
+        or found.get("attention_mask") is not None
+        or not isinstance(pos, Tensor)
+        or pos.dim() != 2
+    ):
+        return None
+    return pos
 
 
 def _mask_starts(
@@ -555,12 +371,30 @@ def register() -> None:
     _guard_model_classes()
 
 
+def _calls_attention_interface(cls: type) -> bool:
+    """Whether `cls`'s modeling code calls transformers' attention interface: transformers' own
+    reading of the class's module (`_can_set_attn_implementation`), else the module's source names
+    the interface's table. Decided per class, never by a list of families: a family that moves to
+    the interface (Falcon in transformers 5) runs under "usp" from then on."""
+    import inspect
+
+    can_set = getattr(cls, "_can_set_attn_implementation", None)
+    if callable(can_set):
+        return bool(can_set())
+    module = sys.modules.get(cls.__module__)
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return True  # unreadable (a notebook's class): let transformers decide
+    has_attention_class = re.search(r"^class \w*Attention\w*\(nn\.Module\):", source, re.MULTILINE)
+    return "ALL_ATTENTION_FUNCTIONS" in source or has_attention_class is None
+
+
 def _refuse_own_attention(cls: type) -> None:
     """A model class whose attention layers do not call transformers' attention interface
-    (Bloom and MPT with ALiBi, Falcon, GPT-Neo, ...) would never run usp: it would take usp's
-    "no mask" for its own attention (wrong without a word) or fail looking the name up."""
-    can_set = getattr(cls, "_can_set_attn_implementation", None)
-    if callable(can_set) and not can_set():
+    (Bloom and MPT with ALiBi, GPT-Neo, ...) would never run usp: it would take usp's "no mask"
+    for its own attention (wrong without a word) or fail looking the name up."""
+    if not _calls_attention_interface(cls):
         raise _refuse(
             f"{cls.__name__} computes attention in its own code, not through transformers' attention interface, "
             "so usp would not run (and its attention would get no mask)",

@@ -51,6 +51,7 @@ __all__ = [
     "document_starts",
     "cu_seqlens_from_positions",
     "check_positions_match",
+    "positions_mask",
     "documents_of_mask",
 ]
 
@@ -325,6 +326,27 @@ def document_starts(pos_BL: Tensor) -> Tensor:
     return (flat != prev + 1) | (idx % length == 0)
 
 
+def positions_mask(pos_BL: Tensor, *, is_causal: bool, window: tuple[int, int] | None = None) -> Tensor:
+    """(B, 1, L, L) bool: the band (causal, or `window` in flash-attention's convention) inside the
+    documents `pos_BL` counts: the mask transformers builds from packed position ids. Only for a
+    graph that backend usp rewrites: it reads the mask's form (`mask_form`, at a probe length)
+    and checks the active metadata against these positions (`check_positions_match`); the (L, L)
+    mask itself is never computed."""
+    b, length = pos_BL.shape
+    seg_BL = segments_of_positions(pos_BL)
+    keep = seg_BL[:, :, None] == seg_BL[:, None, :]
+    idx = torch.arange(length, device=pos_BL.device)
+    back = idx[:, None] - idx[None, :]  # q - k
+    left, right = window if window is not None else (UNBOUNDED, UNBOUNDED)
+    if is_causal:
+        keep = keep & (back >= 0)
+    elif right != UNBOUNDED:
+        keep = keep & (back >= -right)
+    if left != UNBOUNDED:
+        keep = keep & (back <= left)
+    return keep[:, None]
+
+
 def cu_seqlens_from_positions(pos_BL: Tensor, capacity: int | None = None) -> Tensor:
     """int32 `cu_seqlens` of the documents of `pos_BL`, with `capacity` entries (default T + 1,
     always enough); unused slots repeat T. Fixed shape, computed on `pos_BL`'s device.
@@ -516,8 +538,8 @@ def mask_form(mask: fx.Node, *, batch: int, length: int) -> MaskForm | str:
 
 
 def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
+    """`mask_form`, uncached: the mask's own subgraph, its leaves classified (`_mask_leaves`),
+    evaluated at a probe length (`_probe`), its form read from the results (`_form_of_runs`)."""
     gm = mask.graph.owning_module
     if gm is None:
         return "the mask's graph has no module to evaluate it with"
@@ -527,6 +549,33 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
     nodes, leaves = sliced
     if any(n.op == "call_function" and n.target is operator.setitem for n in nodes):
         return "the mask is built by in-place assignment, which usp_graph does not evaluate"
+    classified = _mask_leaves(leaves, batch, length)
+    if isinstance(classified, str):
+        return classified
+    positions, fixed = classified
+    probed = _probe(gm, nodes, leaves, mask, fixed, batch, length)
+    if isinstance(probed, str):
+        return probed
+    evaluate, probe, resized = probed
+
+    def run(pos: Tensor | None) -> Tensor | None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        args = [pos if leaf is positions else fixed[leaf] for leaf in leaves]
+        with unset_fake_temporarily(), torch.no_grad():
+            try:
+                return _as_keep_BLL(evaluate(*args), batch, probe)
+            except Exception:  # noqa: BLE001 - any failure means: not a mask we can evaluate
+                return None
+
+    return _form_of_runs(run, positions, batch, probe, resized)
+
+
+def _mask_leaves(
+    leaves: list[fx.Node], batch: int, length: int
+) -> tuple[fx.Node | None, dict[fx.Node, Any]] | str:
+    """(the position ids input, the values of the other leaves), or why the mask depends on
+    something that is not position ids (a padding mask, a float input, a mask made elsewhere)."""
     positions: fx.Node | None = None
     fixed: dict[fx.Node, Any] = {}
     for leaf in leaves:
@@ -567,6 +616,20 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
             positions = leaf
         else:
             return f"the mask depends on input {leaf.name}, which has no example value"
+    return positions, fixed
+
+
+def _probe(
+    gm: fx.GraphModule,
+    nodes: list[fx.Node],
+    leaves: list[fx.Node],
+    mask: fx.Node,
+    fixed: dict[fx.Node, Any],
+    batch: int,
+    length: int,
+) -> tuple[fx.GraphModule, int, bool] | str:
+    """(an evaluator of the mask at the probe length, that length, whether it differs from the
+    step's); `fixed` values near the step's length move with it."""
     probe = probe_length(nodes, batch, length)
     if probe is None:
         return (
@@ -580,17 +643,14 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
     for leaf, value in fixed.items():
         if type(value) is int and abs(abs(value) - length) <= _NEAR and sizes:
             fixed[leaf] = _moved(value, length, probe)
-    evaluate = _evaluator(gm, nodes, leaves, mask, sizes)
-    length = probe
+    return _evaluator(gm, nodes, leaves, mask, sizes), probe, sizes is not None
 
-    def run(pos: Tensor | None) -> Tensor | None:
-        args = [pos if leaf is positions else fixed[leaf] for leaf in leaves]
-        with unset_fake_temporarily(), torch.no_grad():
-            try:
-                return _as_keep_BLL(evaluate(*args), batch, length)
-            except Exception:  # noqa: BLE001 - any failure means: not a mask we can evaluate
-                return None
 
+def _form_of_runs(
+    run: Any, positions: fx.Node | None, batch: int, length: int, resized: bool
+) -> MaskForm | str:
+    """The form of a mask `run(positions)` evaluates at `length` tokens: its band on one document
+    per row, then on random document layouts (`_probe_positions`)."""
     pval = _node_value(positions) if positions is not None else None
     device = pval.device if pval is not None else torch.device("cpu")
     rows = _hint(pval.shape[0]) if pval is not None else batch
@@ -598,7 +658,7 @@ def _mask_form(mask: fx.Node, batch: int, length: int) -> MaskForm | str:
     base = torch.arange(length, dtype=dtype).expand(rows, length).to(device)
     keep = run(base if positions is not None else None)
     if keep is None:
-        at = "" if sizes is None else f" (evaluated at a probe length of {probe} tokens)"
+        at = f" (evaluated at a probe length of {length} tokens)" if resized else ""
         return f"the mask could not be evaluated as a 0/-inf or boolean (B, 1, L, L) mask{at}"
     window = band_of(keep)
     if window is None:

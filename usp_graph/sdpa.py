@@ -210,26 +210,9 @@ def sdpa_to_usp(
     tokens; the strategy's collectives and ops run and the result is this rank's output shard.
     """
     q_BHLK, k_BGLK, v_BGLK = _as_bhlk("query", query), _as_bhlk("key", key), _as_bhlk("value", value)
-    if dropout_p:
-        raise ValueError(
-            f"dropout_p={dropout_p}: usp_graph does not support dropout inside attention; pass 0.0"
-        )
+    _check_arguments(query, key, value, q_BHLK, k_BGLK, dropout_p, is_causal, enable_gqa, metadata)
     b, h, seq_q, dim = q_BHLK.shape
-    bk, g, seq_k, _ = k_BGLK.shape
-    if bk != b or v_BGLK.shape[0] != b:
-        raise ValueError(
-            f"query, key, value must share the batch size, got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
-        )
-    if g != h and not enable_gqa and g != 1:
-        raise ValueError(
-            f"query has {h} heads but key/value have {g}; pass enable_gqa=True for grouped-query attention"
-        )
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if metadata is not None and not isinstance(metadata, AttentionMetadata):
-        raise TypeError(
-            f"metadata must be a usp_graph.AttentionMetadata or None, got {type(metadata).__name__}"
-        )
+    g, seq_k = k_BGLK.shape[1], k_BGLK.shape[2]
     world = 1
     if cp is not None:
         from .cp import ContextParallel
@@ -240,112 +223,34 @@ def sdpa_to_usp(
             # A model builds its mask from this rank's shard (transformers from the local position
             # ids): only a band inside documents is accepted, for its window; the documents are
             # the global metadata's.
-            if is_causal:
-                raise ValueError(
-                    "attn_mask and is_causal=True were both given; SDPA accepts only one of them"
-                )
-            is_causal, mask_window, _ = _read_mask(
-                attn_mask, None, q_BHLK.shape[0], q_BHLK.shape[1], q_BHLK.shape[2], k_BGLK.shape[2]
-            )
-            if mask_window is not None:
-                window = mask_window
+            is_causal, window = _band_of_mask(attn_mask, None, is_causal, window, b, h, seq_q, seq_k)[:2]
             attn_mask = None
         world = cp.world
-    if kv_metadata is not None:
-        if not isinstance(kv_metadata, AttentionMetadata):
-            raise TypeError(
-                f"kv_metadata must be a usp_graph.AttentionMetadata or None, got {type(kv_metadata).__name__}"
-            )
-        if metadata is None:
-            raise ValueError("kv_metadata needs metadata for the queries too")
-        if attn_mask is not None:
-            raise ValueError(
-                "attn_mask with kv_metadata: the two metadata define the documents; drop the mask"
-            )
-        if kv_metadata.cu_seqlens.shape != metadata.cu_seqlens.shape:
-            raise ValueError(
-                f"query metadata has {metadata.cu_seqlens.numel() - 1} document slots but kv_metadata has "
-                f"{kv_metadata.cu_seqlens.numel() - 1}; build both with the same max_docs (document i of the "
-                "queries attends document i of the keys)"
-            )
+    _check_kv_metadata(metadata, kv_metadata, attn_mask)
     if metadata is not None:
-        kv_meta = kv_metadata if kv_metadata is not None else metadata
-        for name, x, n, meta_n in (
-            ("query", query, call_tokens(b, seq_q, world), metadata),
-            # Under CP the key/value stream of cross-attention is replicated, not sharded.
-            ("key", key, call_tokens(b, seq_k, world if kv_metadata is None else 1), kv_meta),
-        ):
-            # Symbolic sizes are not checked here: the graph's input checks own them.
-            check_token_count(
-                n, meta_n.total_tokens, partial(_token_mismatch, name, x, n, meta_n, world, kv_metadata)
-            )
+        _check_tokens(query, key, metadata, kv_metadata, b, seq_q, seq_k, world)
     if attn_mask is not None:
-        if is_causal:
-            raise ValueError("attn_mask and is_causal=True were both given; SDPA accepts only one of them")
-        is_causal, mask_window, derived = _read_mask(attn_mask, metadata, b, h, seq_q, seq_k)
-        if mask_window is not None:
-            window = mask_window
+        is_causal, window, derived = _band_of_mask(attn_mask, metadata, is_causal, window, b, h, seq_q, seq_k)
         metadata = metadata if metadata is not None else derived
-
-    device = q_BHLK.device
-    if metadata is None:
-        if is_causal and seq_q != seq_k:
-            raise ValueError(
-                f"is_causal with query length {seq_q} != key length {seq_k}: SDPA aligns such a mask top-left, "
-                "varlen attention bottom-right; pass AttentionMetadata with explicit boundaries"
-            )
-        cu_q = per_row_cu_seqlens(b, seq_q, device=device)
-        # Self-attention shares one boundary tensor (a kernel may then treat queries and keys alike).
-        cu_k = cu_q if seq_k == seq_q else per_row_cu_seqlens(b, seq_k, device=device)
-        max_q, max_k = seq_q, seq_k
-    else:
-        cu_q = cu_k = metadata.cu_seqlens
-        if cu_q.device != device:
-            cu_q = cu_k = cu_q.to(device, non_blocking=True)
-        max_q = max_k = metadata.max_seqlen
-        if kv_metadata is not None:
-            cu_k, max_k = kv_metadata.cu_seqlens, kv_metadata.max_seqlen
-            if cu_k.device != device:
-                cu_k = cu_k.to(device, non_blocking=True)
-
+    if metadata is None and is_causal and seq_q != seq_k:
+        raise ValueError(
+            f"is_causal with query length {seq_q} != key length {seq_k}: SDPA aligns such a mask top-left, "
+            "varlen attention bottom-right; pass AttentionMetadata with explicit boundaries"
+        )
+    cu_q, cu_k, max_q, max_k = _boundaries(metadata, kv_metadata, b, seq_q, seq_k, q_BHLK.device)
     if dim == 0:
         raise ValueError(f"query head dim must be positive, got query of shape {tuple(query.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(dim)
     if cp is not None:
         if metadata is None:  # one document per global row
-            cu_q = per_row_cu_seqlens(b, seq_q * world, device=device)
+            cu_q = per_row_cu_seqlens(b, seq_q * world, device=q_BHLK.device)
         if g != h and not enable_gqa:  # SDPA's broadcast of a single kv head
             k_BGLK, v_BGLK = k_BGLK.expand(-1, h, -1, -1), v_BGLK.expand(-1, h, -1, -1)
-        if kv_metadata is not None:
-            from .cp.cross import cross_attention
-
-            if is_causal or window is not None:
-                raise ValueError(
-                    "causal or windowed cross-attention is not supported under context parallelism"
-                )
-            out_BHLK = cross_attention(
-                cp,
-                q_BHLK,
-                k_BGLK,
-                v_BGLK,
-                cu_seqlens_q=cu_q,
-                max_seqlen_q=max_q,
-                cu_seqlens_k=cu_k,
-                max_seqlen_k=max_k,
-                scale=float(scale),
-            )
-            return out_BHLK.squeeze(1) if query.dim() == 3 else out_BHLK
-        out_BHLK = cp.attention(
-            q_BHLK,
-            k_BGLK,
-            v_BGLK,
-            cu_seqlens=cu_q,
-            max_seqlen=max_q if metadata is not None else seq_q * world,
-            is_causal=is_causal,
-            scale=float(scale),
-            window=window,
-        )
+        out_BHLK = _cp_attention(
+            cp, q_BHLK, k_BGLK, v_BGLK, cu_q, cu_k, max_q if metadata is not None else seq_q * world, max_k,
+            is_causal=is_causal, scale=float(scale), window=window, cross=kv_metadata is not None,
+        )  # fmt: skip
         return out_BHLK.squeeze(1) if query.dim() == 3 else out_BHLK
     out_THK = varlen.varlen_attn(
         pack(q_BHLK),
@@ -362,6 +267,112 @@ def sdpa_to_usp(
     )
     out_BHLK = unpack(out_THK, b)
     return out_BHLK.squeeze(1) if query.dim() == 3 else out_BHLK
+
+
+def _check_arguments(query, key, value, q_BHLK, k_BGLK, dropout_p, is_causal, enable_gqa, metadata) -> None:
+    """SDPA's own argument rules, and usp's: no dropout, metadata of the right type."""
+    if dropout_p:
+        raise ValueError(
+            f"dropout_p={dropout_p}: usp_graph does not support dropout inside attention; pass 0.0"
+        )
+    b, h = q_BHLK.shape[:2]
+    bk, g = k_BGLK.shape[:2]
+    if bk != b or value.shape[0] != b:
+        raise ValueError(
+            f"query, key, value must share the batch size, got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if g != h and not enable_gqa and g != 1:
+        raise ValueError(
+            f"query has {h} heads but key/value have {g}; pass enable_gqa=True for grouped-query attention"
+        )
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if metadata is not None and not isinstance(metadata, AttentionMetadata):
+        raise TypeError(
+            f"metadata must be a usp_graph.AttentionMetadata or None, got {type(metadata).__name__}"
+        )
+
+
+def _band_of_mask(attn_mask, metadata, is_causal, window, b, h, seq_q, seq_k):
+    """(is_causal, window, derived metadata) of a mask that is a band inside documents (`_read_mask`);
+    a mask without a window beyond causality keeps the call's `window`."""
+    if is_causal:
+        raise ValueError("attn_mask and is_causal=True were both given; SDPA accepts only one of them")
+    is_causal, mask_window, derived = _read_mask(attn_mask, metadata, b, h, seq_q, seq_k)
+    return is_causal, mask_window if mask_window is not None else window, derived
+
+
+def _check_kv_metadata(metadata, kv_metadata, attn_mask) -> None:
+    if kv_metadata is None:
+        return
+    if not isinstance(kv_metadata, AttentionMetadata):
+        raise TypeError(
+            f"kv_metadata must be a usp_graph.AttentionMetadata or None, got {type(kv_metadata).__name__}"
+        )
+    if metadata is None:
+        raise ValueError("kv_metadata needs metadata for the queries too")
+    if attn_mask is not None:
+        raise ValueError("attn_mask with kv_metadata: the two metadata define the documents; drop the mask")
+    if kv_metadata.cu_seqlens.shape != metadata.cu_seqlens.shape:
+        raise ValueError(
+            f"query metadata has {metadata.cu_seqlens.numel() - 1} document slots but kv_metadata has "
+            f"{kv_metadata.cu_seqlens.numel() - 1}; build both with the same max_docs (document i of the "
+            "queries attends document i of the keys)"
+        )
+
+
+def _check_tokens(query, key, metadata, kv_metadata, b, seq_q, seq_k, world) -> None:
+    kv_meta = kv_metadata if kv_metadata is not None else metadata
+    for name, x, n, meta_n in (
+        ("query", query, call_tokens(b, seq_q, world), metadata),
+        # Under CP the key/value stream of cross-attention is replicated, not sharded.
+        ("key", key, call_tokens(b, seq_k, world if kv_metadata is None else 1), kv_meta),
+    ):
+        # Symbolic sizes are not checked here: the graph's input checks own them.
+        check_token_count(
+            n, meta_n.total_tokens, partial(_token_mismatch, name, x, n, meta_n, world, kv_metadata)
+        )
+
+
+def _boundaries(metadata, kv_metadata, b, seq_q, seq_k, device):
+    """(cu_q, cu_k, max_q, max_k) on `device`: the metadata's, or one document per row."""
+    if metadata is None:
+        cu_q = per_row_cu_seqlens(b, seq_q, device=device)
+        # Self-attention shares one boundary tensor (a kernel may then treat queries and keys alike).
+        cu_k = cu_q if seq_k == seq_q else per_row_cu_seqlens(b, seq_k, device=device)
+        return cu_q, cu_k, seq_q, seq_k
+    cu_q = cu_k = metadata.cu_seqlens
+    if cu_q.device != device:
+        cu_q = cu_k = cu_q.to(device, non_blocking=True)
+    max_q = max_k = metadata.max_seqlen
+    if kv_metadata is not None:
+        cu_k, max_k = kv_metadata.cu_seqlens, kv_metadata.max_seqlen
+        if cu_k.device != device:
+            cu_k = cu_k.to(device, non_blocking=True)
+    return cu_q, cu_k, max_q, max_k
+
+
+def _cp_attention(cp, q_BHLK, k_BGLK, v_BGLK, cu_q, cu_k, max_q, max_k, *, is_causal, scale, window, cross):
+    """The strategy's attention over this rank's shards (cross-attention: `cp.cross`)."""
+    if cross:
+        from .cp.cross import cross_attention
+
+        if is_causal or window is not None:
+            raise ValueError("causal or windowed cross-attention is not supported under context parallelism")
+        return cross_attention(
+            cp, q_BHLK, k_BGLK, v_BGLK, cu_seqlens_q=cu_q, max_seqlen_q=max_q, cu_seqlens_k=cu_k,
+            max_seqlen_k=max_k, scale=scale,
+        )  # fmt: skip
+    return cp.attention(
+        q_BHLK,
+        k_BGLK,
+        v_BGLK,
+        cu_seqlens=cu_q,
+        max_seqlen=max_q,
+        is_causal=is_causal,
+        scale=scale,
+        window=window,
+    )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -23,7 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import resolve
 from ..metadata import AttentionMetadata
+from ..resolve import attention_mode_active, refuse_unhonoured
 
 __all__ = ["documents", "current_documents", "current_kv_documents", "packed_documents_active"]
 
@@ -111,14 +114,6 @@ class EagerAttentionError(RuntimeError):
     """An SDPA call ran eagerly (outside any graph of backend "usp") inside `documents(...)`."""
 
 
-def _in_attention_mode() -> bool:
-    from torch.overrides import _get_current_function_mode_stack
-
-    from ..mode import _SDPAToUSP
-
-    return any(isinstance(m, _SDPAToUSP) for m in _get_current_function_mode_stack())
-
-
 def _traced(args: tuple[Any, ...]) -> bool:
     """The call is being traced (make_fx, export): fake or functional tensors, not a run."""
     from ..metadata import _is_real
@@ -129,8 +124,14 @@ def _traced(args: tuple[Any, ...]) -> bool:
 
 @functools.wraps(_PLAIN_SDPA)
 def _checked_sdpa(*args: Any, **kwargs: Any) -> Any:
-    # Dynamo folds is_compiling() to True and traces the plain call: compiled graphs are unchanged.
-    if torch.compiler.is_compiling() or _CURRENT.get()[0] is None or _in_attention_mode() or _traced(args):
+    # Dynamo folds is_compiling() to True and traces the plain call: compiled graphs are unchanged,
+    # but for an active block the compiler would ignore (`refuse_unhonoured`).
+    if torch.compiler.is_compiling():
+        query = args[0] if args else kwargs.get("query")
+        if isinstance(query, torch.Tensor):
+            refuse_unhonoured(query)
+        return _PLAIN_SDPA(*args, **kwargs)
+    if _CURRENT.get()[0] is None or attention_mode_active() or _traced(args):
         return _PLAIN_SDPA(*args, **kwargs)
     raise EagerAttentionError(
         "scaled_dot_product_attention ran eagerly, outside every graph of backend 'usp', while "
@@ -157,3 +158,5 @@ def _guard_eager_sdpa() -> None:
 
 
 _guard_eager_sdpa()
+
+resolve._BLOCKS = sys.modules[__name__]  # the resolver reads the blocks from here

@@ -1,0 +1,246 @@
+"""Every front door asks one resolver which documents an attention call attends within
+(`usp_graph.resolve`): each door gives each document's own result, or the same refusal.
+
+Doors: eager ``attention_mode`` ("sdpa" model), eager ``documents`` ("usp" model), "usp" eager
+(position ids), "usp" + plain ``torch.compile``, "usp" + backend usp under ``documents``, "sdpa" +
+backend usp under ``documents``. Tiny random fp64 models, each document run alone as reference.
+
+# B batch (rows), L tokens per row, N documents
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import usp_graph  # noqa: E402, F401
+from tests.realmodels import (  # noqa: E402
+    grads,
+    lm_forward,
+    make_lm,
+    make_sweep_model,
+    max_err,
+    packed_positions,
+    per_document,
+    weighted_loss,
+)
+from usp_graph import AttentionMetadata, attention_mode, documents  # noqa: E402
+from usp_graph.resolve import UnsupportedAttention  # noqa: E402
+
+LENGTHS = (5, 1, 9, 3, 14)
+DOORS = ["attention_mode", "documents", "usp", "usp+compile", "usp+backend", "sdpa+backend"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    torch.set_num_threads(threads)
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 64, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(seed))
+
+
+def _door(door: str, model: torch.nn.Module, meta: AttentionMetadata):
+    """(the model to call, the block to call it in) of `door`."""
+    torch._dynamo.reset()
+    if door != "attention_mode" and not door.startswith("sdpa"):
+        model.set_attn_implementation("usp")
+    if door == "attention_mode":
+        return model, attention_mode(meta)
+    if door == "documents":
+        return model, documents(meta)
+    if door == "usp":
+        return model, contextlib.nullcontext()
+    if door == "usp+compile":
+        return torch.compile(model, backend="aot_eager"), contextlib.nullcontext()
+    return torch.compile(model, backend="usp", options={"inner": "aot_eager"}), documents(meta)
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_each_door_gives_each_documents_own_result(door):
+    ref, model = make_lm("mistral"), make_lm("mistral")  # a sliding window shorter than documents
+    ids, pos = _ids(), packed_positions(LENGTHS)
+    expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
+    weighted_loss(expected).backward()
+    run, block = _door(door, model, AttentionMetadata.from_lengths(LENGTHS))
+    with block:
+        out = lm_forward(run, ids, pos)
+    weighted_loss(out).backward()
+    assert max_err(out, expected) < 1e-10
+    g, g_ref = grads(model), grads(ref)
+    assert max(max_err(g[k], g_ref[k]) for k in g_ref) < 1e-10
+
+
+@pytest.mark.parametrize("door", ["attention_mode", "documents", "usp+backend", "sdpa+backend"])
+def test_metadata_of_another_batch_is_refused_on_every_door_that_takes_a_block(door):
+    # Metadata left from the previous batch: the position ids of the call count other documents.
+    # "usp" eager and compiled with backend usp used it (0.2 off); "sdpa" refused it.
+    model = make_lm("llama")
+    stale = AttentionMetadata.from_lengths(tuple(reversed(LENGTHS)))
+    run, block = _door(door, model, stale)
+    error = (ValueError, RuntimeError)
+    with pytest.raises(error, match="position ids|documents"), block:
+        lm_forward(run, _ids(), packed_positions(LENGTHS))
+
+
+@pytest.mark.parametrize("impl", ["usp", "sdpa"])
+def test_a_documents_block_under_another_compiler_is_refused_with_the_fix(impl):
+    # Plain torch.compile ignored the block: every row was one document (0.2 off).
+    model = make_lm("llama")
+    model.set_attn_implementation(impl)
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="aot_eager")
+    with (
+        pytest.raises(RuntimeError, match="backend=.usp."),
+        documents(AttentionMetadata.from_lengths(LENGTHS)),
+    ):
+        lm_forward(run, _ids(), torch.arange(sum(LENGTHS))[None])
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", ["usp", "aot_eager"])
+@pytest.mark.parametrize("impl", ["usp", "sdpa"])
+def test_attention_mode_around_a_compiled_model_is_refused_with_the_fix(impl, backend):
+    model = make_lm("llama")
+    model.set_attn_implementation(impl)
+    torch._dynamo.reset()
+    run = torch.compile(model, backend=backend)
+    with (
+        pytest.raises(RuntimeError, match="attention_mode.*documents"),
+        attention_mode(AttentionMetadata.from_lengths(LENGTHS)),
+    ):
+        lm_forward(run, _ids(), packed_positions(LENGTHS))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", ["gpt_bigcode", "persimmon"])
+def test_models_whose_attention_gets_no_position_ids_keep_documents_with_the_cache_on(family):
+    # use_cache is the default of model(**batch) in eval; transformers then builds no packed mask.
+    ref, model = make_sweep_model(family), make_sweep_model(family)
+    ref.eval(), model.eval()
+    model.set_attn_implementation("usp")
+    ids, pos = _ids(2), packed_positions(LENGTHS)
+    expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
+    assert max_err(lm_forward(model, ids, pos, use_cache=True), expected) < 1e-10
+
+
+def test_an_encoder_given_documents_only_by_position_ids_is_warned_about_once():
+    model = make_lm("bert")
+    model.set_attn_implementation("usp")
+    usp_graph.resolve._WARNED.discard("encoder")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            lm_forward(model, _ids(), packed_positions(LENGTHS))
+    said = [w for w in seen if "attends bidirectionally" in str(w.message)]
+    assert len(said) == 1
+
+
+def test_a_decoder_with_position_ids_is_not_warned_about():
+    model = make_lm("llama")
+    model.set_attn_implementation("usp")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        lm_forward(model, _ids(), packed_positions(LENGTHS))
+    assert not [w for w in seen if "usp_graph" in str(w.message)]
+
+
+def test_int64_cu_seq_lens_outside_int32_are_refused_before_the_cast():
+    # 2**32 + 32 wrapped to 32 in int32: it passed the "ends at the token count" check.
+    model = make_lm("llama")
+    model.set_attn_implementation("usp")
+    tokens = sum(LENGTHS)
+    cu = torch.tensor([0, 5, 2**32 + tokens], dtype=torch.int64)
+    with pytest.raises(UnsupportedAttention, match="outside int32"):
+        model(input_ids=_ids(), cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=tokens, max_length_k=tokens)
+
+
+def _bidirectional_mistral():
+    model = make_lm("mistral")
+    model.config.is_causal = False  # transformers then builds |q - k| <= w inside documents
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    return model
+
+
+def test_the_window_comes_from_the_models_mask_where_it_says_more_than_the_layer():
+    # A sliding-window decoder run bidirectionally: the mask keeps |q - k| <= w, the layer's
+    # window read the flash way keeps |q - k| <= w - 1 (0.06 off).
+    ref, model = _bidirectional_mistral(), _bidirectional_mistral()
+    model.set_attn_implementation("usp")
+    ids, pos = _ids(3), packed_positions(LENGTHS)
+    expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bidirectional with documents from position ids: said once
+        assert max_err(lm_forward(model, ids, pos), expected) < 1e-10
+
+
+def test_a_window_that_lives_only_in_the_mask_is_kept():
+    ref, model = make_lm("qwen2"), make_lm("qwen2")  # a sliding window on its second layer
+    for layer in model.model.layers:  # the layers forget their window; the mask still has it
+        layer.self_attn.sliding_window = None
+    model.set_attn_implementation("usp")
+    ids, pos = _ids(4), packed_positions(LENGTHS)
+    expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
+    assert max_err(lm_forward(model, ids, pos), expected) < 1e-10
+
+
+def test_a_model_that_reads_its_mask_itself_is_refused_with_the_reason():
+    # Doge builds a dynamic mask from `attention_mask.dtype` and slices of it: an AttributeError
+    # from inside the model before, now the reason and the fix.
+    import transformers
+
+    config = transformers.DogeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="usp")
+    with pytest.raises(UnsupportedAttention, match="reads its attention mask in its own code"):
+        model(input_ids=_ids()[:, :10], position_ids=torch.arange(10)[None], use_cache=False)
+
+
+def test_chunked_attention_compiled_with_flash_attention_kwargs_keeps_its_chunk_cuts():
+    # The documents of cu_seq_lens_q/k replaced the mask's chunk cuts (0.2 off).
+    from tests.realmodels import compile_usp
+    from tests.test_hf import _llama4_chunked
+
+    ref, model = _llama4_chunked("sdpa"), _llama4_chunked("usp")
+    ids, pos = _ids(5), packed_positions(LENGTHS)
+    expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    torch._dynamo.reset()
+    out = compile_usp(model)(
+        input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=14, max_length_k=14,
+        use_cache=False,
+    ).logits  # fmt: skip
+    assert max_err(out, expected) < 1e-10
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rotary_scaling_from_the_row_length_is_warned_about_once(rope_type):
+    from usp_graph import resolve
+
+    layer = torch.nn.Module()
+    layer.config = type("Config", (), {"rope_parameters": {"rope_type": rope_type, "factor": 2.0}})()
+    resolve._WARNED.discard(f"rope:{rope_type}")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            resolve.warn_where_unknown(layer, True, True)
+    assert len([w for w in seen if "row's length" in str(w.message)]) == 1
