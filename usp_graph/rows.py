@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from .metadata import AttentionMetadata
 from .rules import (
     LAYOUT_OPS,
+    WEIGHT_LAYOUT_OPS,
     counts_along_row,
     is_cross_attention,
     is_position_candidate,
@@ -303,7 +304,7 @@ class RowTracker:
         found = 0
         if self.weight_dims(source) == source.dim():  # a parameter, or a whole weight moved
             found = weight_dims(name, tuple(source.shape), index, dim)
-        if not found and name in _WEIGHT_LAYOUT:
+        if not found and name in WEIGHT_LAYOUT_OPS:
             found = weight_dims_after(
                 name, self.weight_dims(source), tuple(source.shape), tuple(out.shape), args
             )
@@ -461,11 +462,6 @@ _REORDER = {
     torch.Tensor.gather,
     torch.take_along_dim,
 }
-_WEIGHT_LAYOUT = frozenset(
-    {"contiguous", "clone", "to", "detach", "float", "double", "half", "bfloat16", "type_as", "view", "reshape",
-     "expand", "squeeze", "unsqueeze", "flatten", "unflatten", "view_as", "reshape_as", "expand_as", "transpose",
-     "swapaxes", "swapdims", "permute"}
-)  # fmt: skip
 
 
 def _tensors(values):

@@ -44,6 +44,7 @@ __all__ = [
     "RULES",
     "SEQUENCE_CONTRACTION",
     "SEQUENCE_CONVOLUTION",
+    "WEIGHT_LAYOUT_OPS",
     "WRITE_INDEX_ARGUMENTS",
     "Rule",
     "attention_without_sdpa_error",
@@ -392,6 +393,8 @@ _RESHAPES = frozenset(
      "expand_as"}
 )  # fmt: skip
 _SWAPS = frozenset({"transpose", "swapaxes", "swapdims"})
+# The layout ops `weight_dims_after` follows weight dims through.
+WEIGHT_LAYOUT_OPS = _SAME_LAYOUT | _RESHAPES | _SWAPS | {"permute"}
 
 
 def weight_dims(name: str, source_shape: Any, index: Any, dim: Any = 0) -> int:
