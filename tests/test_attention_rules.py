@@ -81,6 +81,18 @@ def test_flex_attention_under_packed_documents_is_refused_in_eager():
         assert _eager(model, False).shape == (1, sum(LENGTHS), 64)
 
 
+def test_flex_attention_in_float64_is_refused_before_inductor():
+    """In fp64 inductor has no CPU kernel for flex attention: the refusal comes first, as itself (it
+    used to crash inside inductor)."""
+    model = _model("flex_attention")
+    assert next(model.parameters()).dtype == torch.float64
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match='without scaled_dot_product_attention.*attn_implementation="usp"'):
+        with torch.no_grad():
+            _eager(model, True)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("path", [_eager, _compiled], ids=["eager", "compiled"])
 def test_a_decoder_called_without_position_ids_is_refused_eager_and_compiled(path):
     """Llama without position_ids counts its rotary positions along the packed row (an arange over

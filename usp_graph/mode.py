@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, check_has_values
 from .rows import RowTracker
 from .rules import refusal
 from .sdpa import SDPA_OP, sdpa_to_usp
@@ -196,6 +196,8 @@ def attention_mode(
             raise TypeError(f"kv must be a usp_graph.AttentionMetadata or None, got {type(kv).__name__}")
         if metadata is None:
             raise ValueError("attention_mode(None, kv=...): key/value documents need query documents too")
+    check_has_values(metadata, "attention_mode(metadata)")
+    check_has_values(kv, "attention_mode(metadata, kv=kv)")
     mode = _SDPAToUSP(metadata, cp, kv)
     with mode, _recompute_checkpoints_in(mode):
         yield mode

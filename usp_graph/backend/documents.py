@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..metadata import AttentionMetadata
+from ..metadata import AttentionMetadata, check_has_values
 
 __all__ = ["documents", "current_documents", "current_kv_documents", "packed_documents_active"]
 
@@ -54,6 +54,8 @@ def documents(
                 f"documents() takes a usp_graph.AttentionMetadata or None as {name}, got {type(value).__name__}; "
                 "build one with AttentionMetadata.from_lengths / from_position_ids / from_document_ids"
             )
+    check_has_values(metadata, "documents(metadata)")
+    check_has_values(kv, "documents(metadata, kv=kv)")
     if kv is not None:
         if metadata is None:
             raise ValueError("documents(None, kv=...): key/value documents need query documents too")
