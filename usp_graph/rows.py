@@ -15,9 +15,12 @@ runs.
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +47,14 @@ from .rules import (
 from .rules import contraction_length as _contraction_length
 from .rules import convolution_length as _convolution_length
 
-__all__ = ["RowTracker", "RowRules", "active_row_rules"]
+__all__ = [
+    "RowRules",
+    "RowTracker",
+    "active_row_rules",
+    "forward_documents",
+    "install_row_rules",
+    "with_row_rules",
+]
 
 
 class _Streams:
@@ -448,6 +458,110 @@ def active_row_rules() -> RowRules | None:
         if isinstance(m, RowRules):
             return m
     return None
+
+
+# ------------------------------------------------------------------------------------------------
+# The door that computes attention itself: transformers' attn_implementation="usp". Its forward
+# runs under `RowRules` whenever the documents it is called with are packed.
+
+
+def with_row_rules(attention: Callable[..., Any]) -> Callable[..., Any]:
+    """`attention` (transformers' attention interface: module, query, key, value, ...) reporting
+    each call to the active `RowRules` and running untracked inside it."""
+
+    @functools.wraps(attention)
+    def checked(module, query, key, value, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return attention(module, query, key, value, *args, **kwargs)
+        mode = active_row_rules()
+        if mode is None or mode.paused:
+            return attention(module, query, key, value, *args, **kwargs)
+        mode.tracker.attention(query, key)
+        mode.paused = True
+        try:
+            out = attention(module, query, key, value, *args, **kwargs)
+        finally:
+            mode.paused = False
+        mode.tracker.after(attention, (query, key, value), {}, out[0] if isinstance(out, tuple) else out)
+        return out
+
+    return checked
+
+
+def forward_documents(args: tuple, kwargs: dict[str, Any]) -> AttentionMetadata | None:
+    """The documents a transformers forward is called with, when they are packed (None: one
+    document per row, or none given): an eager `documents(...)` block, flash-attention's
+    ``cu_seq_lens_q``, or ``position_ids`` that restart within a row (transformers' reading,
+    `masks.document_starts`). One host read of the position ids (or boundaries); input that the
+    attention call refuses anyway (malformed ids) is left to it."""
+    from .backend.documents import current_documents
+
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    embeds = kwargs.get("inputs_embeds")
+    row = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else embeds
+    length = int(row.shape[1]) if isinstance(row, torch.Tensor) and row.dim() >= 2 else None
+    meta = current_documents()
+    cu = kwargs.get("cu_seq_lens_q")
+    pos = kwargs.get("position_ids")
+    if meta is None and isinstance(cu, torch.Tensor) and cu.dim() == 1 and not cu.is_floating_point():
+        ends = cu.tolist()
+        if ends and ends[0] == 0 and all(b >= a for a, b in zip(ends, ends[1:], strict=False)):
+            meta = AttentionMetadata.from_lengths(
+                [b - a for a, b in zip(ends, ends[1:], strict=False)] or [0]
+            )
+    elif meta is None and isinstance(pos, torch.Tensor) and pos.dim() == 2 and not pos.is_floating_point():
+        if pos.shape[-1] > 1 and bool((pos[:, 1:] != pos[:, :-1] + 1).any()) and bool((pos >= 0).all()):
+            meta = AttentionMetadata.from_position_ids(pos)
+        length = int(pos.shape[-1])
+    if meta is None or length is None or one_document_per_row(meta.cu_seqlens.tolist(), length):
+        return None
+    return meta
+
+
+# Per thread: the `RowRules` each forward of a "usp" model entered (None where it entered none).
+_ENTERED = threading.local()
+
+
+def install_row_rules(model: torch.nn.Module) -> None:
+    """Run `model`'s forward under `RowRules` when it uses attn_implementation="usp" and is called
+    with packed documents (`forward_documents`), in eager; once per model."""
+    if getattr(model, "_usp_row_rules", False):
+        return
+    model.register_forward_pre_hook(_enter_row_rules, with_kwargs=True)
+    model.register_forward_hook(_leave_row_rules, always_call=True)
+    model._usp_row_rules = True
+
+
+def _enter_row_rules(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    stack = _ENTERED.__dict__.setdefault("stack", [])
+    mode = None
+    if (
+        not torch.compiler.is_compiling()
+        and getattr(getattr(model, "config", None), "_attn_implementation", None) == "usp"
+        and active_row_rules() is None
+        and not _in_attention_mode()
+    ):
+        meta = forward_documents(args, kwargs)
+        if meta is not None:
+            mode = RowRules(RowTracker(meta))
+            mode.__enter__()
+    stack.append(mode)
+
+
+def _leave_row_rules(model: torch.nn.Module, args: tuple, *rest: Any) -> None:
+    stack = _ENTERED.__dict__.setdefault("stack", [])
+    mode = stack.pop() if stack else None
+    if mode is not None:
+        mode.__exit__(None, None, None)
+
+
+def _in_attention_mode() -> bool:
+    """An `attention_mode` block routes and tracks every call itself."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from .mode import _SDPAToUSP
+
+    return any(isinstance(m, _SDPAToUSP) for m in _get_current_function_mode_stack())
 
 
 _EMBEDDINGS = {F.embedding, torch.embedding}
