@@ -533,6 +533,13 @@ def install_row_rules(model: torch.nn.Module) -> None:
 
 
 def _enter_row_rules(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    if torch.compiler.is_compiling():
+        # Dynamo traces this hook (torch.compile(model), any backend): the documents of position ids
+        # or flash-attention kwargs are read inside the graph, where no rule can be applied; the
+        # model's verdict comes from one eager forward under the rules (`_verdict_in_eager`).
+        if kwargs.get("position_ids") is not None or kwargs.get("cu_seq_lens_q") is not None:
+            _verdict_in_eager(model, args, kwargs)
+        return
     stack = _ENTERED.__dict__.setdefault("stack", [])
     mode = None
     if (
@@ -549,10 +556,47 @@ def _enter_row_rules(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
 
 
 def _leave_row_rules(model: torch.nn.Module, args: tuple, *rest: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
     stack = _ENTERED.__dict__.setdefault("stack", [])
     mode = stack.pop() if stack else None
     if mode is not None:
         mode.__exit__(None, None, None)
+
+
+@torch.compiler.disable
+def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """The rules for a compiled forward of a "usp" model: Dynamo leaves this function to eager (a
+    graph break before the forward, none inside it). The first call with packed documents runs
+    the forward once more in eager, without grad, under `RowRules`; its verdict (the refusal, or
+    none) is kept on the model, for the kinds of documents given (position ids, flash kwargs), and
+    every later packed call takes it: one host read of the documents per call until the model is
+    known to pass."""
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) != "usp" or _in_attention_mode():
+        return
+    key = tuple(sorted(k for k in ("position_ids", "cu_seq_lens_q") if kwargs.get(k) is not None))
+    verdicts = model.__dict__.setdefault("_usp_row_verdicts", {})
+    if verdicts.get(key, True) is None:  # passed once under packed documents
+        return
+    meta = forward_documents(args, kwargs)
+    if meta is None:
+        return
+    if key not in verdicts:
+        verdicts[key] = None
+        try:
+            with torch.no_grad(), RowRules(RowTracker(meta)):
+                model._call_impl(*args, **kwargs)  # eager: the hooks, not the compiled call
+        except ValueError as e:
+            if not _is_row_refusal(e):
+                raise
+            verdicts[key] = e
+    if verdicts[key] is not None:
+        raise type(verdicts[key])(*verdicts[key].args)
+
+
+def _is_row_refusal(e: ValueError) -> bool:
+    text = str(e)
+    return "outside attention" in text or "without scaled_dot_product_attention" in text
 
 
 def _in_attention_mode() -> bool:
