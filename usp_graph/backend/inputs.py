@@ -40,6 +40,7 @@ from ..graph_inputs import (
 )
 from ..metadata import AttentionMetadata, fit_to_documents
 from ..passes.base import PASS_META
+from ..rules import one_document_per_row
 from ..sites import AttentionSite
 from .documents import current_documents, current_kv_documents
 
@@ -264,8 +265,16 @@ class MetadataFeed:
                     "size or sequence length, so one packed token stream cannot describe them; call it outside "
                     "documents(...) (one document per batch row)"
                 )
-        packed = meta is not None or (self.mode == "inputs" and self.positions is not None)
-        if self.other_attention and (meta is not None or self.cp is not None):
+        # One document per row (`rules.one_document_per_row`) is exact whatever the graph computes
+        # along its rows; its values are read only where a rule would refuse.
+        per_row = (
+            meta is not None
+            and (self.other_attention or self.row_positions)
+            and self.mode == "inputs"
+            and one_document_per_row(meta.cu_seqlens.tolist(), self.length(args) * self.world)
+        )
+        packed = (meta is not None and not per_row) or (self.mode == "inputs" and self.positions is not None)
+        if self.other_attention and ((meta is not None and not per_row) or self.cp is not None):
             raise attention_without_sdpa_error(f"compiled graph {self.graph}", self.other_attention)
         if self.joined and meta is not None:
             import warnings
