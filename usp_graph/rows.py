@@ -123,6 +123,85 @@ class _Streams:
             self._live = len(self.table)
 
 
+class Provenance:
+    """Which outside tensors each tensor is computed from (`_Streams`), and which are only moved
+    by layout ops from tensors of unknown provenance (from outside, parameters), which have none
+    either: the facts `rules.is_cross_attention` reads."""
+
+    def __init__(self) -> None:
+        self.streams = _Streams()
+        self._layout_only = _Streams()
+
+    def follow(self, name: str, args, kwargs, out) -> None:
+        roots = self.streams.inputs(args) | self.streams.inputs(kwargs.values())
+        unknown = name in LAYOUT_OPS and all(
+            self.provenance(t) is None for t in _tensors((*args, *kwargs.values()))
+        )
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            self.streams.note(t, roots)
+            if unknown:
+                self._layout_only.note(t, frozenset())
+        if args and isinstance(args[0], torch.Tensor) and (name == "__setitem__" or _in_place(name)):
+            # A write into a tensor (or a view of it: t[..., :k].copy_(x)) adds what it writes
+            # to what the tensor, and the tensor it views, hold.
+            target = args[0]
+            while target is not None:
+                self.streams.note(target, roots)
+                target = target._base
+
+    def provenance(self, t: torch.Tensor) -> frozenset[int] | None:
+        """The roots `rules.is_cross_attention` reads: None for a tensor from outside, or moved from
+        such tensors by layout ops alone."""
+        if self._layout_only.of(t) is not None:
+            return None
+        return self.streams.of(t)
+
+    def is_cross(self, query: torch.Tensor, key: torch.Tensor) -> bool:
+        """`rules.is_cross_attention`, on the provenance followed op by op (the compiled backend
+        reads it from the graph: `sites.is_cross_attention`)."""
+        return is_cross_attention(
+            self.provenance(query), self.provenance(key), query.shape[-2], key.shape[-2]
+        )
+
+
+class _Weights:
+    """How many trailing dims of a tensor are a weight's own (`rules.weight_dims`: a parameter
+    selected per token, MoE experts' weights), by id, followed through layout ops."""
+
+    def __init__(self) -> None:
+        self._table: dict[int, tuple[weakref.ref, int]] = {}
+
+    def of(self, t: torch.Tensor) -> int:
+        """How many trailing dims of `t` are a weight's own (`rules.weight_dims`): a parameter
+        selected per token (MoE experts' weights), through layout ops."""
+        if isinstance(t, torch.nn.Parameter):
+            return t.dim()
+        entry = self._table.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else 0
+
+    def follow(self, name: str, args, kwargs, out) -> None:
+        if not isinstance(out, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
+            return
+        source = args[0]
+        if name == "index_select":
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            index = args[2] if len(args) > 2 else kwargs.get("index")
+        else:
+            dim, index = 0, args[1] if len(args) > 1 else None
+        found = 0
+        if self.of(source) == source.dim():  # a parameter, or a whole weight moved
+            found = weight_dims(name, tuple(source.shape), index, dim)
+        if not found and name in WEIGHT_LAYOUT_OPS:
+            found = weight_dims_after(name, self.of(source), tuple(source.shape), tuple(out.shape), args)
+        if found:
+            try:
+                self._table[id(out)] = (weakref.ref(out), found)
+            except TypeError:
+                return
+            if len(self._table) > 1024:
+                self._table = {k: v for k, v in self._table.items() if v[0]() is not None}
+
+
 class RowTracker:
     """The facts of `usp_graph.rules`, gathered op by op (`before` / `after` each torch call,
     `attention` at each attention call), and the refusals they lead to.
@@ -141,10 +220,9 @@ class RowTracker:
     ) -> None:
         self.metadata, self.cp, self.kv, self.who = metadata, cp, kv, who
         self.world = cp.world if cp is not None else 1
-        self.streams = _Streams()
-        # Tensors moved by layout ops alone from tensors of unknown provenance (from outside,
-        # parameters): they have none either (`rules.is_cross_attention`).
-        self._layout_only = _Streams()
+        self.flow = Provenance()
+        self.streams = self.flow.streams
+        self.weights = _Weights()
         # `_positions`: the row lengths of the positions counted along the row by the model
         # (`rules.positions_count_along_row`) a tensor is computed from; `_counting`: the row
         # lengths of the tensors from outside whose values count along their row (the caller's
@@ -160,8 +238,6 @@ class RowTracker:
         self._joined_warned = False
         # The sequence lengths of the attention calls whose rows hold packed documents.
         self._lengths: set[int] = set()
-        # How many trailing dims of a tensor are a weight's own (`rules.weight_dims`), by id.
-        self._weights: dict[int, tuple[weakref.ref, int]] = {}
         self._cuts: list[int] | None = None
 
     # ---- when the rules apply ----------------------------------------------------------------
@@ -216,26 +292,12 @@ class RowTracker:
 
     def after(self, func, args, kwargs, out) -> None:
         """Follow `out` of `func(*args, **kwargs)`: what it is computed from."""
-        roots = self.streams.inputs(args) | self.streams.inputs(kwargs.values())
         name = getattr(func, "__name__", "")
         self._follow_rows(func, args, kwargs, out)
-        self._follow_weights(name, args, kwargs, out)
+        self.weights.follow(name, args, kwargs, out)
         if self.metadata is not None:
             self._follow_joins(func, args, kwargs, out)
-        unknown = name in LAYOUT_OPS and all(
-            self.provenance(t) is None for t in _tensors((*args, *kwargs.values()))
-        )
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            self.streams.note(t, roots)
-            if unknown:
-                self._layout_only.note(t, frozenset())
-        if args and isinstance(args[0], torch.Tensor) and (name == "__setitem__" or _in_place(name)):
-            # A write into a tensor (or a view of it: t[..., :k].copy_(x)) adds what it writes
-            # to what the tensor, and the tensor it views, hold.
-            target = args[0]
-            while target is not None:
-                self.streams.note(target, roots)
-                target = target._base
+        self.flow.follow(name, args, kwargs, out)
 
     def _follow_rows(self, func, args, kwargs, out) -> None:
         """Record what counts or mixes tokens along the row (`rules.positions_count_along_row`,
@@ -282,7 +344,7 @@ class RowTracker:
             and self.streams.of(b) is not None
         ):
             return
-        length = _contraction_length(tuple(a.shape), tuple(b.shape), self.weight_dims(a), self.weight_dims(b))
+        length = _contraction_length(tuple(a.shape), tuple(b.shape), self.weights.of(a), self.weights.of(b))
         if length is None:
             return
         lead = math.prod(int(d) for d in a.shape[:-2])
@@ -293,38 +355,6 @@ class RowTracker:
         ):
             raise self._refuse([("contraction", "a matmul")])
         self._mixes("contraction", "a matmul", length)
-
-    def weight_dims(self, t: torch.Tensor) -> int:
-        """How many trailing dims of `t` are a weight's own (`rules.weight_dims`): a parameter
-        selected per token (MoE experts' weights), through layout ops."""
-        if isinstance(t, torch.nn.Parameter):
-            return t.dim()
-        entry = self._weights.get(id(t))
-        return entry[1] if entry is not None and entry[0]() is t else 0
-
-    def _follow_weights(self, name: str, args, kwargs, out) -> None:
-        if not isinstance(out, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
-            return
-        source = args[0]
-        if name == "index_select":
-            dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            index = args[2] if len(args) > 2 else kwargs.get("index")
-        else:
-            dim, index = 0, args[1] if len(args) > 1 else None
-        found = 0
-        if self.weight_dims(source) == source.dim():  # a parameter, or a whole weight moved
-            found = weight_dims(name, tuple(source.shape), index, dim)
-        if not found and name in WEIGHT_LAYOUT_OPS:
-            found = weight_dims_after(
-                name, self.weight_dims(source), tuple(source.shape), tuple(out.shape), args
-            )
-        if found:
-            try:
-                self._weights[id(out)] = (weakref.ref(out), found)
-            except TypeError:
-                return
-            if len(self._weights) > 1024:
-                self._weights = {k: v for k, v in self._weights.items() if v[0]() is not None}
 
     def _follow_joins(self, func, args, kwargs, out) -> None:
         """Record the concatenations along the sequence a result is computed from."""
@@ -385,19 +415,8 @@ class RowTracker:
             self._outside_counts[id(t)] = entry
         return frozenset() if entry[1] is None else frozenset({int(entry[1])})
 
-    def provenance(self, t: torch.Tensor) -> frozenset[int] | None:
-        """The roots `rules.is_cross_attention` reads: None for a tensor from outside, or moved from
-        such tensors by layout ops alone."""
-        if self._layout_only.of(t) is not None:
-            return None
-        return self.streams.of(t)
-
     def is_cross(self, query: torch.Tensor, key: torch.Tensor) -> bool:
-        """`rules.is_cross_attention`, on the provenance followed op by op (the compiled backend
-        reads it from the graph: `sites.is_cross_attention`)."""
-        return is_cross_attention(
-            self.provenance(query), self.provenance(key), query.shape[-2], key.shape[-2]
-        )
+        return self.flow.is_cross(query, key)
 
     def _mixes(self, rule: str, where: str, length: int) -> None:
         self._row_mixers.add((rule, where, int(length)))
