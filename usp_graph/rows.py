@@ -519,18 +519,21 @@ def forward_documents(args: tuple, kwargs: dict[str, Any]) -> AttentionMetadata 
     embeds = kwargs.get("inputs_embeds")
     row = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else embeds
     length = int(row.shape[1]) if isinstance(row, torch.Tensor) and row.dim() >= 2 else None
+    tokens = int(row.shape[0]) * length if length is not None else None
     meta = current_documents()
     cu = kwargs.get("cu_seq_lens_q")
     pos = kwargs.get("position_ids")
     if meta is None and isinstance(cu, torch.Tensor) and cu.dim() == 1 and not cu.is_floating_point():
         ends = cu.tolist()
-        if ends and ends[0] == 0 and all(b >= a for a, b in zip(ends, ends[1:], strict=False)):
+        well_formed = ends and ends[0] == 0 and ends[-1] == tokens
+        if well_formed and all(b >= a for a, b in zip(ends, ends[1:], strict=False)):
             meta = AttentionMetadata.from_lengths(
                 [b - a for a, b in zip(ends, ends[1:], strict=False)] or [0]
             )
     elif meta is None and isinstance(pos, torch.Tensor) and pos.dim() == 2 and not pos.is_floating_point():
         if pos.shape[-1] > 1 and bool((pos[:, 1:] != pos[:, :-1] + 1).any()) and bool((pos >= 0).all()):
-            meta = AttentionMetadata.from_position_ids(pos)
+            rows = tokens // length if tokens and length == pos.shape[-1] else pos.shape[0]
+            meta = AttentionMetadata.from_position_ids(pos.expand(rows, -1) if pos.shape[0] == 1 else pos)
         length = int(pos.shape[-1])
     if meta is None or length is None or one_document_per_row(meta.cu_seqlens.tolist(), length):
         return None
