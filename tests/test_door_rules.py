@@ -49,10 +49,15 @@ def _model(name: str, impl: str):
     return model
 
 
-def _inputs(positions: bool, packed: bool = True) -> dict:
-    """The model's inputs: with `positions`, the packed documents' position ids (or, not `packed`,
+def _meta(packed):
+    """The documents a door is given: the packed ones, none, or `packed` itself (metadata)."""
+    return META if packed is True else (packed or None)
+
+
+def _inputs(positions: bool, packed=True) -> dict:
+    """The model's inputs: with `positions`, the packed documents' position ids (or, not packed,
     0..L-1: one document per row)."""
-    pos = POS if packed else torch.arange(T)[None]
+    pos = POS if packed is True else torch.arange(T)[None]
     return {"input_ids": IDS, "use_cache": False, **({"position_ids": pos} if positions else {})}
 
 
@@ -65,23 +70,23 @@ def _own_documents(positions: bool) -> dict:
 
 
 def _attention_mode(name, positions, packed):
-    with attention_mode(META if packed else None):
+    with attention_mode(_meta(packed)):
         return _model(name, "sdpa")(**_inputs(positions, packed)).logits
 
 
 def _documents_usp(name, positions, packed):
-    with documents(META if packed else None):
+    with documents(_meta(packed)):
         return _model(name, "usp")(**_inputs(positions, packed)).logits
 
 
 def _usp_own_inputs(name, positions, packed):
-    extra = _own_documents(positions) if packed else {}
+    extra = _own_documents(positions) if packed is True else {}
     inputs = _inputs(positions, packed)
     return _model(name, "usp")(**inputs, **extra).logits
 
 
 def _usp_plain_compile(name, positions, packed):
-    extra = _own_documents(positions) if packed else {}
+    extra = _own_documents(positions) if packed is True else {}
     inputs = _inputs(positions, packed)
     return torch.compile(_model(name, "usp"), backend="aot_eager")(**inputs, **extra).logits
 
@@ -89,7 +94,7 @@ def _usp_plain_compile(name, positions, packed):
 def _backend_usp(impl):
     def run(name, positions, packed):
         compiled = compile_usp(_model(name, impl))
-        with documents(META if packed else None):
+        with documents(_meta(packed)):
             return compiled(**_inputs(positions, packed)).logits
 
     return run
@@ -148,3 +153,19 @@ def test_a_verdict_under_plain_compile_is_kept_and_a_passing_model_runs_each_doc
     torch._dynamo.reset()
     assert (got - torch.cat(parts, 1)).abs().max() <= 1e-10
     assert model._usp_row_verdicts == {("position_ids",): None}
+
+
+@pytest.mark.parametrize(
+    "door", ["attention_mode", "usp_eager_documents", "backend_usp_with_usp", "backend_usp_with_sdpa"]
+)
+def test_documents_that_are_the_rows_run_on_every_door_that_takes_metadata(door):
+    """Metadata of one document per row is SDPA's own semantics: GPT-2 counting its positions along
+    the row is exact then, and runs (it was refused by eager attention_mode and backend usp)."""
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            got = DOORS[door]("gpt2", False, AttentionMetadata.per_sample(1, T))
+            want = _model("gpt2", "sdpa")(**_inputs(False)).logits
+    finally:
+        torch._dynamo.reset()
+    assert (got - want).abs().max() <= 1e-10

@@ -176,10 +176,12 @@ def attention_mode(
     keys are not computed from everything its queries are computed from (followed op by op while
     metadata is given); under metadata, such a call without `kv` raises instead of attending with
     the query documents.
-    Under metadata (or `cp`), what would silently cross documents (or shards) is refused with a
-    ValueError, by the rules the compiled backend applies too (`usp_graph.graph_inputs`): attention
-    computed without SDPA, positions the model counts along the row itself (not the position ids
-    passed in) that it embeds or that reach queries or keys, convolutions along the sequence.
+    Under packed documents (`metadata` whose documents are not exactly the rows:
+    `rules.one_document_per_row`) or `cp`, what would silently cross documents (or shards) is
+    refused with a ValueError, by the rule table every door applies (`usp_graph.rules`, followed op
+    by op by `usp_graph.rows.RowTracker`): attention computed without SDPA, positions the model
+    counts along the row itself (not the position ids passed in) that it embeds or that reach
+    queries or keys, convolutions along the sequence, linear attention (a sum over the sequence).
     The yielded object counts the calls it routed (`.calls`).
     """
     if metadata is not None and not isinstance(metadata, AttentionMetadata):
