@@ -169,3 +169,20 @@ def test_documents_that_are_the_rows_run_on_every_door_that_takes_metadata(door)
     finally:
         torch._dynamo.reset()
     assert (got - want).abs().max() <= 1e-10
+
+
+def test_an_eager_usp_model_is_checked_once_per_kind_of_documents():
+    """The rules run over the first packed forward of a "usp" model; its verdict is kept for the
+    kind of documents given (position ids here), so later forwards run untracked, or refused."""
+    torch._dynamo.reset()
+    model = _model("llama", "usp")
+    with torch.no_grad():
+        first = model(input_ids=IDS, position_ids=POS, use_cache=False).logits
+        assert model._usp_row_verdicts == {("position_ids",): None}
+        again = model(input_ids=IDS, position_ids=POS, use_cache=False).logits
+    assert torch.equal(first, again)
+    hybrid = _model("lfm2", "usp")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=RULES["convolution"][2]):
+            hybrid(input_ids=IDS, position_ids=POS, use_cache=False)
+    assert isinstance(hybrid._usp_row_verdicts[("position_ids",)], ValueError)

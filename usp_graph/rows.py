@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 import threading
 import warnings
 import weakref
@@ -239,6 +240,7 @@ class RowTracker:
         # The sequence lengths of the attention calls whose rows hold packed documents.
         self._lengths: set[int] = set()
         self._cuts: list[int] | None = None
+        self.refused: ValueError | None = None  # the last refusal raised
 
     # ---- when the rules apply ----------------------------------------------------------------
 
@@ -254,7 +256,8 @@ class RowTracker:
         return not one_document_per_row(self._cuts, int(length) * self.world)
 
     def _refuse(self, found: list[tuple[str, str]]) -> ValueError:
-        return refusal(self.who, found, cp=self.cp is not None)
+        self.refused = refusal(self.who, found, cp=self.cp is not None)
+        return self.refused
 
     # ---- each torch call ---------------------------------------------------------------------
 
@@ -454,9 +457,10 @@ class RowRules(TorchFunctionMode):
     itself (transformers' ``attn_implementation="usp"``): the attention function reports each
     call (`active_row_rules().attention(...)`) and runs untracked (`paused`)."""
 
-    def __init__(self, tracker: RowTracker) -> None:
+    def __init__(self, tracker: RowTracker, *, key: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.tracker = tracker
+        self.key = key  # the kinds of documents its verdict is kept for (`_verdict_key`)
         self.paused = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -564,26 +568,56 @@ def _enter_row_rules(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
         return
     stack = _ENTERED.__dict__.setdefault("stack", [])
     mode = None
-    if (
-        not torch.compiler.is_compiling()
-        and getattr(getattr(model, "config", None), "_attn_implementation", None) == "usp"
-        and active_row_rules() is None
-        and not _in_attention_mode()
-    ):
-        meta = forward_documents(args, kwargs)
-        if meta is not None:
-            mode = RowRules(RowTracker(meta))
-            mode.__enter__()
     stack.append(mode)
+    if not _checks(model):
+        return
+    key, verdicts = _verdict_key(model, kwargs)
+    if verdicts.get(key, False) is None:  # passed once under packed documents: not tracked again
+        return
+    meta = forward_documents(args, kwargs)
+    if meta is None:
+        return
+    if isinstance(verdicts.get(key), ValueError):
+        raise type(verdicts[key])(*verdicts[key].args)
+    mode = stack[-1] = RowRules(RowTracker(meta), key=key)
+    mode.__enter__()
 
 
 def _leave_row_rules(model: torch.nn.Module, args: tuple, *rest: Any) -> None:
+    """Leave the block `_enter_row_rules` entered; a forward that completed under it passed."""
     if torch.compiler.is_compiling():
         return
     stack = _ENTERED.__dict__.setdefault("stack", [])
     mode = stack.pop() if stack else None
-    if mode is not None:
-        mode.__exit__(None, None, None)
+    if mode is None:
+        return
+    mode.__exit__(None, None, None)
+    verdicts = model.__dict__.setdefault("_usp_row_verdicts", {})
+    if mode.tracker.refused is not None:
+        verdicts[mode.key] = mode.tracker.refused
+    elif sys.exc_info()[0] is None:  # called after a completed forward, not for an error in it
+        verdicts[mode.key] = None
+
+
+def _checks(model: torch.nn.Module) -> bool:
+    """Whether a forward of `model` is one the rules check here: attention implementation "usp",
+    not inside another check or an `attention_mode` block (which checks every call itself)."""
+    return (
+        getattr(getattr(model, "config", None), "_attn_implementation", None) == "usp"
+        and active_row_rules() is None
+        and not _in_attention_mode()
+    )
+
+
+def _verdict_key(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[tuple[str, ...], dict]:
+    """The kinds of documents a forward is given (a `documents` block, position ids, flash kwargs),
+    under which its verdict is kept on the model (None: passed; a ValueError: refused)."""
+    from .backend.documents import current_documents
+
+    kinds = [k for k in ("position_ids", "cu_seq_lens_q") if kwargs.get(k) is not None]
+    if current_documents() is not None:
+        kinds.append("documents")
+    return tuple(sorted(kinds)), model.__dict__.setdefault("_usp_row_verdicts", {})
 
 
 @torch.compiler.disable
@@ -591,23 +625,22 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
     """The rules for a compiled forward of a "usp" model: Dynamo leaves this function to eager (a
     graph break before the forward, none inside it). The first call with packed documents runs
     the forward once more in eager, without grad, under `RowRules`; its verdict (the refusal, or
-    none) is kept on the model, for the kinds of documents given (position ids, flash kwargs), and
-    every later packed call takes it: one host read of the documents per call until the model is
-    known to pass."""
-    if getattr(getattr(model, "config", None), "_attn_implementation", None) != "usp" or _in_attention_mode():
+    none) is kept on the model for the kinds of documents given (`_verdict_key`), shared with
+    eager forwards, and every later packed call takes it: one host read of the documents per call
+    until the model is known to pass."""
+    if not _checks(model):
         return
-    key = tuple(sorted(k for k in ("position_ids", "cu_seq_lens_q") if kwargs.get(k) is not None))
-    verdicts = model.__dict__.setdefault("_usp_row_verdicts", {})
-    if verdicts.get(key, True) is None:  # passed once under packed documents
+    key, verdicts = _verdict_key(model, kwargs)
+    if verdicts.get(key, False) is None:  # passed once under packed documents
         return
     meta = forward_documents(args, kwargs)
     if meta is None:
         return
     if key not in verdicts:
-        verdicts[key] = None
         try:
-            with torch.no_grad(), RowRules(RowTracker(meta)):
+            with torch.no_grad(), RowRules(RowTracker(meta), key=key):
                 model._call_impl(*args, **kwargs)  # eager: the hooks, not the compiled call
+            verdicts[key] = None
         except ValueError as e:
             if not _is_row_refusal(e):
                 raise
