@@ -638,7 +638,9 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
         return
     if key not in verdicts:
         try:
-            with torch.no_grad(), RowRules(RowTracker(meta), key=key):
+            # Its own random numbers (dropout): the compiled step draws the same as without the check.
+            cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+            with torch.random.fork_rng(devices=cuda), torch.no_grad(), RowRules(RowTracker(meta), key=key):
                 model._call_impl(*args, **kwargs)  # eager: the hooks, not the compiled call
             verdicts[key] = None
         except ValueError as e:
