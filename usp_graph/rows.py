@@ -644,9 +644,9 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
                 model._call_impl(*args, **kwargs)  # eager: the hooks, not the compiled call
             verdicts[key] = None
         except ValueError as e:
-            if not _is_row_refusal(e):
-                raise
-            verdicts[key] = e
+            # Another refusal of eager code (a mask function eager can read and compiled code cannot,
+            # e.g. Llama 4's chunks) stopped the check: the compiled call decides for itself.
+            verdicts[key] = e if _is_row_refusal(e) else None
     if verdicts[key] is not None:
         raise type(verdicts[key])(*verdicts[key].args)
 
