@@ -146,11 +146,10 @@ def test_metadata_on_the_meta_device_is_refused_by_every_door_with_a_value_error
     from usp_graph import attention_mode
 
     on_meta = AttentionMetadata.from_lengths([3, 5], device="meta")
-    real = AttentionMetadata.from_lengths([3, 5])
     block = {
         "attention_mode": lambda: attention_mode(on_meta),
         "documents": lambda: documents(on_meta),
-        "documents_kv": lambda: documents(real, kv=on_meta),
+        "documents_kv": lambda: documents(on_meta, kv=on_meta),
     }[door]
     with pytest.raises(ValueError, match="meta device, which holds no values.*device='cpu' or 'cuda'"):
         with block():

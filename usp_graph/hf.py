@@ -550,7 +550,7 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from .rows import with_row_rules
+    from .hf_rows import with_row_rules
 
     AttentionInterface.register(ATTENTION, with_row_rules(usp_attention_forward))
     AttentionMaskInterface.register(ATTENTION, usp_mask)
@@ -583,7 +583,7 @@ def _guard_model_classes() -> None:
     def checked(self, attn_implementation, *args, **kwargs):
         if attn_implementation == ATTENTION:
             _refuse_own_attention(type(self))
-            from .rows import install_row_rules
+            from .hf_rows import install_row_rules
 
             install_row_rules(self)  # packed documents: the rules of usp_graph.rules, as on every door
         return check(self, attn_implementation, *args, **kwargs)

@@ -54,8 +54,6 @@ def documents(
                 f"documents() takes a usp_graph.AttentionMetadata or None as {name}, got {type(value).__name__}; "
                 "build one with AttentionMetadata.from_lengths / from_position_ids / from_document_ids"
             )
-    check_has_values(metadata, "documents(metadata)")
-    check_has_values(kv, "documents(metadata, kv=kv)")
     if kv is not None:
         if metadata is None:
             raise ValueError("documents(None, kv=...): key/value documents need query documents too")
@@ -69,6 +67,8 @@ def documents(
                 f"documents(metadata, kv=...): metadata is on {metadata.cu_seqlens.device} and kv on "
                 f"{kv.cu_seqlens.device}; build both for the same device (AttentionMetadata.to(device))"
             )
+    check_has_values(metadata, "documents(metadata)")
+    check_has_values(kv, "documents(metadata, kv=kv)")
     global _PACKED
     if metadata is not None:
         _guard_eager_sdpa()
