@@ -81,6 +81,18 @@ def test_flex_attention_under_packed_documents_is_refused_in_eager():
         assert _eager(model, False).shape == (1, sum(LENGTHS), 64)
 
 
+def test_flex_attention_in_float64_is_refused_before_inductor():
+    """In fp64 inductor has no CPU kernel for flex attention: the refusal comes first, as itself (it
+    used to crash inside inductor)."""
+    model = _model("flex_attention")
+    assert next(model.parameters()).dtype == torch.float64
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match='without scaled_dot_product_attention.*attn_implementation="usp"'):
+        with torch.no_grad():
+            _eager(model, True)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("path", [_eager, _compiled], ids=["eager", "compiled"])
 def test_a_decoder_called_without_position_ids_is_refused_eager_and_compiled(path):
     """Llama without position_ids counts its rotary positions along the packed row (an arange over
@@ -647,3 +659,38 @@ def test_joint_attention_over_concatenated_streams_warns_under_packed_documents(
             str(w.message)[:80] for w in said
         ]
         torch._dynamo.reset()
+
+
+# ---- MoE experts: a per-token projection, never linear attention ------------------------------------
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+@pytest.mark.parametrize("tokens", [32, 16], ids=["tokens_equal_hidden_size", "tokens_equal_expert_width"])
+def test_moe_experts_are_not_linear_attention_whatever_the_token_count(path, tokens):
+    """transformers' batched_mm experts multiply each token by its experts' weights, gathered per
+    token (W[expert_ids]): a sum over the hidden size or the expert width, which a packed row of
+    exactly that many tokens once made look like a sum over the sequence (issue 37). Each
+    document's own result, fp64."""
+    from tests.realmodels import make_sweep_model, packed_positions
+
+    torch._dynamo.reset()
+    model = make_sweep_model("qwen3_moe")  # hidden 32, expert width 16, batched_mm
+    assert (model.config.hidden_size, model.config.moe_intermediate_size) == (32, 16)
+    lengths = (tokens // 2 - 3, 3, tokens - tokens // 2)
+    ids = torch.randint(0, 64, (1, tokens), generator=torch.Generator().manual_seed(1))
+    pos = packed_positions(lengths)
+    meta = AttentionMetadata.from_lengths(lengths)
+    with torch.no_grad():
+        if path == "eager":
+            with attention_mode(meta):
+                got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        else:
+            with documents(meta):
+                got = compile_usp(model)(input_ids=ids, position_ids=pos, use_cache=False).logits
+        parts, start = [], 0
+        for n in lengths:
+            s = slice(start, start + n)
+            parts.append(model(input_ids=ids[:, s], position_ids=pos[:, s], use_cache=False).logits)
+            start += n
+    torch._dynamo.reset()
+    assert (got - torch.cat(parts, 1)).abs().max() <= 1e-10

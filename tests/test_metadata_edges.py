@@ -137,3 +137,20 @@ def test_documents_refuses_query_and_key_metadata_on_different_devices():
     with pytest.raises(ValueError, match=r"metadata is on cpu and kv on meta"):
         with documents(q, kv=kv):
             pass
+
+
+@pytest.mark.parametrize("door", ["attention_mode", "documents", "documents_kv"])
+def test_metadata_on_the_meta_device_is_refused_by_every_door_with_a_value_error(door):
+    """Metadata on the meta device holds no values: each door says so when the block opens (it
+    used to fail inside with "Cannot copy out of meta tensor"). Building it there stays allowed."""
+    from usp_graph import attention_mode
+
+    on_meta = AttentionMetadata.from_lengths([3, 5], device="meta")
+    block = {
+        "attention_mode": lambda: attention_mode(on_meta),
+        "documents": lambda: documents(on_meta),
+        "documents_kv": lambda: documents(on_meta, kv=on_meta),
+    }[door]
+    with pytest.raises(ValueError, match="meta device, which holds no values.*device='cpu' or 'cuda'"):
+        with block():
+            pass

@@ -366,7 +366,9 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION, usp_attention_forward)
+    from .hf_rows import with_row_rules
+
+    AttentionInterface.register(ATTENTION, with_row_rules(usp_attention_forward))
     AttentionMaskInterface.register(ATTENTION, usp_mask)
     _guard_model_classes()
 
@@ -415,6 +417,9 @@ def _guard_model_classes() -> None:
     def checked(self, attn_implementation, *args, **kwargs):
         if attn_implementation == ATTENTION:
             _refuse_own_attention(type(self))
+            from .hf_rows import install_row_rules
+
+            install_row_rules(self)  # packed documents: the rules of usp_graph.rules, as on every door
         return check(self, attn_implementation, *args, **kwargs)
 
     checked._usp_guard = True  # type: ignore[attr-defined]

@@ -308,6 +308,21 @@ class AttentionMetadata:
         )
 
 
+def check_has_values(metadata: AttentionMetadata | None, door: str) -> None:
+    """ValueError naming `door` when `metadata` lives on the meta device: it holds no values, so no
+    door can read its documents (each failed on it with a raw "Cannot copy out of meta tensor").
+    Building one there stays allowed (its shape and static fields, for planning)."""
+    if metadata is None:
+        return
+    cu = metadata.cu_seqlens
+    if cu.is_meta and type(cu) is torch.Tensor and not torch.compiler.is_compiling():
+        raise ValueError(
+            f"{door}: the metadata's cu_seqlens is on the meta device, which holds no values, so its documents "
+            "cannot be read; build it on the device of the tokens (device='cpu' or 'cuda', or "
+            "AttentionMetadata.to(device))"
+        )
+
+
 def _check_capacity(max_docs: int, name: str) -> None:
     if max_docs > MAX_DOCS:
         raise ValueError(

@@ -28,9 +28,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .graph_inputs import LAYOUT_OPS, known_equal
-from .graph_inputs import is_cross_attention as cross_attention_rule
 from .masks import MaskForm, mask_form
+from .rules import LAYOUT_OPS, WEIGHT_LAYOUT_OPS, known_equal, weight_dims, weight_dims_after
+from .rules import is_cross_attention as cross_attention_rule
 from .sdpa import SDPA_OP
 
 __all__ = [
@@ -402,6 +402,38 @@ def is_weight(node: fx.Node) -> bool:
     text = getattr(source, "name", None)
     text = text() if callable(text) else (text or "")
     return not _ARGUMENT.match(text)
+
+
+def weight_dims_of(node: Any) -> int:
+    """How many trailing dims of `node` are a weight's own (`rules.weight_dims`: a parameter
+    selected per token by an index, MoE experts' ``W[expert_ids]``), read back from the graph
+    through layout ops (`rules.weight_dims_after`); eager `attention_mode` follows the same op by
+    op (`rows.RowTracker.weight_dims`)."""
+    val = node_value(node)
+    if not isinstance(node, fx.Node) or not isinstance(val, torch.Tensor):
+        return 0
+    if node.op == "get_attr" or (node.op == "placeholder" and is_weight(node)):
+        return val.dim()
+    if node.op == "placeholder":
+        outer = node.meta.get("usp_outer")
+        return weight_dims_of(outer) if isinstance(outer, fx.Node) else 0
+    name = _op_name(node) if node.op in ("call_function", "call_method") else ""
+    if not node.args or not (name in WEIGHT_LAYOUT_OPS or name in ("getitem", "__getitem__", "index_select")):
+        return 0
+    source = node.args[0]
+    sval = node_value(source)
+    if not isinstance(sval, torch.Tensor):
+        return 0
+    if name == "index_select":
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        index = node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
+    else:
+        dim, index = 0, node.args[1] if len(node.args) > 1 else None
+    inner = weight_dims_of(source)
+    found = weight_dims(name, tuple(sval.shape), index, dim) if inner == sval.dim() else 0
+    if not found and name in WEIGHT_LAYOUT_OPS:
+        found = weight_dims_after(name, inner, tuple(sval.shape), tuple(val.shape), node.args)
+    return found
 
 
 def ancestors(nodes, inputs: Any = None) -> list[fx.Node]:

@@ -35,7 +35,9 @@ import torch
 import torch.fx as fx
 
 from ..checkpointing import warn_side_effect_breaks
-from ..graph_inputs import (
+from ..passes.base import PipelineRun, tag_nodes
+from ..passes.rewrite import keep_repeated_heads
+from ..rules import (
     POSITIONS_IN_ATTENTION,
     ROW_POSITIONS,
     SEQUENCE_CONTRACTION,
@@ -50,9 +52,15 @@ from ..graph_inputs import (
     sequence_join_length,
     value_arguments,
 )
-from ..passes.base import PipelineRun, tag_nodes
-from ..passes.rewrite import keep_repeated_heads
-from ..sites import ancestors, body_call, find_sites, node_value, source_location, stream_inputs
+from ..sites import (
+    ancestors,
+    body_call,
+    find_sites,
+    node_value,
+    source_location,
+    stream_inputs,
+    weight_dims_of,
+)
 from .arguments import argument_names, find_argument
 from .dump import AOT_GRAPHS, GraphDump, site_record, usp_op_counts
 from .inputs import MetadataFeed, check_not_guarded, metadata_hints, shared_rows
@@ -424,7 +432,7 @@ def _row_position_embeddings(
             continue
         if not (stream_inputs(a) and stream_inputs(b)):  # both from the data, not a weight
             continue
-        length = contraction_length(tuple(va.shape), tuple(vb.shape))
+        length = contraction_length(tuple(va.shape), tuple(vb.shape), weight_dims_of(a), weight_dims_of(b))
         if length is not None and is_row_length(length, data_lengths):
             where = source_location(node)
             found.append(f"{node.name}" + (f" at {where}" if where else "") + f" {SEQUENCE_CONTRACTION}")

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import resolve
-from ..metadata import AttentionMetadata
+from ..metadata import AttentionMetadata, check_has_values
 from ..resolve import attention_mode_active, refuse_unhonoured
 
 __all__ = ["documents", "current_documents", "current_kv_documents", "packed_documents_active"]
@@ -70,6 +70,8 @@ def documents(
                 f"documents(metadata, kv=...): metadata is on {metadata.cu_seqlens.device} and kv on "
                 f"{kv.cu_seqlens.device}; build both for the same device (AttentionMetadata.to(device))"
             )
+    check_has_values(metadata, "documents(metadata)")
+    check_has_values(kv, "documents(metadata, kv=kv)")
     global _PACKED
     if metadata is not None:
         _guard_eager_sdpa()

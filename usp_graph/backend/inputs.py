@@ -40,6 +40,7 @@ from ..graph_inputs import (
 )
 from ..metadata import AttentionMetadata, fit_to_documents
 from ..passes.base import PASS_META
+from ..rules import one_document_per_row
 from ..sites import AttentionSite
 from .documents import current_documents, current_kv_documents
 
@@ -249,6 +250,18 @@ class MetadataFeed:
             if kv_length is not None:
                 self.kv_length = sizes.compile(kv_length, "key/value length of cross-attention")
 
+    def _one_document_per_row(self, meta: AttentionMetadata | None, args: Sequence[Any]) -> bool:
+        """Whether this call's documents (the block's, else those of its position ids) are its rows
+        (`rules.one_document_per_row`): one host read, made only where a rule would refuse."""
+        if self.mode != "inputs" or self.cp is not None:
+            return False
+        if meta is not None:
+            return one_document_per_row(meta.cu_seqlens.tolist(), self.length(args))
+        pos = args[self.positions] if self.positions is not None else None
+        if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[-1] < 1:
+            return False
+        return bool((pos[:, 1:] == pos[:, :-1] + 1).all())
+
     def __call__(self, args: Sequence[Any]) -> tuple[Any, ...]:
         meta = current_documents()
         if meta is not None:
@@ -264,8 +277,11 @@ class MetadataFeed:
                     "size or sequence length, so one packed token stream cannot describe them; call it outside "
                     "documents(...) (one document per batch row)"
                 )
-        packed = meta is not None or (self.mode == "inputs" and self.positions is not None)
-        if self.other_attention and (meta is not None or self.cp is not None):
+        # One document per row (`rules.one_document_per_row`) is exact whatever the graph computes
+        # along its rows; its values are read only where a rule would refuse.
+        per_row = (self.other_attention or self.row_positions) and self._one_document_per_row(meta, args)
+        packed = not per_row and (meta is not None or (self.mode == "inputs" and self.positions is not None))
+        if self.other_attention and ((meta is not None and not per_row) or self.cp is not None):
             raise attention_without_sdpa_error(f"compiled graph {self.graph}", self.other_attention)
         if self.joined and meta is not None:
             import warnings

@@ -1,0 +1,207 @@
+"""The rule table on transformers' ``attn_implementation="usp"``: its forward under the row tracker.
+
+# B batch rows, L tokens per row, T packed tokens
+
+"usp" computes attention itself, from documents it reads per call (position ids, flash-attention
+kwargs, a `documents` block), so no `attention_mode` follows its forward. Here a forward pre-hook
+(installed where hf.py checks a model's attention implementation) runs the model's forward under
+`rows.RowRules` when it is called with packed documents (`forward_documents`), and the attention
+function reports each call (`with_row_rules`): the same rules (`usp_graph.rules`) and refusals as
+every other door. The verdict is kept on the model per kind of documents given (`_verdict_key`):
+the first packed forward is followed op by op, later ones run as before. Under torch.compile (any
+backend) the hook is traced; a function Dynamo leaves to eager (`_verdict_in_eager`, a graph break
+before the forward) gets the verdict from one eager forward without grad at the first packed call.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .metadata import AttentionMetadata
+from .rows import RowRules, RowTracker, active_row_rules
+from .rules import one_document_per_row
+
+__all__ = ["forward_documents", "install_row_rules", "with_row_rules"]
+
+
+def with_row_rules(attention: Callable[..., Any]) -> Callable[..., Any]:
+    """`attention` (transformers' attention interface: module, query, key, value, ...) reporting
+    each call to the active `RowRules` and running untracked inside it."""
+
+    @functools.wraps(attention)
+    def checked(module, query, key, value, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return attention(module, query, key, value, *args, **kwargs)
+        mode = active_row_rules()
+        if mode is None or mode.paused:
+            return attention(module, query, key, value, *args, **kwargs)
+        mode.tracker.attention(query, key)
+        mode.paused = True
+        try:
+            out = attention(module, query, key, value, *args, **kwargs)
+        finally:
+            mode.paused = False
+        mode.tracker.after(attention, (query, key, value), {}, out[0] if isinstance(out, tuple) else out)
+        return out
+
+    return checked
+
+
+def forward_documents(args: tuple, kwargs: dict[str, Any]) -> AttentionMetadata | None:
+    """The documents a transformers forward is called with, when they are packed (None: one
+    document per row, or none given): an eager `documents(...)` block, flash-attention's
+    ``cu_seq_lens_q``, or ``position_ids`` that restart within a row (transformers' reading,
+    `masks.document_starts`). One host read of the position ids (or boundaries); input that the
+    attention call refuses anyway (malformed ids) is left to it."""
+    from .backend.documents import current_documents
+
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    embeds = kwargs.get("inputs_embeds")
+    row = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else embeds
+    length = int(row.shape[1]) if isinstance(row, torch.Tensor) and row.dim() >= 2 else None
+    tokens = int(row.shape[0]) * length if length is not None else None
+    meta = current_documents()
+    cu = kwargs.get("cu_seq_lens_q")
+    pos = kwargs.get("position_ids")
+    if meta is None and isinstance(cu, torch.Tensor) and cu.dim() == 1 and not cu.is_floating_point():
+        ends = cu.tolist()
+        well_formed = ends and ends[0] == 0 and ends[-1] == tokens
+        if well_formed and all(b >= a for a, b in zip(ends, ends[1:], strict=False)):
+            meta = AttentionMetadata.from_lengths(
+                [b - a for a, b in zip(ends, ends[1:], strict=False)] or [0]
+            )
+    elif meta is None and isinstance(pos, torch.Tensor) and pos.dim() == 2 and not pos.is_floating_point():
+        if pos.shape[-1] > 1 and bool((pos[:, 1:] != pos[:, :-1] + 1).any()) and bool((pos >= 0).all()):
+            rows = tokens // length if tokens and length == pos.shape[-1] else pos.shape[0]
+            meta = AttentionMetadata.from_position_ids(pos.expand(rows, -1) if pos.shape[0] == 1 else pos)
+        length = int(pos.shape[-1])
+    if meta is None or length is None or one_document_per_row(meta.cu_seqlens.tolist(), length):
+        return None
+    return meta
+
+
+# Per thread: the `RowRules` each forward of a "usp" model entered (None where it entered none).
+_ENTERED = threading.local()
+
+
+def install_row_rules(model: torch.nn.Module) -> None:
+    """Run `model`'s forward under `RowRules` when it uses attn_implementation="usp" and is called
+    with packed documents (`forward_documents`), in eager; once per model."""
+    if getattr(model, "_usp_row_rules", False):
+        return
+    model.register_forward_pre_hook(_enter_row_rules, with_kwargs=True)
+    model.register_forward_hook(_leave_row_rules, always_call=True)
+    model._usp_row_rules = True
+
+
+def _enter_row_rules(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    if torch.compiler.is_compiling():
+        # Dynamo traces this hook (torch.compile(model), any backend): the documents of position ids
+        # or flash-attention kwargs are read inside the graph, where no rule can be applied; the
+        # model's verdict comes from one eager forward under the rules (`_verdict_in_eager`).
+        if kwargs.get("position_ids") is not None or kwargs.get("cu_seq_lens_q") is not None:
+            _verdict_in_eager(model, args, kwargs)
+        return
+    stack = _ENTERED.__dict__.setdefault("stack", [])
+    mode = None
+    stack.append(mode)
+    if not _checks(model):
+        return
+    key, verdicts = _verdict_key(model, kwargs)
+    if verdicts.get(key, False) is None:  # passed once under packed documents: not tracked again
+        return
+    meta = forward_documents(args, kwargs)
+    if meta is None:
+        return
+    if isinstance(verdicts.get(key), ValueError):
+        raise type(verdicts[key])(*verdicts[key].args)
+    mode = stack[-1] = RowRules(RowTracker(meta), key=key)
+    mode.__enter__()
+
+
+def _leave_row_rules(model: torch.nn.Module, args: tuple, *rest: Any) -> None:
+    """Leave the block `_enter_row_rules` entered; a forward that completed under it passed."""
+    if torch.compiler.is_compiling():
+        return
+    stack = _ENTERED.__dict__.setdefault("stack", [])
+    mode = stack.pop() if stack else None
+    if mode is None:
+        return
+    mode.__exit__(None, None, None)
+    verdicts = model.__dict__.setdefault("_usp_row_verdicts", {})
+    if mode.tracker.refused is not None:
+        verdicts[mode.key] = mode.tracker.refused
+    elif sys.exc_info()[0] is None:  # called after a completed forward, not for an error in it
+        verdicts[mode.key] = None
+
+
+def _checks(model: torch.nn.Module) -> bool:
+    """Whether a forward of `model` is one the rules check here: attention implementation "usp",
+    not inside another check or an `attention_mode` block (which checks every call itself)."""
+    return (
+        getattr(getattr(model, "config", None), "_attn_implementation", None) == "usp"
+        and active_row_rules() is None
+        and not _in_attention_mode()
+    )
+
+
+def _verdict_key(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[tuple[str, ...], dict]:
+    """The kinds of documents a forward is given (a `documents` block, position ids, flash kwargs),
+    under which its verdict is kept on the model (None: passed; a ValueError: refused)."""
+    from .backend.documents import current_documents
+
+    kinds = [k for k in ("position_ids", "cu_seq_lens_q") if kwargs.get(k) is not None]
+    if current_documents() is not None:
+        kinds.append("documents")
+    return tuple(sorted(kinds)), model.__dict__.setdefault("_usp_row_verdicts", {})
+
+
+@torch.compiler.disable
+def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """The rules for a compiled forward of a "usp" model: Dynamo leaves this function to eager (a
+    graph break before the forward, none inside it). The first call with packed documents runs
+    the forward once more in eager, without grad, under `RowRules`; its verdict (the refusal, or
+    none) is kept on the model for the kinds of documents given (`_verdict_key`), shared with
+    eager forwards, and every later packed call takes it: one host read of the documents per call
+    until the model is known to pass."""
+    if not _checks(model):
+        return
+    key, verdicts = _verdict_key(model, kwargs)
+    if verdicts.get(key, False) is None:  # passed once under packed documents
+        return
+    meta = forward_documents(args, kwargs)
+    if meta is None:
+        return
+    if key not in verdicts:
+        try:
+            # Its own random numbers (dropout): the compiled step draws the same as without the check.
+            cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+            with torch.random.fork_rng(devices=cuda), torch.no_grad(), RowRules(RowTracker(meta), key=key):
+                model._call_impl(*args, **kwargs)  # eager: the hooks, not the compiled call
+            verdicts[key] = None
+        except ValueError as e:
+            # Another refusal of eager code (a mask function eager can read and compiled code cannot,
+            # e.g. Llama 4's chunks) stopped the check: the compiled call decides for itself.
+            verdicts[key] = e if _is_row_refusal(e) else None
+    if verdicts[key] is not None:
+        raise type(verdicts[key])(*verdicts[key].args)
+
+
+def _is_row_refusal(e: ValueError) -> bool:
+    text = str(e)
+    return "outside attention" in text or "without scaled_dot_product_attention" in text
+
+
+def _in_attention_mode() -> bool:
+    """An `attention_mode` block routes and tracks every call itself."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from .mode import _SDPAToUSP
+
+    return any(isinstance(m, _SDPAToUSP) for m in _get_current_function_mode_stack())
