@@ -409,19 +409,48 @@ def test_a_graph_file_load_and_replay_imports_no_compiler(tmp_path):
 
 
 def test_the_constant_mark_on_group_lookups_is_the_one_torch_sets():
-    """`ops.collectives` marks `_group_info` as Dynamo's `assume_constant_result` does, without
-    importing Dynamo; if torch changes its mark, this fails (and fullgraph compiles of the collectives
-    would graph-break)."""
-    from usp_graph.ops.collectives import _assume_constant_result, _group_info
+    """`dynamo_marks.assume_constant_result` marks a function as Dynamo's `assume_constant_result`
+    does, without importing Dynamo (`ops.collectives`' group lookup carries it); if torch changes its
+    mark, this fails (and fullgraph compiles of the collectives would graph-break)."""
+    from usp_graph.dynamo_marks import assume_constant_result
+    from usp_graph.ops.collectives import _group_info
 
     def torch_marked() -> None: ...
 
     def ours() -> None: ...
 
     torch.compiler.assume_constant_result(torch_marked)
-    _assume_constant_result(ours)
+    assume_constant_result(ours)
     assert vars(torch_marked) and vars(ours) == vars(torch_marked)
     assert {k: v for k, v in vars(_group_info).items() if k in vars(torch_marked)} == vars(torch_marked)
+
+
+def test_the_disable_mark_breaks_the_graph_and_runs_eagerly_as_torch_disable_does():
+    """`dynamo_marks.disable` sets torch's mark without importing Dynamo: a compiled caller breaks its
+    graph at the call and runs it in eager, and frames it calls are not compiled."""
+    from usp_graph.dynamo_marks import disable
+
+    ran: list[bool] = []
+
+    def inner(x):
+        ran.append(torch.compiler.is_compiling())
+        return x + 1
+
+    @disable
+    def eager(x):
+        ran.append(torch.compiler.is_compiling())
+        return inner(x) * 2
+
+    assert getattr(eager, "_torchdynamo_disable", False) is getattr(
+        torch.compiler.disable(inner), "_torchdynamo_disable", None
+    )
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    before = sum(counts["graph_break"].values())
+    out = torch.compile(lambda x: eager(x + 1) - 1, backend="eager")(torch.zeros(3))
+    assert torch.equal(out, torch.full((3,), 3.0))
+    assert ran == [False, False]  # the function and what it calls ran in eager
+    assert sum(counts["graph_break"].values()) > before
 
 
 @pytest.mark.slow

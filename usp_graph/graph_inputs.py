@@ -29,11 +29,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import sympy
 import torch
 import torch.fx as fx
+
+if TYPE_CHECKING:  # annotations only: sympy costs 0.3 s at import
+    import sympy
 
 from .metadata import AttentionMetadata
 from .rules import (  # noqa: F401 - re-exported: the rules' old home

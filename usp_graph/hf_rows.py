@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from . import dynamo_marks
 from .metadata import AttentionMetadata
 from .rows import RowRules, RowTracker, active_row_rules
 from .rules import one_document_per_row
@@ -162,7 +163,7 @@ def _verdict_key(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[tuple[
     return tuple(sorted(kinds)), model.__dict__.setdefault("_usp_row_verdicts", {})
 
 
-@torch.compiler.disable
+@dynamo_marks.disable
 def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     """The rules for a compiled forward of a "usp" model: Dynamo leaves this function to eager (a
     graph break before the forward, none inside it). The first call with packed documents runs

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from . import dynamo_marks
 from .metadata import AttentionMetadata, check_has_values
 from .rows import RowTracker
 from .rules import refusal
@@ -135,7 +136,7 @@ class _SDPAToUSP(TorchFunctionMode):
             )
 
 
-@torch.compiler.disable
+@dynamo_marks.disable
 def _raise_in_eager(error: ValueError) -> None:
     """Raise `error` as itself from code Dynamo traces: Dynamo breaks the graph here and runs this
     in eager, so the caller gets the ValueError (not "Unsupported"), before any inner compiler."""

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .dynamo_marks import assume_constant_result
 from .masks import check_positions_match, cu_seqlens_from_starts, document_starts
 from .metadata import AttentionMetadata
 from .ops.boundaries import device_assert
@@ -99,7 +100,7 @@ def _backend_function(fn: Any) -> Any:
     return fn
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _compiling_frame() -> tuple[bool, bool]:
     """(compiled for backend usp, an `attention_mode` with documents is active), read while Dynamo
     traces a frame (a constant of the trace: Dynamo runs this on the host rather than tracing it). Outside Dynamo
@@ -196,7 +197,7 @@ def _refuse_encoder_decoder_kwargs(module: torch.nn.Module, kwargs: dict[str, An
 _WARNED: set[str] = set()
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _warn_once(cause: str, message: str) -> bool:
     """warnings.warn(`message`) the first time `cause` is met (while Dynamo traces: at trace time)."""
     if cause not in _WARNED:

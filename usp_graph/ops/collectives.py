@@ -79,6 +79,7 @@ from ..distributed import (
     run_collective,
 )
 from ..distributed import group_name as _group_name
+from ..dynamo_marks import assume_constant_result
 
 __all__ = [
     "all_gather",
@@ -588,15 +589,7 @@ for _op in (all_to_all_start_op, all_gather_start_op, reduce_scatter_start_op, w
 # Public wrappers.
 
 
-def _assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`torch.compiler.assume_constant_result` without importing Dynamo: torch's decorator imports
-    ``torch._dynamo`` (and with it inductor, ~1 s) only to set this mark, which Dynamo reads when it
-    traces a call of `fn`. tests/test_imports.py checks that torch's decorator sets the same mark."""
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn
-
-
-@_assume_constant_result
+@assume_constant_result
 def _group_info(group: dist.ProcessGroup | str | None) -> tuple[str, int, int]:
     """(name, size, this rank's index) of `group`. A constant to Dynamo, so the wrappers trace with
     ``fullgraph=True`` (it cannot trace the group lookup itself)."""

@@ -1,0 +1,38 @@
+"""Dynamo's function marks, set without importing Dynamo: `import usp_graph` and eager code stay free
+of the compiler (torch's own decorators import ``torch._dynamo`` and inductor with it, ~1 s, only to
+set a mark that Dynamo reads when it traces a call). tests/test_imports.py checks both marks against
+torch's decorators."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["assume_constant_result", "disable"]
+
+
+def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compiler.assume_constant_result`: Dynamo runs `fn` on the host while it traces and
+    takes its result as a constant of the graph."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+def disable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compiler.disable`: Dynamo breaks the graph at a call of `fn` and runs it in eager, and
+    frames `fn` calls are not compiled. Dynamo reads the mark when it traces the call; torch's own
+    wrapper (which turns compilation off inside the call) is made at the first call."""
+    wrapped: Callable[..., Any] | None = None
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal wrapped
+        if wrapped is None:
+            import torch
+
+            wrapped = torch.compiler.disable(fn)
+        return wrapped(*args, **kwargs)
+
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]
+    return call
