@@ -179,7 +179,8 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
     meta = forward_documents(args, kwargs)
     if meta is None:
         return
-    if key not in verdicts:
+    if key not in verdicts and not getattr(_ENTERED, "checking", False):
+        _ENTERED.checking = True  # the check's own forward passes the compiled hooks: check once
         try:
             # Its own random numbers (dropout): the compiled step draws the same as without the check.
             cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
@@ -190,7 +191,9 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
             # Another refusal of eager code (a mask function eager can read and compiled code cannot,
             # e.g. Llama 4's chunks) stopped the check: the compiled call decides for itself.
             verdicts[key] = e if _is_row_refusal(e) else None
-    if verdicts[key] is not None:
+        finally:
+            _ENTERED.checking = False
+    if verdicts.get(key) is not None:
         raise type(verdicts[key])(*verdicts[key].args)
 
 

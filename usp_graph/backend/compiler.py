@@ -669,7 +669,9 @@ def _positions_input(gm: fx.GraphModule, sites: Sequence[Any], opts: UspOptions,
     """The placeholder whose position ids define documents outside `documents(...)`: the input
     that recognised masks are built from, or the argument named by option ``documents``."""
     from_masks = {
-        s.mask_form.positions for s in sites if s.mask_form is not None and s.mask_form.kind == "positions"
+        _outermost(s.mask_form.positions)
+        for s in sites
+        if s.mask_form is not None and s.mask_form.kind == "positions"
     }
     named = None
     if opts.documents is not None and sites:
@@ -693,6 +695,14 @@ def _positions_input(gm: fx.GraphModule, sites: Sequence[Any], opts: UspOptions,
             "reads them from one position-ids input"
         )
     return next(iter(found), None)
+
+
+def _outermost(node: fx.Node) -> fx.Node:
+    """The graph's own node that a checkpointed region's body input stands for (each region's body
+    takes the position ids as an input of its own: one input of the graph, not one per region)."""
+    while node.op == "placeholder" and isinstance(node.meta.get("usp_outer"), fx.Node):
+        node = node.meta["usp_outer"]
+    return node
 
 
 def _placeholder_index(gm: fx.GraphModule, node: fx.Node | None) -> int | None:

@@ -215,7 +215,14 @@ def _thread(
     node: fx.Node, regions: tuple[fx.Node, ...], done: dict[tuple[fx.Node, fx.Node], fx.Node]
 ) -> fx.Node:
     """`node` (of the outer graph) as seen inside the checkpointed regions `regions` (outermost
-    first): appended to each region call's operands and to its body's placeholders, once."""
+    first): appended to each region call's operands and to its body's placeholders, once. A node
+    already inside one of the bodies (a mask's position ids the body takes itself) is threaded only
+    through the regions nested in that body."""
+    bodies = [body_call(call) for call in regions]
+    for depth, body in enumerate(bodies):
+        if body is not None and node.graph is body.graph:
+            regions = regions[depth + 1 :]
+            break
     for call in regions:
         if (call, node) in done:
             node = done[(call, node)]
