@@ -141,16 +141,20 @@ def test_documents_refuses_query_and_key_metadata_on_different_devices():
 
 @pytest.mark.parametrize("door", ["attention_mode", "documents", "documents_kv"])
 def test_metadata_on_the_meta_device_is_refused_by_every_door_with_a_value_error(door):
-    """Metadata on the meta device holds no values: each door says so when the block opens (it
-    used to fail inside with "Cannot copy out of meta tensor"). Building it there stays allowed."""
+    """Metadata on the meta device holds no values: each door says so (it used to fail inside with
+    "Cannot copy out of meta tensor"): documents when the block opens, attention_mode at the first
+    attention call on real tensors (a model on the meta device may check its shapes with it,
+    tests/test_meta_ops.py). Building it there stays allowed."""
+    import torch.nn.functional as F
+
     from usp_graph import attention_mode
 
     on_meta = AttentionMetadata.from_lengths([3, 5], device="meta")
-    block = {
-        "attention_mode": lambda: attention_mode(on_meta),
-        "documents": lambda: documents(on_meta),
-        "documents_kv": lambda: documents(on_meta, kv=on_meta),
-    }[door]
+    q = torch.randn(1, 2, 8, 4)
     with pytest.raises(ValueError, match="meta device, which holds no values.*device='cpu' or 'cuda'"):
-        with block():
-            pass
+        if door == "attention_mode":
+            with attention_mode(on_meta):
+                F.scaled_dot_product_attention(q, q, q)
+        else:
+            with documents(on_meta, kv=on_meta if door == "documents_kv" else None):
+                pass

@@ -80,6 +80,9 @@ class _SDPAToUSP(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _attention(self, query, key, value, *args, **kwargs):
+        if not query.is_meta:  # a model on the meta device checks shapes: metadata there holds none either
+            check_has_values(self.metadata, "attention_mode(metadata)")
+            check_has_values(self.kv, "attention_mode(metadata, kv=kv)")
         if self.track:
             self.rows.attention(query, key)
         extra = {}
@@ -199,8 +202,6 @@ def attention_mode(
             raise TypeError(f"kv must be a usp_graph.AttentionMetadata or None, got {type(kv).__name__}")
         if metadata is None:
             raise ValueError("attention_mode(None, kv=...): key/value documents need query documents too")
-    check_has_values(metadata, "attention_mode(metadata)")
-    check_has_values(kv, "attention_mode(metadata, kv=kv)")
     mode = _SDPAToUSP(metadata, cp, kv)
     with mode, _recompute_checkpoints_in(mode):
         yield mode

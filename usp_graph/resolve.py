@@ -88,16 +88,49 @@ def attention_mode_active() -> bool:
     return any(isinstance(m, _SDPAToUSP) for m in _get_current_function_mode_stack())
 
 
+def _backend_function_step(fn: Any) -> Any:
+    inner = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
+    inner = inner or getattr(fn, "func", None)
+    return None if inner is None or inner is fn else inner
+
+
 def _backend_function(fn: Any) -> Any:
     """The function a torch.compile backend wrapper finally calls (Dynamo's debug wrapper, the
     `torch.compile(options=...)` wrapper, a functools.partial)."""
     for _ in range(8):
-        inner = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
-        inner = inner or getattr(fn, "func", None)
-        if inner is None or inner is fn:
+        inner = _backend_function_step(fn)
+        if inner is None:
             return fn
         fn = inner
     return fn
+
+
+def _another_known_backend(compiler: Any, fn: Any) -> bool:
+    """Whether Dynamo compiles for one of its registered backends other than usp (inductor,
+    aot_eager, ...), which would ignore a documents block. A backend usp_graph cannot name (a
+    function of the user's, a wrapper around usp's) is given the benefit of the doubt: usp's own
+    checks then run if it calls usp, and nothing is falsely refused."""
+    if (
+        getattr(fn, "__module__", None) == "usp_graph.backend.compiler"
+        and getattr(fn, "__name__", None) == "usp_backend"
+    ):
+        return False  # by name: the backend imports this module, never the other way
+    chain = [compiler]
+    while len(chain) < 8:  # every wrapper between Dynamo and the backend function (`_backend_function`)
+        inner = _backend_function_step(chain[-1])
+        if inner is None:
+            break
+        chain.append(inner)
+    names = [getattr(f, a, None) for f in chain for a in ("compiler_name", "backend")]
+    if "usp" in names:
+        return False
+    from torch._dynamo.backends.registry import _COMPILER_FNS, _lazy_import
+
+    _lazy_import()  # Dynamo registers its own backends at their first lookup
+    registered = {name: f for name, f in _COMPILER_FNS.items() if name != "usp"}
+    return any(isinstance(n, str) and n in registered for n in names) or any(
+        fn is f for f in registered.values()
+    )
 
 
 @assume_constant_result
@@ -117,10 +150,7 @@ def _compiling_frame() -> tuple[bool, bool]:
     from .mode import _SDPAToUSP
 
     fn = _backend_function(compiler)
-    usp = getattr(compiler, "compiler_name", None) == "usp" or (
-        getattr(fn, "__module__", None) == "usp_graph.backend.compiler"
-        and getattr(fn, "__name__", None) == "usp_backend"
-    )  # by name: the backend imports this module, never the other way
+    usp = not _another_known_backend(compiler, fn)
     # Dynamo moves the active torch function modes off the real stack while it traces.
     stack = getattr(getattr(tx, "symbolic_torch_function_state", None), "mode_stack", ())
     modes = [getattr(m, "value", None) for m in stack] + list(_get_current_function_mode_stack())
