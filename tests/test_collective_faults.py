@@ -188,6 +188,8 @@ def _pending() -> tuple[int, int]:
 
 
 def _groups(world: int, timeout_s: float = T_S) -> dict[str, str]:
+    import torch._dynamo  # noqa: F401 - torch imports it at a custom op's first call: paid before any timed call
+
     timeout = datetime.timedelta(seconds=timeout_s)
     return {form: dist.new_group(list(range(world)), timeout=timeout).group_name for form in FORMS}
 
