@@ -6,6 +6,7 @@ torch's decorators."""
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -22,13 +23,17 @@ def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
 def disable(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`torch.compiler.disable`: Dynamo breaks the graph at a call of `fn` and runs it in eager, and
     frames `fn` calls are not compiled. Dynamo reads the mark when it traces the call; torch's own
-    wrapper (which turns compilation off inside the call) is made at the first call."""
+    wrapper (which turns compilation off inside the call) is made at the first call once Dynamo is
+    loaded. Before that nothing can compile a frame of the call, so `fn` runs as it is and the call
+    imports nothing (the usp ops' kernels carry this mark: `usp_graph.ops.define`)."""
     wrapped: Callable[..., Any] | None = None
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         nonlocal wrapped
         if wrapped is None:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
             import torch
 
             wrapped = torch.compiler.disable(fn)

@@ -122,7 +122,8 @@ _RULES: dict[torch._ops.OpOverload, BackwardRule] = {}
 
 
 def _overload(op: Any) -> torch._ops.OpOverload:
-    # custom_op returns a CustomOpDef; graphs hold OpOverloads. Key the table by the latter.
+    # Ops are defined as `usp_graph.ops.define.Op`s (or custom_op's CustomOpDef); graphs hold OpOverloads.
+    # Key the table by the latter.
     if isinstance(op, torch._ops.OpOverload):
         return op
     if isinstance(op, torch._ops.OpOverloadPacket):
@@ -206,9 +207,23 @@ def register_rule(
                 f"{overload}: the rule given ({given}) is not its row of usp_graph.registry.TABLE "
                 f"({row and (row.kind, row.backward_ops, row.adjoint)}); the table decides usp ops' rules"
             )
-    torch.library.register_autograd(overload._schema.name, backward, setup_context=setup_context)
+    _register_autograd(overload, backward, setup_context)
     _RULES[overload] = rule
     return rule
+
+
+def _register_autograd(
+    overload: torch._ops.OpOverload, backward: Callable[..., Any], setup_context: Callable[..., None]
+) -> None:
+    """Give autograd `overload`'s backward: through its `usp_graph.ops.define.Op` when it has one (the
+    autograd kernel the op registered reads it), else through `torch.library.register_autograd`."""
+    from .ops.define import op_for
+
+    defined = op_for(_qualname(overload))
+    if defined is not None:
+        defined.register_autograd(backward, setup_context=setup_context)
+    else:
+        torch.library.register_autograd(_qualname(overload), backward, setup_context=setup_context)
 
 
 def rule_for(op: Any) -> BackwardRule:
@@ -280,9 +295,7 @@ def implement_issue(op: Any) -> None:
     name = _qualname(_overload(op))
     if name != WAIT and name not in _TABLE_BY_ISSUE:
         raise NotImplementedError(f"{name} is no row's issue op in usp_graph.registry.TABLE, nor {WAIT}")
-    torch.library.register_autograd(
-        name, _lowered_backward(name), setup_context=lambda ctx, inputs, output: None
-    )
+    _register_autograd(_overload(op), _lowered_backward(name), lambda ctx, inputs, output: None)
     _ISSUE_WIRED.add(name)
 
 

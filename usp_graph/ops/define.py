@@ -1,0 +1,123 @@
+"""Defines the package's ops on torch's dispatcher without Dynamo: `define` is `torch.library.custom_op`
+for this package, registering what it registers, made the older way (`torch.library.Library`).
+
+Why not `custom_op`: it wraps every kernel in ``torch._disable_dynamo``, which imports ``torch._dynamo``
+(and with it the ``torch._inductor`` package, ~1 s) at the op's first call, so eager attention and a
+graph file's replay would pay for the compiler. Here the kernel carries Dynamo's disable mark
+(`usp_graph.dynamo_marks.disable`), which turns compilation off inside the kernel once Dynamo is loaded
+and costs nothing before.
+
+An op gets what ``custom_op(name, mutates_args=(), schema=...)`` gives it: its schema (given, or
+inferred from the annotations by `torch.library.infer_schema`) with the ``pt2_compliant_tag``; the
+function as the kernel of every device (``CompositeExplicitAutograd``), checked not to return an
+alias of an input; a fake/meta implementation (`Op.register_fake`); and an autograd kernel that
+raises until a backward is given (`Op.register_autograd`, which `usp_graph.registry` calls).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._library import autograd as _autograd
+from torch._library import utils as _utils
+
+from ..dynamo_marks import disable
+
+__all__ = ["Op", "define", "op_for"]
+
+# One FRAGMENT library per namespace, alive as long as the process: dropping a Library unregisters
+# its ops.
+_LIBRARIES: dict[str, torch.library.Library] = {}
+# qualified name -> its Op (`op_for`).
+_OPS: dict[str, Op] = {}
+
+
+def _library(namespace: str) -> torch.library.Library:
+    lib = _LIBRARIES.get(namespace)
+    if lib is None:
+        lib = _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    return lib
+
+
+class Op:
+    """One op: callable like the function it was defined from, with the surface of `custom_op`'s
+    ``CustomOpDef`` the package uses (``register_fake``, ``register_autograd``, ``_opoverload``,
+    ``_qualname``) and the ``default`` overload graphs hold."""
+
+    def __init__(self, qualname: str, fn: Callable[..., Any], schema: str) -> None:
+        namespace, name = qualname.split("::")
+        self._qualname, self._name, self._init_fn = qualname, name, fn
+        self._lib = _library(namespace)
+        self._lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+        self._opoverload: torch._ops.OpOverload = getattr(getattr(torch.ops, namespace), name).default
+        if not _utils.is_functional_schema(self._opoverload._schema):
+            raise ValueError(f"{qualname}: usp ops are functional; {schema} mutates or aliases an input")
+        self._lib.impl(name, self._kernel(fn), "CompositeExplicitAutograd")
+        # Read at each backward: `register_autograd` fills them in later (custom_op does the same).
+        self._backward_fn: Callable[..., Any] | None = None
+        self._setup_context_fn: Callable[..., Any] | None = None
+        self._lib.impl(
+            name, _autograd.make_autograd_impl(self._opoverload, self), "Autograd", with_keyset=True
+        )
+        functools.update_wrapper(self, fn)
+        _OPS[qualname] = self
+
+    def _kernel(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        marked = disable(fn)
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            result = marked(*args, **kwargs)
+            _utils._c_check_aliasing_constraint(
+                self._name, args, kwargs, result, lambda: inspect.getmodule(fn)
+            )
+            return result
+
+        return kernel
+
+    @property
+    def default(self) -> torch._ops.OpOverload:
+        return self._opoverload
+
+    def register_fake(self, fn: Callable[..., Any], /) -> Callable[..., Any]:
+        """Register `fn` as the op's fake (and meta) implementation; usable as a decorator."""
+        torch.library.register_fake(self._qualname, fn, lib=self._lib)
+        return fn
+
+    def register_autograd(
+        self, backward: Callable[..., Any], /, *, setup_context: Callable[..., Any]
+    ) -> None:
+        """Give the op its backward, as `torch.library.register_autograd` does (once per op)."""
+        if self._backward_fn is not None:
+            raise RuntimeError(f"{self._qualname} already has a backward")
+        self._backward_fn, self._setup_context_fn = backward, setup_context
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._opoverload(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<Op({self._qualname})>"
+
+
+def define(
+    qualname: str, *, schema: str | None = None, mutates_args: tuple[str, ...] = ()
+) -> Callable[[Callable[..., Any]], Op]:
+    """Decorator: the function becomes op `qualname` (``"usp::varlen_fwd"``), as with
+    ``torch.library.custom_op(qualname, mutates_args=..., schema=...)``."""
+    if mutates_args:
+        raise ValueError(
+            f"{qualname}: usp ops are functional; mutates_args must be empty, got {mutates_args}"
+        )
+
+    def wrap(fn: Callable[..., Any]) -> Op:
+        return Op(qualname, fn, schema or torch.library.infer_schema(fn, mutates_args=()))
+
+    return wrap
+
+
+def op_for(qualname: str) -> Op | None:
+    """The `Op` defined here under `qualname`, or None (an op defined another way)."""
+    return _OPS.get(qualname)
