@@ -37,6 +37,7 @@ from .. import registry
 from . import kernel_choice
 from .boundaries import lse_dtype
 from .cpu_kernel import cpu_bwd, cpu_fwd, group_sum
+from .define import define
 from .kernel_choice import AUTO_TABLE as AUTO_TABLE  # re-exported: tools and tests read them here
 from .kernel_choice import CHECK_TOL as CHECK_TOL
 from .kernel_choice import CUDA_KERNELS, cuda_bwd, cuda_fwd, cuda_kernel
@@ -61,7 +62,7 @@ _cudnn_broken = kernel_choice._cudnn_broken
 # The ops.
 
 
-@torch.library.custom_op("usp::varlen_fwd", mutates_args=())
+@define("usp::varlen_fwd")
 def varlen_fwd(
     q: Tensor,
     k: Tensor,
@@ -102,7 +103,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal
     return q.new_empty(t_q, h, v.shape[-1]), q.new_empty(h, t_q, dtype=lse_dtype(q.dtype))
 
 
-@torch.library.custom_op("usp::varlen_bwd", mutates_args=())
+@define("usp::varlen_bwd")
 def varlen_bwd(
     grad_out: Tensor,
     q: Tensor,
