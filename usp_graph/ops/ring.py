@@ -54,6 +54,7 @@ from .. import registry
 from ..distributed import CollectiveError, agree_sizes, record_sent, run_collective
 from .boundaries import device_assert
 from .boundaries import lse_dtype as _lse_dtype
+from .define import define
 from .window import NO_WINDOW, bounds
 
 __all__ = ["ring_attn_fwd", "ring_attn_bwd", "pair_view"]
@@ -423,7 +424,7 @@ def _check_ends(cu: Tensor, total: int) -> None:
     device_assert(ok, f"usp::ring_attn: cu_seqlens must run from 0 to the {total} tokens of the stream")
 
 
-@torch.library.custom_op("usp::ring_attn_fwd", mutates_args=())
+@define("usp::ring_attn_fwd")
 def ring_attn_fwd(
     q: Tensor,
     k: Tensor,
@@ -535,7 +536,7 @@ def _(q, k, v, cu_seqlens, max_seqlen, is_causal, scale, chunk_ids, chunks_per_r
     return q.new_empty(t, h, v.shape[-1]), q.new_empty(h, t, dtype=_lse_dtype(q.dtype))
 
 
-@torch.library.custom_op("usp::ring_attn_bwd", mutates_args=())
+@define("usp::ring_attn_bwd")
 def ring_attn_bwd(
     grad_out: Tensor,
     q: Tensor,
