@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .. import registry
 from ..distributed import agree_sizes, record_sent, resolve_group, run_collective
+from .define import define
 
 __all__ = ["halo_exchange", "halo_reduce"]
 
@@ -124,9 +125,8 @@ def _shift_rows(x: Tensor, down: bool) -> Tensor:
     return torch.cat([zero, x[:-1]]) if down else torch.cat([x[1:], zero])
 
 
-@torch.library.custom_op(
+@define(
     "usp::halo_exchange",
-    mutates_args=(),
     schema="(Tensor x, int dim, int before, int after, SymInt max_seqlen, str group_name) -> Tensor",
 )
 def halo_exchange(x: Tensor, dim: int, before: int, after: int, max_seqlen: int, group_name: str) -> Tensor:
@@ -168,9 +168,8 @@ def _(x, dim, before, after, max_seqlen, group_name):
     return x.new_empty(shape)
 
 
-@torch.library.custom_op(
+@define(
     "usp::halo_reduce",
-    mutates_args=(),
     schema="(Tensor dy, int dim, int before, int after, str group_name) -> Tensor",
 )
 def halo_reduce(dy: Tensor, dim: int, before: int, after: int, group_name: str) -> Tensor:
