@@ -80,6 +80,7 @@ from ..distributed import (
 )
 from ..distributed import group_name as _group_name
 from ..dynamo_marks import assume_constant_result
+from .define import define
 
 __all__ = [
     "all_gather",
@@ -378,9 +379,8 @@ def _moved_shape(shape: Sequence[IntLike], dim: int) -> list[IntLike]:
 # The ops.
 
 
-@torch.library.custom_op(
+@define(
     "usp::all_to_all",
-    mutates_args=(),
     schema="(Tensor x, int scatter_dim, int gather_dim, SymInt[] scatter_sizes, SymInt[] gather_sizes, "
     "str group_name) -> Tensor",
 )
@@ -404,9 +404,8 @@ def _(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group_name):
     return x.new_empty(_all_to_all_shape(x.shape, sd, gd, scatter_sizes, gather_sizes, group_name))
 
 
-@torch.library.custom_op(
+@define(
     "usp::all_gather",
-    mutates_args=(),
     schema="(Tensor x, int dim, int group_size, str group_name) -> Tensor",
 )
 def all_gather_op(x: Tensor, dim: int, group_size: int, group_name: str) -> Tensor:
@@ -423,9 +422,8 @@ def _(x, dim, group_size, group_name):
     return x.new_empty(shape)
 
 
-@torch.library.custom_op(
+@define(
     "usp::reduce_scatter",
-    mutates_args=(),
     schema="(Tensor x, int dim, int group_size, str group_name) -> Tensor",
 )
 def reduce_scatter_op(x: Tensor, dim: int, group_size: int, group_name: str) -> Tensor:
@@ -446,9 +444,8 @@ def _(x, dim, group_size, group_name):
 # Issue + wait forms (graphs get them from `usp_graph.passes.overlap`, after autograd).
 
 
-@torch.library.custom_op(
+@define(
     "usp::all_to_all_start",
-    mutates_args=(),
     schema="(Tensor x, int scatter_dim, int gather_dim, SymInt[] scatter_sizes, SymInt[] gather_sizes, "
     "str group_name) -> Tensor",
 )
@@ -472,9 +469,8 @@ def _(x, scatter_dim, gather_dim, scatter_sizes, gather_sizes, group_name):
     return x.new_empty([shape[gd]] + [s for d, s in enumerate(shape) if d != gd])
 
 
-@torch.library.custom_op(
+@define(
     "usp::all_gather_start",
-    mutates_args=(),
     schema="(Tensor x, int dim, int group_size, str group_name) -> Tensor",
 )
 def all_gather_start_op(x: Tensor, dim: int, group_size: int, group_name: str) -> Tensor:
@@ -488,9 +484,8 @@ def _(x, dim, group_size, group_name):
     return x.new_empty([x.shape[d] * group_size] + [s for i, s in enumerate(x.shape) if i != d])
 
 
-@torch.library.custom_op(
+@define(
     "usp::reduce_scatter_start",
-    mutates_args=(),
     schema="(Tensor x, int dim, int group_size, str group_name) -> Tensor",
 )
 def reduce_scatter_start_op(x: Tensor, dim: int, group_size: int, group_name: str) -> Tensor:
@@ -504,7 +499,7 @@ def _(x, dim, group_size, group_name):
     return x.new_empty([group_size, x.shape[d] // group_size] + [s for i, s in enumerate(x.shape) if i != d])
 
 
-@torch.library.custom_op("usp::wait", mutates_args=(), schema="(Tensor recv, int dim, bool reduce) -> Tensor")
+@define("usp::wait", schema="(Tensor recv, int dim, bool reduce) -> Tensor")
 def wait_op(recv: Tensor, dim: int, reduce: bool) -> Tensor:
     """Wait for the collective a ``*_start`` op issued into `recv` and return its result: the
     blocks of `recv` summed in rank order (`reduce`, reduce_scatter), the leading dim moved to `dim`."""
