@@ -1,0 +1,127 @@
+"""`usp_graph.ops.define`: an op gets what `torch.library.custom_op` registers (schema, tags, the kernel
+of every device, fake/meta, autograd), and its kernel runs without Dynamo until Dynamo is loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+import usp_graph.ops  # noqa: F401  (defines every usp op)
+from usp_graph.ops.define import Op, define, op_for
+
+KEYS = ("CPU", "CUDA", "Meta", "CompositeExplicitAutograd", "CompositeImplicitAutograd", "Autograd",
+        "BackendSelect", "ADInplaceOrView")  # fmt: skip
+
+
+def _registered(qualname: str) -> dict:
+    ns, name = qualname.split("::")
+    op = getattr(getattr(torch.ops, ns), name).default
+    return {
+        "schema": str(op._schema).split("(", 1)[1],
+        "tags": sorted(map(str, op.tags)),
+        "kernels": [k for k in KEYS if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, k)],
+        "fake": torch._library.simple_registry.singleton.find(qualname).fake_impl.kernel is not None,
+    }
+
+
+def _scaled(x: Tensor, k: int, scale: float, *, shift: int = 0) -> tuple[Tensor, Tensor]:
+    return x * scale + shift, x.sum(0) * k
+
+
+def _scaled_fake(x, k, scale, *, shift=0):
+    return torch.empty_like(x), x.new_empty(x.shape[1:])
+
+
+probe = define("usp_define_test::scaled")(_scaled)
+probe.register_fake(_scaled_fake)
+twin = torch.library.custom_op("usp_define_test::scaled_twin", mutates_args=())(_scaled)
+twin.register_fake(_scaled_fake)
+
+
+def test_define_registers_what_custom_op_registers():
+    assert _registered("usp_define_test::scaled") == _registered("usp_define_test::scaled_twin")
+    assert _registered("usp_define_test::scaled")["kernels"] == [
+        "Meta",
+        "CompositeExplicitAutograd",
+        "Autograd",
+    ]
+
+
+def test_every_usp_op_is_a_defined_op_with_custom_ops_registrations():
+    names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("usp::"))
+    assert "usp::varlen_fwd" in names and "usp::wait" in names and "usp::halo_reduce" in names
+    for name in names:
+        assert isinstance(op_for(name), Op), name
+        assert name not in torch._library.custom_ops.OPDEFS, f"{name} is defined with torch.library.custom_op"
+        reg = _registered(name)
+        assert reg["tags"] == ["Tag.pt2_compliant_tag"] and reg["fake"], (name, reg)
+        assert reg["kernels"] == ["Meta", "CompositeExplicitAutograd", "Autograd"], (name, reg)
+
+
+def test_a_defined_op_calls_like_its_function_and_holds_its_overload():
+    x = torch.arange(6.0, dtype=torch.float64).view(3, 2)
+    out, total = probe(x, 2, 0.5, shift=1)
+    assert torch.equal(out, x * 0.5 + 1) and torch.equal(total, x.sum(0) * 2)
+    assert probe.default is torch.ops.usp_define_test.scaled.default is probe._opoverload
+    assert probe.__name__ == "_scaled" and probe._qualname == "usp_define_test::scaled"
+    with torch.device("meta"):
+        fake_out, fake_total = probe(torch.empty(3, 2), 2, 0.5)
+    assert fake_out.shape == (3, 2) and fake_total.shape == (2,)
+
+
+def test_differentiating_an_op_without_a_backward_raises_naming_it():
+    x = torch.ones(3, 2, dtype=torch.float64, requires_grad=True)
+    out, _ = probe(x, 2, 0.5)
+    with pytest.raises(
+        RuntimeError, match=r"backward through usp_define_test\.scaled\.default but no autograd"
+    ):
+        out.sum().backward()
+
+
+@define("usp_define_test::double")
+def double(x: Tensor) -> Tensor:
+    return x * 2
+
+
+double.register_fake(lambda x: torch.empty_like(x))
+
+
+def test_a_backward_is_given_once_and_reaches_autograd():
+    double.register_autograd(lambda ctx, g: g * 3, setup_context=lambda ctx, inputs, output: None)
+    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    double(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((2,), 3.0, dtype=torch.float64))  # the given backward, not 2
+    with pytest.raises(RuntimeError, match="already has a backward"):
+        double.register_autograd(lambda ctx, g: g, setup_context=lambda ctx, inputs, output: None)
+
+
+def test_define_refuses_a_mutating_op():
+    with pytest.raises(ValueError, match="mutates_args must be empty"):
+        define("usp_define_test::bad", mutates_args=("x",))
+    with pytest.raises(ValueError, match="usp ops are functional"):
+        define("usp_define_test::bad_schema", schema="(Tensor(a!) x) -> ()")(lambda x: None)
+
+
+def test_a_kernel_that_returns_its_input_is_refused():
+    same = define("usp_define_test::same", schema="(Tensor x) -> Tensor")(lambda x: x)
+    with pytest.raises(RuntimeError, match="may not alias"):
+        same(torch.ones(2))
+
+
+def test_a_compiled_caller_keeps_the_op_as_one_node_and_runs_its_kernel_in_eager():
+    ran: list[bool] = []
+    seen = define("usp_define_test::seen", schema="(Tensor x) -> Tensor")(
+        lambda x: ran.append(torch.compiler.is_compiling()) or x + 1
+    )
+    seen.register_fake(lambda x: torch.empty_like(x))
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    out = torch.compile(lambda x: seen(x) * 2, backend=backend, fullgraph=True)(torch.zeros(3))
+    assert torch.equal(out, torch.full((3,), 2.0)) and ran == [False]
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.usp_define_test.seen.default in targets
