@@ -86,8 +86,9 @@ class GraphFile:
     graph_module: the rebuilt graph (node names, targets, args, kwargs, kept metadata, fake values).
     kind: ``"train_step"`` or ``"graph_module"``. inputs: one `InputSpec` per placeholder.
     symbols: ``{name: SymInt}`` of the rebuilt fake values (pass it to
-    ``usp_graph.analysis.summarize(gm, symbols=...)``); dims: ``{name: sympy symbol}`` those SymInts
-    are expressions of. ranges: ``{name: (lo, hi)}``; guards: ``(condition over dims, where)``.
+    ``usp_graph.analysis.summarize(gm, symbols=...)``; empty when read with ``values=False``: no fake
+    values, no ShapeEnv); dims: ``{name: sympy symbol}`` those SymInts are expressions of (without
+    values, plain sympy symbols of those names). hints: ``{name: the traced size or None}``. ranges: ``{name: (lo, hi)}``; guards: ``(condition over dims, where)``.
     world: the process groups of a CP graph (None without collectives). meta: the caller's data.
     versions / fingerprint: who wrote it and its content hash. section: the kind-specific JSON.
     """
@@ -373,15 +374,16 @@ def read_document(doc: dict[str, Any], *, source: str, values: bool, strict_vers
             raise _schema(f"file.versions.{k[:40]}", "versions are strings")
     _check_versions(versions, strict_versions, source)
 
-    env, symbols = _decode_symbols(_field(doc, "symbols", dict, "file"))
+    declared = _decode_symbols(_field(doc, "symbols", dict, "file"))
+    env, symints = _shape_env(declared) if values else (None, {})
     f = GraphFile(
         graph_module=None,  # type: ignore[arg-type]
         kind=kind,
         inputs=(),
-        symbols={name: s for name, (s, _, _) in symbols.items()},
-        dims={name: s.node.expr for name, (s, _, _) in symbols.items()},
-        hints={name: hint for name, (_, hint, _) in symbols.items()},
-        ranges={name: bounds for name, (_, _, bounds) in symbols.items()},
+        symbols=symints,
+        dims={name: s.node.expr for name, s in symints.items()} if values else _plain_symbols(declared),
+        hints={name: hint for name, (hint, _) in declared.items()},
+        ranges={name: bounds for name, (_, bounds) in declared.items()},
         guards=(),
         world=None,
         meta={},
@@ -422,20 +424,10 @@ def read_document(doc: dict[str, Any], *, source: str, values: bool, strict_vers
     return f
 
 
-def _decode_symbols(
-    declared: dict[str, Any],
-) -> tuple[Any, dict[str, tuple[torch.SymInt, int | None, tuple[int, int | None]]]]:
-    """The file's ``symbols`` -> (a ShapeEnv, name -> (its SymInt, hint, (min, max))). A symbol
-    without a hint is unbacked."""
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
-
+def _decode_symbols(declared: dict[str, Any]) -> dict[str, tuple[int | None, tuple[int, int | None]]]:
+    """The file's ``symbols`` -> name -> (hint, (min, max)). A symbol without a hint is unbacked."""
     if len(declared) > MAX_SYMBOLS:
         raise _schema("symbols", f"{len(declared)} symbols declared; graph files hold at most {MAX_SYMBOLS}")
-    env = ShapeEnv(duck_shape=False)
-    # torch's own source of a named constant; ShapeEnv() has just imported torch._dynamo (its
-    # validator does), so this import costs nothing more (tests/test_imports.py).
-    from torch._dynamo.source import ConstantSource
-
     symbols = {}
     for name, info in declared.items():
         where = f"symbols.{name[:40]}"
@@ -452,15 +444,44 @@ def _decode_symbols(
             or (hi is not None and not lo <= hi < 2**62)
         ):
             raise _schema(where, f"hint {hint} / range [{lo}, {hi}] out of bounds")
+        symbols[name] = (hint, (lo, hi))
+    return symbols
+
+
+def _plain_symbols(declared: Mapping[str, tuple[int | None, Any]]) -> dict[str, sympy.Symbol]:
+    """The dims of a file read without values: sympy symbols with the assumptions a ShapeEnv gives
+    its own (a backed size is a positive integer, an unbacked one an integer), so an expression
+    over them simplifies as it does over the ShapeEnv's and evaluates the same. No ShapeEnv: its
+    constructor imports torch._dynamo (torch/fx/experimental/validator.py), and nothing here
+    needs one."""
+    return {
+        name: sympy.Symbol(name, integer=True, positive=True)
+        if hint is not None
+        else sympy.Symbol(name, integer=True)
+        for name, (hint, _) in declared.items()
+    }
+
+
+def _shape_env(declared: Mapping[str, tuple[int | None, Any]]) -> tuple[Any, dict[str, torch.SymInt]]:
+    """A ShapeEnv holding one symbol per declared name, and name -> its SymInt: the sizes of the
+    rebuilt fake values (a symbolic fake tensor needs one)."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv(duck_shape=False)
+    # torch's own source of a named constant; ShapeEnv() has just imported torch._dynamo (its
+    # validator does), so this import costs nothing more (tests/test_imports.py).
+    from torch._dynamo.source import ConstantSource
+
+    symbols = {}
+    for name, (hint, _) in declared.items():
         if hint is None:
-            s = env.create_unbacked_symint()
+            symbols[name] = env.create_unbacked_symint()
         else:
             src = ConstantSource(f"dim_{name}")
             sym = env.create_symbol(
                 hint, src, dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True
             )
-            s = env.create_symintnode(sym, hint=hint, source=src)
-        symbols[name] = (s, hint, (lo, hi))
+            symbols[name] = env.create_symintnode(sym, hint=hint, source=src)
     return env, symbols
 
 
