@@ -12,16 +12,19 @@ The import graph is built from the source (AST), not by importing anything:
   reader: the ``cli`` <-> ``demo`` cycle (issue 18) was made of function-local imports only.
   A second test checks the stricter module-level graph with no exception at all.
 
-What a fresh process imports (issue 39): ``import usp_graph``, eager `attention_mode` and a graph-file
-load + replay do not import the compile path (usp_graph's compiler and tracer, inductor's
-compiler). torch itself imports ``torch._dynamo`` (and with it the ``torch._inductor``
-package and its config/utility modules, not its compiler) in two places these paths reach, checked
+What a fresh process imports (issue 39): ``import usp_graph`` and eager `attention_mode` (forward and
+backward) import neither ``torch._dynamo`` nor ``torch._inductor``; the usp ops are defined with
+`usp_graph.ops.define`, whose kernels need no Dynamo (``torch.library.custom_op`` wraps its kernels in
+``torch._disable_dynamo``, which imports ``torch._dynamo`` at an op's first call: torch/_compile.py).
+A graph file read with ``values=False`` imports neither. Replaying one, or reading it with its fake
+values (the default), imports ``torch._dynamo`` because torch itself does, in two places, checked
 below so that a torch that stops doing so tightens the checks:
-- the first call of any ``torch.library.custom_op`` kernel (every usp op): torch/_library/custom_ops.py
-  wraps kernels in ``torch._disable_dynamo``, which imports ``torch._dynamo`` on first call
-  (torch/_compile.py);
-- ``ShapeEnv()`` (a graph file's symbolic sizes): torch/fx/experimental/symbolic_shapes.py imports
-  torch/fx/experimental/validator.py, which imports ``torch._dynamo.exc``.
+- ``FakeTensorMode()`` (the replay's check runs every node on fake tensors first):
+  torch/_subclasses/fake_tensor.py imports ``torch._dynamo.config``;
+- ``ShapeEnv()`` (the symbolic sizes of the rebuilt fake values): torch/fx/experimental/symbolic_shapes.py
+  imports torch/fx/experimental/validator.py, which imports ``torch._dynamo.exc``.
+``torch._dynamo`` brings the ``torch._inductor`` package (its config and utility modules), never
+inductor's compiler; usp_graph's compiler and tracer are never imported on these paths.
 """
 
 from __future__ import annotations
@@ -247,8 +250,9 @@ ROOT = PACKAGE.parent
 # Inductor's compiler: never on the light paths (its package and config come with torch._dynamo).
 INDUCTOR_COMPILER = ("torch._inductor.compile_fx", "torch._inductor.graph", "torch._inductor.lowering",
                      "torch._inductor.scheduler")  # fmt: skip
-# Where torch itself imports torch._dynamo on these paths (the module docstring says why).
-TORCH_DYNAMO_IMPORTERS = ("torch/_compile.py", "torch/fx/experimental/validator.py")
+# Where torch itself imports torch._dynamo on a graph file's replay (the module docstring says why).
+TORCH_DYNAMO_IMPORTERS = ("torch/_subclasses/fake_tensor.py", "torch/fx/experimental/validator.py")
+NO_COMPILER_AT_ALL = ("torch._dynamo", "torch._inductor")
 
 _PRELUDE = """
 import importlib.abc, json, sys, traceback
@@ -282,14 +286,21 @@ def _fresh(code: str, *args: str) -> dict:
     return out
 
 
-def _assert_no_compiler(out: dict) -> None:
+def _assert_no_compiler(out: dict, *, dynamo_from: str | None = None) -> None:
+    """No compiler module in `out` (usp_graph's or inductor's); ``torch._dynamo`` not imported at all,
+    or (`dynamo_from`) first imported by that file of torch's."""
     assert not out["modules"] & {*COMPILE_PATH, *INDUCTOR_COMPILER}, sorted(
         out["modules"] & {*COMPILE_PATH, *INDUCTOR_COMPILER}
     )
     where = out["dynamo_from"]
-    assert where is None or any(where.split(":")[0].endswith(t) for t in TORCH_DYNAMO_IMPORTERS), (
-        f"torch._dynamo was first imported from {where}, not by torch itself"
-    )
+    if dynamo_from is None:
+        assert where is None and not out["modules"] & set(NO_COMPILER_AT_ALL), (
+            f"torch._dynamo was imported (first from {where})"
+        )
+    else:
+        assert where is not None and where.split(":")[0].endswith(dynamo_from), (
+            f"torch._dynamo was first imported from {where}, not by {dynamo_from}"
+        )
 
 
 @pytest.mark.slow
@@ -335,76 +346,105 @@ def test_every_public_name_and_submodule_resolves_and_a_missing_one_is_an_attrib
         usp_graph.no_such_name  # noqa: B018
 
 
-@pytest.mark.slow
-def test_torch_itself_imports_dynamo_at_a_custom_ops_first_call_and_for_a_shape_env():
-    """The two places the light paths meet torch._dynamo (module docstring). If torch stops importing
-    it there, forbid torch._dynamo in `_assert_no_compiler`."""
-    op = _fresh(
-        """
-        import torch
+_PROBES = {
+    "a custom_op kernel's first call": ("torch/_compile.py", """
         @torch.library.custom_op("usp_import_probe::ident", mutates_args=())
         def ident(x: torch.Tensor) -> torch.Tensor:
             return x.clone()
         before = "torch._dynamo" in sys.modules
         ident(torch.zeros(1))
-        report(before=before)
-        """
-    )
-    assert not op["before"] and op["dynamo_from"].split(":")[0].endswith("torch/_compile.py"), op[
-        "dynamo_from"
-    ]
-    env = _fresh(
-        """
-        import torch
+        """),
+    "FakeTensorMode()": ("torch/_subclasses/fake_tensor.py", """
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        before = "torch._dynamo" in sys.modules
+        FakeTensorMode()
+        """),
+    "ShapeEnv()": ("torch/fx/experimental/validator.py", """
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
         before = "torch._dynamo" in sys.modules
         ShapeEnv(duck_shape=False)
-        report(before=before)
-        """
-    )
-    assert not env["before"] and env["dynamo_from"].split(":")[0].endswith(
-        "torch/fx/experimental/validator.py"
-    )
+        """),
+}  # fmt: skip
 
 
 @pytest.mark.slow
-def test_eager_attention_mode_imports_no_compiler():
+@pytest.mark.parametrize("probe", sorted(_PROBES))
+def test_torch_itself_imports_dynamo_where_the_module_docstring_says(probe):
+    """Where torch imports torch._dynamo (module docstring). If torch stops importing it at a
+    custom_op's first call, `usp_graph.ops.define` may go back to ``custom_op``; if it stops in
+    FakeTensorMode() or ShapeEnv(), forbid torch._dynamo on the graph-file paths below."""
+    importer, code = _PROBES[probe]
+    out = _fresh("import torch\n" + textwrap.dedent(code) + "report(before=before)")
+    assert not out["before"] and out["dynamo_from"].split(":")[0].endswith(importer), out["dynamo_from"]
+
+
+@pytest.mark.slow
+def test_eager_attention_mode_imports_no_dynamo_forward_and_backward():
     out = _fresh(
         """
         import torch
         import torch.nn.functional as F
         import usp_graph
         meta = usp_graph.AttentionMetadata.from_lengths([3, 5], max_docs=4)
-        q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+        q = torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True)
         with usp_graph.attention_mode(meta):
-            F.scaled_dot_product_attention(q, q, q, is_causal=True).sum()
-        report()
+            F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+        report(grad=bool(q.grad.abs().sum() > 0))
         """
     )
     _assert_no_compiler(out)
     assert "usp_graph.varlen" not in out["modules"] and "usp_graph.ops.varlen" in out["modules"]
+    assert out["grad"]
 
 
-@pytest.mark.slow
-def test_a_graph_file_load_and_replay_imports_no_compiler(tmp_path):
+def _step_file(tmp_path) -> None:
     from tests.graphfile_corpus import STEP, build_bases, example_inputs
 
     (tmp_path / "step.uspg").write_bytes(build_bases()[STEP])
     params, batch, meta = example_inputs(STEP)
     torch.save({"params": params, "batch": batch, "meta": (meta.cu_seqlens, meta.max_seqlen, meta.total_tokens)},
                tmp_path / "inputs.pt")  # fmt: skip
+
+
+_REPLAY = """
+        d = torch.load(sys.argv[1] + "/inputs.pt")
+        loss, grads = step.replay(d["params"], d["batch"], usp_graph.AttentionMetadata(*d["meta"]))
+        report(loss=float(loss), loaded=loaded)
+        """
+
+
+@pytest.mark.slow
+def test_a_graph_file_read_without_values_imports_no_dynamo_and_its_replay_only_torchs_fake_tensors(tmp_path):
+    _step_file(tmp_path)
+    out = _fresh(
+        """
+        import torch
+        import usp_graph
+        step = usp_graph.load(sys.argv[1] + "/step.uspg", values=False)
+        loaded = {"modules": sorted(sys.modules), "dynamo_from": _FirstDynamoImport.where}
+        """
+        + _REPLAY,
+        str(tmp_path),
+    )
+    _assert_no_compiler({**out["loaded"], "modules": set(out["loaded"]["modules"])})
+    _assert_no_compiler(out, dynamo_from="torch/_subclasses/fake_tensor.py")
+    assert out["loss"] > 0
+
+
+@pytest.mark.slow
+def test_a_graph_file_load_and_replay_imports_dynamo_only_through_torchs_shape_env(tmp_path):
+    _step_file(tmp_path)
     out = _fresh(
         """
         import torch
         import usp_graph
         step = usp_graph.load(sys.argv[1] + "/step.uspg")
-        d = torch.load(sys.argv[1] + "/inputs.pt")
-        loss, grads = step.replay(d["params"], d["batch"], usp_graph.AttentionMetadata(*d["meta"]))
-        report(loss=float(loss))
-        """,
+        loaded = None
+        """
+        + _REPLAY,
         str(tmp_path),
     )
-    _assert_no_compiler(out)
+    _assert_no_compiler(out, dynamo_from="torch/fx/experimental/validator.py")
     assert out["loss"] > 0
 
 
