@@ -101,6 +101,9 @@ def test_define_refuses_a_mutating_op():
         define("usp_define_test::bad", mutates_args=("x",))
     with pytest.raises(ValueError, match="usp ops are functional"):
         define("usp_define_test::bad_schema", schema="(Tensor(a!) x) -> ()")(lambda x: None)
+    assert (
+        "usp_define_test::bad_schema" not in torch._C._dispatch_get_all_op_names()
+    )  # refused before defined
 
 
 def test_a_kernel_that_returns_its_input_is_refused():

@@ -51,11 +51,11 @@ class Op:
     def __init__(self, qualname: str, fn: Callable[..., Any], schema: str) -> None:
         namespace, name = qualname.split("::")
         self._qualname, self._name, self._init_fn = qualname, name, fn
+        if not _utils.is_functional_schema(torch._C.parse_schema(name + schema)):
+            raise ValueError(f"{qualname}: usp ops are functional; {schema} mutates or aliases an input")
         self._lib = _library(namespace)
         self._lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
         self._opoverload: torch._ops.OpOverload = getattr(getattr(torch.ops, namespace), name).default
-        if not _utils.is_functional_schema(self._opoverload._schema):
-            raise ValueError(f"{qualname}: usp ops are functional; {schema} mutates or aliases an input")
         self._lib.impl(name, self._kernel(fn), "CompositeExplicitAutograd")
         # Read at each backward: `register_autograd` fills them in later (custom_op does the same).
         self._backward_fn: Callable[..., Any] | None = None
