@@ -17,8 +17,11 @@ rank recomputes them in the same order, so the collectives pair up).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,6 +30,7 @@ __all__ = [
     "POLICIES",
     "attention_ops",
     "checkpoint_blocks",
+    "recompute_under",
     "selective_context_fn",
     "side_effect_breaks",
     "warn_side_effect_breaks",
@@ -154,3 +158,74 @@ def warn_side_effect_breaks() -> bool:
         stacklevel=3,
     )
     return True
+
+
+# -- the recompute runs under the state of its forward ---------------------------------------------
+#
+# A checkpointed region's recompute runs in backward, usually after the block that gave its forward
+# its documents has closed (`usp_graph.documents`), and under gradient accumulation inside another
+# block: it would attend other documents than its forward did (a CheckpointError when the saved
+# metadata's shapes differ, other documents' gradients when they match). torch.utils.checkpoint
+# restores RNG and autocast state for the recompute, nothing of usp's; so its entry points are
+# wrapped to run the region's function under a context captured at the region's forward.
+
+Restorer = Callable[[], contextlib.AbstractContextManager]
+_CAPTURES: list[Callable[[], Restorer]] = []
+
+
+def _under_forward_state(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run under the state every capture of `recompute_under` saw now (at the region's forward)."""
+    restorers = [capture() for capture in _CAPTURES]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            for restore in restorers:
+                stack.enter_context(restore())
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def recompute_under(capture: Callable[[], Restorer]) -> None:
+    """Run the recompute of every activation checkpoint under the state ``capture()`` saw at its forward.
+
+    `capture` returns a function that makes a context manager restoring the state it saw (made and
+    entered at every recompute, a second backward's too, and for reentrant checkpoints around the
+    forward as well, where it changes nothing). Covers
+    `torch.utils.checkpoint.checkpoint` (reentrant and non-reentrant, and so transformers'
+    checkpointing and `checkpoint_blocks`) and the composable ``torch.distributed._composable.checkpoint``;
+    regions Dynamo compiles whole recompute inside the compiled backward, from the graph's own inputs."""
+    import torch.utils.checkpoint as ckpt
+
+    if capture not in _CAPTURES:
+        _CAPTURES.append(capture)
+    generator = ckpt._checkpoint_without_reentrant_generator
+    if not getattr(generator, "_usp_recompute", False):
+
+        def nonreentrant(fn, *args, **kwargs):
+            return generator(_under_forward_state(fn), *args, **kwargs)
+
+        nonreentrant._usp_recompute = True  # type: ignore[attr-defined]
+        ckpt._checkpoint_without_reentrant_generator = nonreentrant
+        # The composable API binds the generator at its import: rebind it if it came first.
+        composable = sys.modules.get("torch.distributed._composable.checkpoint_activation")
+        if getattr(composable, "_checkpoint_without_reentrant_generator", None) is generator:
+            composable._checkpoint_without_reentrant_generator = nonreentrant
+    if not getattr(ckpt.CheckpointFunction, "_usp_recompute", False):
+        ckpt.CheckpointFunction = _reentrant(ckpt.CheckpointFunction)
+
+
+def _reentrant(function: type) -> type:
+    """A subclass of reentrant checkpoint's autograd function (same name, same backward) whose
+    `run_function` runs under the forward's state."""
+
+    class CheckpointFunction(function):  # type: ignore[misc, valid-type]
+        _usp_recompute = True
+
+        @classmethod
+        def apply(cls, run_function, preserve_rng_state, *args):  # type: ignore[override]
+            return super().apply(_under_forward_state(run_function), preserve_rng_state, *args)
+
+    CheckpointFunction.__qualname__ = function.__qualname__
+    CheckpointFunction.__module__ = function.__module__
+    return CheckpointFunction

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import resolve
+from ..checkpointing import recompute_under
 from ..metadata import AttentionMetadata, check_has_values
 from ..resolve import attention_mode_active, refuse_unhonoured
 
@@ -96,6 +97,27 @@ def packed_documents_active() -> bool:
     return _PACKED
 
 
+@contextlib.contextmanager
+def _restored(
+    state: tuple[tuple[AttentionMetadata | None, AttentionMetadata | None], bool],
+) -> Iterator[None]:
+    global _PACKED
+    token = _CURRENT.set(state[0])
+    packed, _PACKED = _PACKED, state[1]
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+        _PACKED = packed
+
+
+def _forward_documents() -> Callable[[], contextlib.AbstractContextManager]:
+    """What restores the documents state of now (an activation checkpoint's forward) for the
+    region's recompute: it attends the documents its forward did, wherever backward runs (after the
+    block, inside the next micro-batch's block, on autograd's device thread)."""
+    return functools.partial(_restored, (_CURRENT.get(), _PACKED))
+
+
 def current_documents() -> AttentionMetadata | None:
     """The metadata of the innermost `documents` block, or None outside any."""
     return _CURRENT.get()[0]
@@ -160,5 +182,6 @@ def _guard_eager_sdpa() -> None:
 
 
 _guard_eager_sdpa()
+recompute_under(_forward_documents)
 
 resolve._BLOCKS = sys.modules[__name__]  # the resolver reads the blocks from here
