@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-from torch.utils.checkpoint import CheckpointError
 
 pytestmark = pytest.mark.slow
 
@@ -155,13 +154,6 @@ def test_a_local_model_directory_trains_in_one_process(tmp_path, capsys):
     assert all(math.isfinite(m["loss"]) and m["tokens_per_s"] > 0 for m in _metrics(metrics))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckpointError,
-    reason="transformers 5.25's checkpointed decoder layers graph-break under torch.compile and run "
-    "eagerly; their recompute in backward runs after the documents(...) block, outside usp, so it saves "
-    "other tensors than the forward did (CheckpointError at step 1)",
-)
 def test_compiled_with_checkpointing_trains_as_the_eager_recipe(tmp_path):
     """``train --compile --checkpoint``: finite losses equal to the eager recipe's (fp64)."""
     from usp_graph.train import main

@@ -108,7 +108,8 @@ def checkpoint_blocks(
 # Dynamo compiles a checkpointed region as one higher-order op, and refuses (a graph break) a region
 # whose forward mutates Python state from outside it: eager checkpointing replays the mutation in the
 # recompute, a compiled graph cannot. The region then runs eagerly: no usp backend ever sees its
-# attention. transformers >= 5.25 hits this at every checkpointed decoder layer: the `kernels`
+# attention (transformers' "usp" attention still attends the block's documents in eager, and its
+# recompute too: `recompute_under` below). transformers >= 5.25 hits this at every checkpointed decoder layer: the `kernels`
 # package it depends on wraps each attention module's forward (``use_kernelized_func``) in a set and
 # reset of a module-level context variable, which under compilation is an attribute store on a
 # global object. The reset restores the value the set replaced, so the region's net effect is nil
@@ -151,9 +152,10 @@ def warn_side_effect_breaks() -> bool:
 
     warnings.warn(
         "usp backend: Dynamo broke the graph at a checkpointed region (graph break 'HOP: Unsafe side "
-        "effect': the region's forward mutates Python state from outside it), so those regions run eagerly and usp rewrites none of their attention: inside "
-        "usp_graph.documents(...) they are refused, outside it SDPA attends with the model's own (T, T) mask. "
-        "To compile them, set " + SIDE_EFFECT_FIX,
+        "effect': the region's forward mutates Python state from outside it), so those regions run eagerly and "
+        'the backend rewrites none of their attention: attn_implementation="usp" attends their documents in '
+        "eager (slower), plain SDPA inside usp_graph.documents(...) is refused, and outside it attends with the "
+        "model's own (T, T) mask. To compile them, set " + SIDE_EFFECT_FIX,
         UserWarning,
         stacklevel=3,
     )
