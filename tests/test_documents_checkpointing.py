@@ -238,3 +238,23 @@ def test_the_composable_checkpoint_recomputes_under_its_forwards_documents():
         loss = module(x).sum()
     loss.backward()
     assert torch.equal(x.grad, meta.cu_seqlens.to(torch.float64))
+
+
+def test_a_checkpointed_region_given_usps_mask_compiles_whole():
+    """Dynamo hands a checkpointed layer's arguments, the mask "usp" builds (`DocumentStarts`) among
+    them, to the region's higher-order op: that is no model code reading the mask (it was refused,
+    and the region ran eagerly, outside backend usp and its context parallelism)."""
+    from usp_graph.resolve import DocumentStarts
+
+    def body(x: torch.Tensor, mask: DocumentStarts) -> torch.Tensor:
+        return x.sin() * mask.starts.to(x.dtype)
+
+    def region(x: torch.Tensor, mask: DocumentStarts) -> torch.Tensor:
+        return checkpoint(body, x, use_reentrant=False, mask=mask)
+
+    mask = DocumentStarts(torch.tensor([[True, False, False, True]]))
+    x = torch.randn(1, 4, dtype=torch.float64, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(region, backend="usp", fullgraph=True, options={"inner": "aot_eager"})
+    compiled(x, mask).sum().backward()  # fullgraph: no graph break allowed
+    assert torch.equal(x.grad, x.detach().cos() * mask.starts.to(x.dtype))

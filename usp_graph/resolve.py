@@ -646,6 +646,11 @@ class DocumentStarts:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            # Not the model reading its mask: Dynamo hands a checkpointed layer's arguments, this
+            # mask among them, to the region's higher-order op (`tag_activation_checkpoint`).
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
         raise refuse(
             f"the model reads its attention mask in its own code ({getattr(func, '__name__', func)}(mask, ...)), "
             "and usp builds no mask (it attends within the documents directly)",
