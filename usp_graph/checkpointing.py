@@ -13,6 +13,10 @@ inside checkpointed regions. A selective policy is a `create_selective_checkpoin
 recompute skips attention and communication, at the memory of the attention outputs);
 ``recompute_attention`` saves matmul outputs and recomputes attention and its collectives (every
 rank recomputes them in the same order, so the collectives pair up).
+
+Whatever checkpoints a region (these policies, transformers' checkpointing, `torch.utils.checkpoint`
+by hand), its recompute runs under the `usp_graph.documents` state its forward saw
+(`recompute_under`): backward after the block, or inside the next micro-batch's, is exact.
 """
 
 from __future__ import annotations
@@ -171,8 +175,8 @@ def warn_side_effect_breaks() -> bool:
 # restores RNG and autocast state for the recompute, nothing of usp's; so its entry points are
 # wrapped to run the region's function under a context captured at the region's forward.
 
-Restorer = Callable[[], contextlib.AbstractContextManager]
-_CAPTURES: list[Callable[[], Restorer]] = []
+_Restorer = Callable[[], contextlib.AbstractContextManager]
+_CAPTURES: list[Callable[[], _Restorer]] = []
 
 
 def _under_forward_state(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -188,7 +192,7 @@ def _under_forward_state(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def recompute_under(capture: Callable[[], Restorer]) -> None:
+def recompute_under(capture: Callable[[], _Restorer]) -> None:
     """Run the recompute of every activation checkpoint under the state ``capture()`` saw at its forward.
 
     `capture` returns a function that makes a context manager restoring the state it saw (made and
@@ -201,8 +205,9 @@ def recompute_under(capture: Callable[[], Restorer]) -> None:
 
     if capture not in _CAPTURES:
         _CAPTURES.append(capture)
-    generator = ckpt._checkpoint_without_reentrant_generator
-    if not getattr(generator, "_usp_recompute", False):
+    # Module globals `checkpoint` looks up at every call; another torch layout: left alone.
+    generator = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
+    if generator is not None and not getattr(generator, "_usp_recompute", False):
 
         def nonreentrant(fn, *args, **kwargs):
             return generator(_under_forward_state(fn), *args, **kwargs)
@@ -213,8 +218,9 @@ def recompute_under(capture: Callable[[], Restorer]) -> None:
         composable = sys.modules.get("torch.distributed._composable.checkpoint_activation")
         if getattr(composable, "_checkpoint_without_reentrant_generator", None) is generator:
             composable._checkpoint_without_reentrant_generator = nonreentrant
-    if not getattr(ckpt.CheckpointFunction, "_usp_recompute", False):
-        ckpt.CheckpointFunction = _reentrant(ckpt.CheckpointFunction)
+    function = getattr(ckpt, "CheckpointFunction", None)
+    if isinstance(function, type) and not getattr(function, "_usp_recompute", False):
+        ckpt.CheckpointFunction = _reentrant(function)
 
 
 def _reentrant(function: type) -> type:
