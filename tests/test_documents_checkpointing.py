@@ -132,6 +132,18 @@ def test_compiled_sdpa_regions_recompute_each_forwards_documents_after_the_block
     _assert_each_document_alone(_accumulate(compile_usp(model), model, usp_graph.documents), ref)
 
 
+@torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False)
+def test_compiled_sdpa_regions_left_to_eager_are_refused_with_the_fix_at_the_forward():
+    """Without the setting, the "sdpa" door's checkpointed layers run plain SDPA eagerly inside the
+    block: refused at the forward, naming the setting (never a CheckpointError in backward)."""
+    model = _checkpointed("sdpa", reentrant=False)
+    torch._dynamo.reset()
+    ids, pos, meta = BATCHES[0]
+    fix = "skip_fwd_side_effects_in_bwd_under_checkpoint = True"
+    with pytest.raises(usp_graph.EagerAttentionError, match=fix), usp_graph.documents(meta):
+        _logits(compile_usp(model), ids, pos)
+
+
 # ---- a plain module checkpointed by hand -------------------------------------------------------
 
 

@@ -162,7 +162,20 @@ def _checked_sdpa(*args: Any, **kwargs: Any) -> Any:
         "usp_graph.documents(...) is active: it would attend across the documents. Dynamo runs a frame "
         "eagerly past its recompile limit (all transformers models share one forward code object: raise "
         "torch._dynamo.config.recompile_limit), under torch.compiler.disable, or when the call is not in "
-        "compiled code at all; for eager code use usp_graph.attention_mode(metadata)"
+        "compiled code at all; for eager code use usp_graph.attention_mode(metadata)" + _checkpoint_breaks()
+    )
+
+
+def _checkpoint_breaks() -> str:
+    """The fix, when Dynamo left checkpointed regions out of its graphs in this process (they run
+    eagerly, so their SDPA calls land here: transformers >= 5.25's checkpointed layers)."""
+    from ..checkpointing import SIDE_EFFECT_FIX, side_effect_breaks
+
+    if "torch._dynamo.utils" not in sys.modules or not side_effect_breaks():
+        return ""
+    return (
+        ". Dynamo broke the graph at checkpointed regions in this process (graph break 'HOP: Unsafe side "
+        "effect'), which then run eagerly: to compile them, set " + SIDE_EFFECT_FIX
     )
 
 
