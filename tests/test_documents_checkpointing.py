@@ -79,7 +79,7 @@ def _reference(model: nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Te
 
 
 def _accumulate(fn, model: nn.Module, block) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Two forwards, each in its own block (`block(meta)`), then ONE backward of the summed loss after both."""
+    """Two forwards, each in its own block (`block(meta)`), then ONE backward of their summed loss."""
     outs, loss = [], 0
     for ids, pos, meta in BATCHES:
         with block(meta):

@@ -113,12 +113,12 @@ def checkpoint_blocks(
 # whose forward mutates Python state from outside it: eager checkpointing replays the mutation in the
 # recompute, a compiled graph cannot. The region then runs eagerly: no usp backend ever sees its
 # attention (transformers' "usp" attention still attends the block's documents in eager, and its
-# recompute too: `recompute_under` below). transformers >= 5.25 hits this at every checkpointed decoder layer: the `kernels`
-# package it depends on wraps each attention module's forward (``use_kernelized_func``) in a set and
-# reset of a module-level context variable, which under compilation is an attribute store on a
-# global object. The reset restores the value the set replaced, so the region's net effect is nil
-# and skipping its replay in the recompute changes nothing: Dynamo's
-# ``skip_fwd_side_effects_in_bwd_under_checkpoint`` then compiles the region whole.
+# recompute too: `recompute_under` below). transformers >= 5.25 hits this at every checkpointed
+# decoder layer: the `kernels` package it depends on wraps each attention module's forward
+# (``use_kernelized_func``) in a set and reset of a module-level context variable, which under
+# compilation is an attribute store on a global object. The reset restores the value the set
+# replaced, so the region's net effect is nil and skipping its replay in the recompute changes
+# nothing: Dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` then compiles the region whole.
 _SIDE_EFFECT_BREAK = "HOP: Unsafe side effect"
 
 SIDE_EFFECT_FIX = (
@@ -180,7 +180,7 @@ _CAPTURES: list[Callable[[], _Restorer]] = []
 
 
 def _under_forward_state(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` run under the state every capture of `recompute_under` saw now (at the region's forward)."""
+    """`fn` run under the state each capture of `recompute_under` sees now (at the region's forward)."""
     restorers = [capture() for capture in _CAPTURES]
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -193,14 +193,14 @@ def _under_forward_state(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def recompute_under(capture: Callable[[], _Restorer]) -> None:
-    """Run the recompute of every activation checkpoint under the state ``capture()`` saw at its forward.
+    """Run every activation checkpoint's recompute under the state ``capture()`` saw at its forward.
 
     `capture` returns a function that makes a context manager restoring the state it saw (made and
     entered at every recompute, a second backward's too, and for reentrant checkpoints around the
-    forward as well, where it changes nothing). Covers
-    `torch.utils.checkpoint.checkpoint` (reentrant and non-reentrant, and so transformers'
-    checkpointing and `checkpoint_blocks`) and the composable ``torch.distributed._composable.checkpoint``;
-    regions Dynamo compiles whole recompute inside the compiled backward, from the graph's own inputs."""
+    forward as well, where it changes nothing). Covers `torch.utils.checkpoint.checkpoint`
+    (reentrant and non-reentrant, and so transformers' checkpointing and `checkpoint_blocks`) and
+    the composable ``torch.distributed._composable.checkpoint``; regions Dynamo compiles whole
+    recompute inside the compiled backward, from the graph's own inputs."""
     import torch.utils.checkpoint as ckpt
 
     if capture not in _CAPTURES:

@@ -808,7 +808,7 @@ def _train(job: _Job, data: _Data) -> float:
     return loss_value
 
 
-def _compiled_checkpoints(args: argparse.Namespace):
+def _compiled_checkpoints(args: argparse.Namespace) -> contextlib.AbstractContextManager:
     """--compile --checkpoint: each checkpointed block compiles whole. transformers >= 5.25 breaks
     Dynamo's graph at every checkpointed layer (`usp_graph.checkpointing`), which would run the
     layers' attention eagerly, outside backend usp and its context parallelism; the setting that
