@@ -78,15 +78,21 @@ def _reference(model: nn.Module) -> tuple[list[torch.Tensor], dict[str, torch.Te
     return outs, grads(model)
 
 
-def _accumulate(fn, model: nn.Module, block) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Two forwards, each in its own block (`block(meta)`), then ONE backward of their summed loss."""
+def _accumulate(
+    fn, model: nn.Module, block, *, inside: bool = False
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Two forwards, each in its own block (`block(meta)`), then ONE backward of their summed loss:
+    after both blocks, or (`inside`) inside the second one, where the first forward's recompute runs."""
     outs, loss = [], 0
-    for ids, pos, meta in BATCHES:
+    for i, (ids, pos, meta) in enumerate(BATCHES):
         with block(meta):
             out = _logits(fn, ids, pos)
-        outs.append(out.detach())
-        loss = loss + weighted_loss(out, seed=len(outs))
-    loss.backward()
+            outs.append(out.detach())
+            loss = loss + weighted_loss(out, seed=len(outs))
+            if inside and i == len(BATCHES) - 1:
+                loss.backward()
+    if not inside:
+        loss.backward()
     return outs, grads(model)
 
 
@@ -111,6 +117,13 @@ def test_eager_recompute_after_the_blocks_attends_each_forwards_documents(door, 
     ref = _reference(model)
     block = usp_graph.documents if door == "usp-documents" else usp_graph.attention_mode
     _assert_each_document_alone(_accumulate(model, model, block), ref)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_eager_recompute_inside_the_next_block_attends_its_own_forwards_documents(reentrant):
+    model = _checkpointed("usp", reentrant)
+    ref = _reference(model)
+    _assert_each_document_alone(_accumulate(model, model, usp_graph.documents, inside=True), ref)
 
 
 def test_compiled_usp_recompute_after_the_blocks_attends_each_forwards_documents():
