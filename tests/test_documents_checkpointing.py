@@ -24,7 +24,7 @@ from usp_graph.backend.documents import current_documents
 
 pytest.importorskip("transformers")
 
-from realmodels import (  # noqa: E402
+from tests.realmodels import (  # noqa: E402
     compile_usp,
     grads,
     make_lm,
@@ -110,6 +110,7 @@ def _assert_each_document_alone(got, ref) -> None:
     assert got[1].keys() == ref[1].keys() and max_err(got[1], ref[1]) <= 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 @pytest.mark.parametrize("door", ["usp-documents", "sdpa-attention_mode"])
 def test_eager_recompute_after_the_blocks_attends_each_forwards_documents(door, reentrant):
@@ -119,6 +120,7 @@ def test_eager_recompute_after_the_blocks_attends_each_forwards_documents(door, 
     _assert_each_document_alone(_accumulate(model, model, block), ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 def test_eager_recompute_inside_the_next_block_attends_its_own_forwards_documents(reentrant):
     model = _checkpointed("usp", reentrant)
@@ -126,6 +128,7 @@ def test_eager_recompute_inside_the_next_block_attends_its_own_forwards_document
     _assert_each_document_alone(_accumulate(model, model, usp_graph.documents, inside=True), ref)
 
 
+@pytest.mark.slow
 def test_compiled_usp_recompute_after_the_blocks_attends_each_forwards_documents():
     """transformers >= 5.25's checkpointed layers graph-break under Dynamo (usp_graph.checkpointing)
     and run as eager checkpoints; their recompute still attends each forward's documents."""
@@ -137,6 +140,7 @@ def test_compiled_usp_recompute_after_the_blocks_attends_each_forwards_documents
 
 # The "sdpa" door's layers must be compiled whole (they would run plain SDPA eagerly inside the
 # block, which is refused); their recompute is in the compiled backward, fed by each call's inputs.
+@pytest.mark.slow
 @torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
 def test_compiled_sdpa_regions_recompute_each_forwards_documents_after_the_blocks():
     model = _checkpointed("sdpa", reentrant=False)
@@ -145,6 +149,7 @@ def test_compiled_sdpa_regions_recompute_each_forwards_documents_after_the_block
     _assert_each_document_alone(_accumulate(compile_usp(model), model, usp_graph.documents), ref)
 
 
+@pytest.mark.slow
 @torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False)
 def test_compiled_sdpa_regions_left_to_eager_are_refused_with_the_fix_at_the_forward():
     """Without the setting, the "sdpa" door's checkpointed layers run plain SDPA eagerly inside the
@@ -188,6 +193,7 @@ class _Hand(nn.Module):
         return x_BLD
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 def test_hand_written_checkpoints_compiled_recompute_each_forwards_documents(reentrant):
     model = _Hand(reentrant)
@@ -265,6 +271,7 @@ def test_the_composable_checkpoint_recomputes_under_its_forwards_documents():
     assert torch.equal(x.grad, meta.cu_seqlens.to(torch.float64))
 
 
+@pytest.mark.slow
 def test_a_checkpointed_region_given_usps_mask_compiles_whole():
     """Dynamo hands a checkpointed layer's arguments, the mask "usp" builds (`DocumentStarts`) among
     them, to the region's higher-order op: that is no model code reading the mask (it was refused,
