@@ -290,3 +290,31 @@ def test_a_checkpointed_region_given_usps_mask_compiles_whole():
     compiled = torch.compile(region, backend="usp", fullgraph=True, options={"inner": "aot_eager"})
     compiled(x, mask).sum().backward()  # fullgraph: no graph break allowed
     assert torch.equal(x.grad, x.detach().cos() * mask.starts.to(x.dtype))
+
+
+def _left_out_layer_under_cp(rank: int, world: int) -> str:
+    """A rank's refusal: transformers' checkpointed layers graph-break (setting off) and run eagerly
+    inside the block, outside backend usp's context parallelism."""
+    from usp_graph import ContextParallel
+    from usp_graph.resolve import UnsupportedAttention
+
+    model = _checkpointed("usp", reentrant=False)
+    cp = ContextParallel("ulysses")
+    ids, pos, meta = BATCHES[0]  # the GLOBAL documents; each rank gets its shard of the tokens
+    fn = compile_usp(model, cp=cp)
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+        try:
+            with usp_graph.documents(meta):
+                _logits(fn, cp.shard(ids, 1), cp.shard(pos, 1))
+        except UnsupportedAttention as e:
+            return str(e)
+    return "ran"
+
+
+@pytest.mark.slow
+def test_a_checkpointed_layer_left_out_of_the_graph_under_cp_is_refused_with_the_fix():
+    from tests.dist import run_ranks
+
+    for message in run_ranks(_left_out_layer_under_cp, 2):
+        assert "left out of its graph runs outside backend usp" in message, message
+        assert "skip_fwd_side_effects_in_bwd_under_checkpoint = True" in message, message

@@ -319,6 +319,7 @@ def _documents_for_call(
         )
     if block is not None:
         _refuse_chunks_in_block(module)
+        _BLOCKS.refuse_left_out_region(block, b * length)
         _check_block_eager(block, kwargs.get("position_ids"), b, length)
         return block, "block"
     _refuse_encoder_decoder_kwargs(module, kwargs)

@@ -166,6 +166,21 @@ def _checked_sdpa(*args: Any, **kwargs: Any) -> Any:
     )
 
 
+def refuse_left_out_region(block: AttentionMetadata, tokens: int) -> None:
+    """An eager attention call inside the block (transformers' "usp") whose token count is not the
+    block's, in a process where Dynamo left checkpointed regions out of its graphs: a layer that runs
+    eagerly, outside backend usp and its context parallelism (each rank's call sees its shard of the
+    block's global tokens). Refused with the setting that compiles it, not the token count alone."""
+    if tokens == block.total_tokens or not _checkpoint_breaks():
+        return
+    raise resolve.refuse(
+        f"this attention call runs eagerly with {tokens} tokens, and the active usp_graph.documents(metadata) "
+        f"describes {block.total_tokens}: a checkpointed layer Dynamo left out of its graph runs outside "
+        "backend usp (and its context parallelism, where each rank sees its shard)" + _checkpoint_breaks(),
+        "or give metadata for this call's tokens",
+    )
+
+
 def _checkpoint_breaks() -> str:
     """The fix, when Dynamo left checkpointed regions out of its graphs in this process (they run
     eagerly, so their SDPA calls land here: transformers >= 5.25's checkpointed layers)."""
