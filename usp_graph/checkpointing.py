@@ -13,12 +13,19 @@ inside checkpointed regions. A selective policy is a `create_selective_checkpoin
 recompute skips attention and communication, at the memory of the attention outputs);
 ``recompute_attention`` saves matmul outputs and recomputes attention and its collectives (every
 rank recomputes them in the same order, so the collectives pair up).
+
+Whatever checkpoints a region (these policies, transformers' checkpointing, `torch.utils.checkpoint`
+by hand), its recompute runs under the `usp_graph.documents` state its forward saw
+(`recompute_under`): backward after the block, or inside the next micro-batch's, is exact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,6 +34,7 @@ __all__ = [
     "POLICIES",
     "attention_ops",
     "checkpoint_blocks",
+    "recompute_under",
     "selective_context_fn",
     "side_effect_breaks",
     "warn_side_effect_breaks",
@@ -104,12 +112,13 @@ def checkpoint_blocks(
 # Dynamo compiles a checkpointed region as one higher-order op, and refuses (a graph break) a region
 # whose forward mutates Python state from outside it: eager checkpointing replays the mutation in the
 # recompute, a compiled graph cannot. The region then runs eagerly: no usp backend ever sees its
-# attention. transformers >= 5.25 hits this at every checkpointed decoder layer: the `kernels`
-# package it depends on wraps each attention module's forward (``use_kernelized_func``) in a set and
-# reset of a module-level context variable, which under compilation is an attribute store on a
-# global object. The reset restores the value the set replaced, so the region's net effect is nil
-# and skipping its replay in the recompute changes nothing: Dynamo's
-# ``skip_fwd_side_effects_in_bwd_under_checkpoint`` then compiles the region whole.
+# attention (transformers' "usp" attention still attends the block's documents in eager, and its
+# recompute too: `recompute_under` below). transformers >= 5.25 hits this at every checkpointed
+# decoder layer: the `kernels` package it depends on wraps each attention module's forward
+# (``use_kernelized_func``) in a set and reset of a module-level context variable, which under
+# compilation is an attribute store on a global object. The reset restores the value the set
+# replaced, so the region's net effect is nil and skipping its replay in the recompute changes
+# nothing: Dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` then compiles the region whole.
 _SIDE_EFFECT_BREAK = "HOP: Unsafe side effect"
 
 SIDE_EFFECT_FIX = (
@@ -147,10 +156,84 @@ def warn_side_effect_breaks() -> bool:
 
     warnings.warn(
         "usp backend: Dynamo broke the graph at a checkpointed region (graph break 'HOP: Unsafe side "
-        "effect': the region's forward mutates Python state from outside it), so those regions run eagerly and usp rewrites none of their attention: inside "
-        "usp_graph.documents(...) they are refused, outside it SDPA attends with the model's own (T, T) mask. "
-        "To compile them, set " + SIDE_EFFECT_FIX,
+        "effect': the region's forward mutates Python state from outside it), so those regions run eagerly and "
+        'the backend rewrites none of their attention: attn_implementation="usp" attends their documents in '
+        "eager (slower), plain SDPA inside usp_graph.documents(...) is refused, and outside it attends with the "
+        "model's own (T, T) mask. To compile them, set " + SIDE_EFFECT_FIX,
         UserWarning,
         stacklevel=3,
     )
     return True
+
+
+# -- the recompute runs under the state of its forward ---------------------------------------------
+#
+# A checkpointed region's recompute runs in backward, usually after the block that gave its forward
+# its documents has closed (`usp_graph.documents`), and under gradient accumulation inside another
+# block: it would attend other documents than its forward did (a CheckpointError when the saved
+# metadata's shapes differ, other documents' gradients when they match). torch.utils.checkpoint
+# restores RNG and autocast state for the recompute, nothing of usp's; so its entry points are
+# wrapped to run the region's function under a context captured at the region's forward.
+
+_Restorer = Callable[[], contextlib.AbstractContextManager]
+_CAPTURES: list[Callable[[], _Restorer]] = []
+
+
+def _under_forward_state(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run under the state each capture of `recompute_under` sees now (at the region's forward)."""
+    restorers = [capture() for capture in _CAPTURES]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            for restore in restorers:
+                stack.enter_context(restore())
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def recompute_under(capture: Callable[[], _Restorer]) -> None:
+    """Run every activation checkpoint's recompute under the state ``capture()`` saw at its forward.
+
+    `capture` returns a function that makes a context manager restoring the state it saw (made and
+    entered at every recompute, a second backward's too, and for reentrant checkpoints around the
+    forward as well, where it changes nothing). Covers `torch.utils.checkpoint.checkpoint`
+    (reentrant and non-reentrant, and so transformers' checkpointing and `checkpoint_blocks`) and
+    the composable ``torch.distributed._composable.checkpoint``; regions Dynamo compiles whole
+    recompute inside the compiled backward, from the graph's own inputs."""
+    import torch.utils.checkpoint as ckpt
+
+    if capture not in _CAPTURES:
+        _CAPTURES.append(capture)
+    # Module globals `checkpoint` looks up at every call; another torch layout: left alone.
+    generator = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
+    if generator is not None and not getattr(generator, "_usp_recompute", False):
+
+        def nonreentrant(fn, *args, **kwargs):
+            return generator(_under_forward_state(fn), *args, **kwargs)
+
+        nonreentrant._usp_recompute = True  # type: ignore[attr-defined]
+        ckpt._checkpoint_without_reentrant_generator = nonreentrant
+        # The composable API binds the generator at its import: rebind it if it came first.
+        composable = sys.modules.get("torch.distributed._composable.checkpoint_activation")
+        if getattr(composable, "_checkpoint_without_reentrant_generator", None) is generator:
+            composable._checkpoint_without_reentrant_generator = nonreentrant
+    function = getattr(ckpt, "CheckpointFunction", None)
+    if isinstance(function, type) and not getattr(function, "_usp_recompute", False):
+        ckpt.CheckpointFunction = _reentrant(function)
+
+
+def _reentrant(function: type) -> type:
+    """A subclass of reentrant checkpoint's autograd function (same name, same backward) whose
+    `run_function` runs under the forward's state."""
+
+    class CheckpointFunction(function):  # type: ignore[misc, valid-type]
+        _usp_recompute = True
+
+        @classmethod
+        def apply(cls, run_function, preserve_rng_state, *args):  # type: ignore[override]
+            return super().apply(_under_forward_state(run_function), preserve_rng_state, *args)
+
+    CheckpointFunction.__qualname__ = function.__qualname__
+    CheckpointFunction.__module__ = function.__module__
+    return CheckpointFunction

@@ -319,6 +319,7 @@ def _documents_for_call(
         )
     if block is not None:
         _refuse_chunks_in_block(module)
+        _BLOCKS.refuse_left_out_region(block, b * length)
         _check_block_eager(block, kwargs.get("position_ids"), b, length)
         return block, "block"
     _refuse_encoder_decoder_kwargs(module, kwargs)
@@ -646,6 +647,11 @@ class DocumentStarts:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            # Not the model reading its mask: Dynamo hands a checkpointed layer's arguments, this
+            # mask among them, to the region's higher-order op (`tag_activation_checkpoint`).
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
         raise refuse(
             f"the model reads its attention mask in its own code ({getattr(func, '__name__', func)}(mask, ...)), "
             "and usp builds no mask (it attends within the documents directly)",

@@ -37,6 +37,7 @@ Nothing but the standard library is imported at module load: ``usp-graph --help`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -807,6 +808,18 @@ def _train(job: _Job, data: _Data) -> float:
     return loss_value
 
 
+def _compiled_checkpoints(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """--compile --checkpoint: each checkpointed block compiles whole. transformers >= 5.25 breaks
+    Dynamo's graph at every checkpointed layer (`usp_graph.checkpointing`), which would run the
+    layers' attention eagerly, outside backend usp and its context parallelism; the setting that
+    compiles them is exact for that break (docs/transformers-and-trainer.md)."""
+    if not (args.compile and args.checkpoint):
+        return contextlib.nullcontext()
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+
 def run(args: argparse.Namespace) -> int:
     """Train as `args` says; returns a process exit code."""
     import torch.distributed as dist
@@ -819,7 +832,8 @@ def run(args: argparse.Namespace) -> int:
         data.vocab = job.model.config.vocab_size
         if job.rank == 0:
             print(_describe(job), flush=True)
-        loss_value = _train(job, data)
+        with _compiled_checkpoints(args):
+            loss_value = _train(job, data)
         if args.save:
             where = _save(args.save, job.model, job.opt, args.steps, device)
             if job.rank == 0:

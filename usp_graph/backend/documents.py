@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import resolve
+from ..checkpointing import recompute_under
 from ..metadata import AttentionMetadata, check_has_values
 from ..resolve import attention_mode_active, refuse_unhonoured
 
@@ -96,6 +97,27 @@ def packed_documents_active() -> bool:
     return _PACKED
 
 
+@contextlib.contextmanager
+def _restored(
+    state: tuple[tuple[AttentionMetadata | None, AttentionMetadata | None], bool],
+) -> Iterator[None]:
+    global _PACKED
+    token = _CURRENT.set(state[0])
+    packed, _PACKED = _PACKED, state[1]
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+        _PACKED = packed
+
+
+def _forward_documents() -> Callable[[], contextlib.AbstractContextManager]:
+    """What restores the documents state of now (an activation checkpoint's forward) for the
+    region's recompute: it attends the documents its forward did, wherever backward runs (after the
+    block, inside the next micro-batch's block, on autograd's device thread)."""
+    return functools.partial(_restored, (_CURRENT.get(), _PACKED))
+
+
 def current_documents() -> AttentionMetadata | None:
     """The metadata of the innermost `documents` block, or None outside any."""
     return _CURRENT.get()[0]
@@ -140,7 +162,35 @@ def _checked_sdpa(*args: Any, **kwargs: Any) -> Any:
         "usp_graph.documents(...) is active: it would attend across the documents. Dynamo runs a frame "
         "eagerly past its recompile limit (all transformers models share one forward code object: raise "
         "torch._dynamo.config.recompile_limit), under torch.compiler.disable, or when the call is not in "
-        "compiled code at all; for eager code use usp_graph.attention_mode(metadata)"
+        "compiled code at all; for eager code use usp_graph.attention_mode(metadata)" + _checkpoint_breaks()
+    )
+
+
+def refuse_left_out_region(block: AttentionMetadata, tokens: int) -> None:
+    """An eager attention call inside the block (transformers' "usp") whose token count is not the
+    block's, in a process where Dynamo left checkpointed regions out of its graphs: a layer that runs
+    eagerly, outside backend usp and its context parallelism (each rank's call sees its shard of the
+    block's global tokens). Refused with the setting that compiles it, not the token count alone."""
+    if tokens == block.total_tokens or not _checkpoint_breaks():
+        return
+    raise resolve.refuse(
+        f"this attention call runs eagerly with {tokens} tokens, and the active usp_graph.documents(metadata) "
+        f"describes {block.total_tokens}: a checkpointed layer Dynamo left out of its graph runs outside "
+        "backend usp (and its context parallelism, where each rank sees its shard)" + _checkpoint_breaks(),
+        "or give metadata for this call's tokens",
+    )
+
+
+def _checkpoint_breaks() -> str:
+    """The fix, when Dynamo left checkpointed regions out of its graphs in this process (they run
+    eagerly, so their SDPA calls land here: transformers >= 5.25's checkpointed layers)."""
+    from ..checkpointing import SIDE_EFFECT_FIX, side_effect_breaks
+
+    if "torch._dynamo.utils" not in sys.modules or not side_effect_breaks():
+        return ""
+    return (
+        ". Dynamo broke the graph at checkpointed regions in this process (graph break 'HOP: Unsafe side "
+        "effect'), which then run eagerly: to compile them, set " + SIDE_EFFECT_FIX
     )
 
 
@@ -160,5 +210,6 @@ def _guard_eager_sdpa() -> None:
 
 
 _guard_eager_sdpa()
+recompute_under(_forward_documents)
 
 resolve._BLOCKS = sys.modules[__name__]  # the resolver reads the blocks from here
