@@ -21,6 +21,7 @@ import contextlib
 import functools
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -102,6 +103,19 @@ def install_row_rules(model: torch.nn.Module) -> None:
     model.register_forward_pre_hook(_enter_row_rules, with_kwargs=True)
     model.register_forward_hook(_leave_row_rules, always_call=True)
     model._usp_row_rules = True
+    _MODELS[id(model)] = model
+
+
+# The models `install_row_rules` installed its hooks on, by id: `_verdict_while_tracing` finds the
+# model there (a copy or an unpickled model, with the hooks but not here, is found at its first
+# eager forward).
+_MODELS: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+_UNKNOWN_MODEL = "unknown model"
+
+
+def _plain(value: Any) -> bool:
+    """A value Dynamo can hand a constant function (`_verdict_while_tracing`)."""
+    return value is None or isinstance(value, (torch.Tensor, bool, int, float, str))
 
 
 def _enter_row_rules(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -112,10 +126,15 @@ def _enter_row_rules(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
         # forward under the rules that Dynamo runs on the host while it traces (no graph break,
         # fullgraph=True holds), kept on the model.
         if kwargs.get("position_ids") is not None or kwargs.get("cu_seq_lens_q") is not None:
-            refusal = _verdict_while_tracing(model, *args, **kwargs)
-            if refusal is not None:
+            # The model by its id (Dynamo hands a constant function tensors and constants only).
+            inputs = {k: v for k, v in kwargs.items() if _plain(v)}
+            refusal = _verdict_while_tracing(id(model), *[a for a in args if _plain(a)], **inputs)
+            if refusal == _UNKNOWN_MODEL:  # not met in eager (a copy, unpickled): checked in eager
+                _verdict_in_eager(model, args, kwargs)
+            elif refusal is not None:
                 raise ValueError(*refusal)
         return
+    _MODELS[id(model)] = model
     if _in_optimized_module():
         # torch.compile(model) runs the hooks before the compiled frame; this one was left to eager.
         _verdict_in_eager(model, args, kwargs)
@@ -209,10 +228,14 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
 
 
 @dynamo_marks.assume_constant_result
-def _verdict_while_tracing(model: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple | None:
+def _verdict_while_tracing(model_id: int, *args: Any, **kwargs: Any) -> tuple | str | None:
     """`_verdict_in_eager` while Dynamo traces a "usp" model's pre-hook: Dynamo runs this on the
     host with the real tensors and takes the result as a constant of the trace: None (passes, or
-    nothing to check), else the refusal's arguments, raised in the traced hook."""
+    nothing to check), else the refusal's arguments, raised in the traced hook (`_UNKNOWN_MODEL`:
+    the model is not in `_MODELS`)."""
+    model = _MODELS.get(model_id)
+    if model is None:
+        return _UNKNOWN_MODEL
     try:
         with _eager_while_compiling():
             _verdict_in_eager(model, args, kwargs)
