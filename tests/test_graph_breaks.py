@@ -108,3 +108,26 @@ def test_a_model_the_rules_refuse_is_refused_under_plain_compile_every_call(full
         with pytest.raises(error, match=ROW + r".*convolves along the sequence"):
             compiled(input_ids=IDS, position_ids=POS, use_cache=False)
     assert isinstance(model._usp_row_verdicts[("position_ids",)], ValueError)
+
+
+def test_a_compiled_varlen_call_asks_autocast_on_the_host(monkeypatch):
+    """usp's varlen op asks whether the device has autocast; torch 2.11's Dynamo cannot trace that
+    builtin and broke the graph at every attention call of a compiled model on the GPU (13 breaks
+    at 8K). Made untraceable here, the question is still answered on the host: no break."""
+    from torch._dynamo.utils import counters
+
+    from usp_graph.ops import varlen
+
+    untraceable = torch._dynamo.disable(torch.amp.is_autocast_available)
+    monkeypatch.setattr(torch.amp, "is_autocast_available", untraceable)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+
+    def attend(q, k, v):
+        return varlen.varlen_attn(q, k, v, cu, cu, max(LENGTHS), max(LENGTHS), is_causal=True)
+
+    counters.clear()
+    got = torch.compile(attend, backend="aot_eager")(q, k, v)
+    assert sum(counters["graph_break"].values()) == 0
+    assert torch.equal(got, attend(q, k, v))
