@@ -128,7 +128,7 @@ def _enter_row_rules(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
         if kwargs.get("position_ids") is not None or kwargs.get("cu_seq_lens_q") is not None:
             # The model by its id (Dynamo hands a constant function tensors and constants only).
             inputs = {k: v for k, v in kwargs.items() if _plain(v)}
-            refusal = _verdict_while_tracing(id(model), *[a for a in args if _plain(a)], **inputs)
+            refusal = _verdict_while_tracing(id(model), *[a if _plain(a) else None for a in args], **inputs)
             if refusal == _UNKNOWN_MODEL:  # not met in eager (a copy, unpickled): checked in eager
                 _verdict_in_eager(model, args, kwargs)
             elif refusal is not None:
