@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from harness import Results, add_json_arg, stopwatch, time_ms
+from hf_llama import add_size_args, hf_llama, use_quick_sizes
 
 import usp_graph
 from usp_graph import AttentionMetadata
@@ -74,12 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--docs", type=int, default=17, help="about this many documents (log-normal lengths)")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_size_args(p)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rows", default="hf_eager,hf_compile,hf_usp,own_usp")
@@ -87,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     add_json_arg(p)
     a = p.parse_args(argv)
     if a.quick:
-        a.tokens, a.docs, a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab = 256, 5, 64, 2, 4, 2, 128, 128  # fmt: skip
+        a.tokens, a.docs = 256, 5
+        use_quick_sizes(a)
         a.iters, a.warmup = 2, 1
-    import transformers as tf
 
     device = a.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -97,19 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = lognormal_lengths(a.tokens, a.tokens / a.docs, seed=1)
     batch = _batch(lengths, a.vocab, device)
     meta = AttentionMetadata.from_lengths(lengths, max_docs=len(lengths) + 8, device=device)
-    torch.manual_seed(0)
-    hf = tf.LlamaForCausalLM(
-        tf.LlamaConfig(
-            vocab_size=a.vocab,
-            hidden_size=a.hidden,
-            intermediate_size=a.ffn,
-            num_hidden_layers=a.layers,
-            num_attention_heads=a.heads,
-            num_key_value_heads=a.kv_heads,
-            max_position_embeddings=max(a.tokens, 2048),
-            attn_implementation="sdpa",
-        )
-    ).to(device=device, dtype=dtype)
+    hf = hf_llama(a, "sdpa", tokens=a.tokens, device=device)
     own = Llama(
         LlamaConfig(
             vocab_size=a.vocab,

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from bench_hf_gpu import _batch  # the same packed row: ids, restarting positions, in-document labels
 from harness import Results, add_json_arg, stopwatch, time_ms
+from hf_llama import add_size_args, checkpoint_layers, hf_llama, use_quick_sizes
 
 import usp_graph
 from usp_graph import AttentionMetadata
@@ -298,12 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="flex,sdpa,usp,sdpa_usp")
     p.add_argument("--sdpa-max", type=int, default=32768, help="row sdpa only up to this many tokens")
     p.add_argument("--checkpoint-from", type=int, default=262144, help="activation checkpointing from T on")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_size_args(p)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-profile", action="store_true")
@@ -341,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.tokens = a.tokens or "256,512"
-        a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab = 64, 2, 4, 2, 128, 128
+        use_quick_sizes(a)
         a.iters, a.warmup, a.sdpa_max, a.checkpoint_from = 2, 1, 512, 512
     a.tokens = a.tokens or "8192,32768,65536,131072,262144"
     rows = [r for r in a.rows.split(",") if r]
@@ -357,7 +353,6 @@ def main(argv: list[str] | None = None) -> int:
     from usp_graph.ops import cudnn_kernel
 
     device = a.device
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     inner = "inductor" if device == "cuda" else "aot_eager"
     cudnn = device == "cuda" and cudnn_kernel.available()
     out = Results(a.json, bench="long", device=device)
@@ -385,16 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
-            torch.manual_seed(0)
-            config = tf.LlamaConfig(
-                vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
-                num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                max_position_embeddings=max(tokens, 2048), attn_implementation=_ATTN[row],
-            )  # fmt: skip
-            model = tf.LlamaForCausalLM(config).to(device=device, dtype=dtype)
-            model.train()
+            model = hf_llama(a, _ATTN[row], tokens=tokens, device=device)
             if ckpt:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                checkpoint_layers(model)
             if row in ("usp", "sdpa_usp", "sdpa_trainer"):
                 compiled = torch.compile(model, backend="usp", options={"inner": inner, **a.usp_options})
                 docs = metas if row != "sdpa_trainer" else None

@@ -44,6 +44,7 @@ import torch
 from bench_hf_gpu import _batch  # the packed row: ids, restarting positions, in-document labels
 from bench_long_gpu import _mean_doc, _strip  # the long-context table's document draws; argv editing
 from harness import Results, add_json_arg, stopwatch, time_ms
+from hf_llama import add_size_args, checkpoint_layers, hf_llama, use_quick_sizes
 
 import usp_graph
 from usp_graph import AttentionMetadata
@@ -59,15 +60,6 @@ def _column(text: str) -> tuple[int, bool]:
     return int(text.rstrip("c")), text.endswith("c")
 
 
-def checkpoint_layers(model: Any) -> None:
-    """transformers' own activation checkpointing, non-reentrant (5.25 renamed the entry point)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
 def _graph_breaks() -> int:
     from torch._dynamo.utils import counters
 
@@ -75,23 +67,13 @@ def _graph_breaks() -> int:
 
 
 def _run_row(row: str, a: argparse.Namespace, tokens: int, ckpt: bool, batch, meta, device: str):
-    import transformers as tf
-
     from usp_graph.ops import cudnn_kernel
 
     torch._dynamo.reset()
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
-        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, max_position_embeddings=max(tokens, 2048),
-        attn_implementation=_ATTN[row],
-    )  # fmt: skip
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = tf.LlamaForCausalLM(config).to(device=device, dtype=dtype)
-    model.train()
+    model = hf_llama(a, _ATTN[row], tokens=tokens, device=device)
     if ckpt:
         checkpoint_layers(model)
     reports: list[Any] = []
@@ -220,12 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--columns", default=COLUMNS, help="token counts, 'c' marking checkpointing (65536c)")
     p.add_argument("--rows", default=",".join(ROWS))
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_size_args(p)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument(
@@ -237,16 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     add_json_arg(p)
     a = p.parse_args(argv)
     if a.quick:
-        a.hidden, a.layers, a.heads, a.kv_heads, a.ffn, a.vocab, a.iters, a.warmup = (
-            64,
-            2,
-            4,
-            2,
-            128,
-            128,
-            2,
-            1,
-        )
+        use_quick_sizes(a)
+        a.iters, a.warmup = 2, 1
         if a.columns == COLUMNS:
             a.columns = "256,256c"
     rows = [r for r in a.rows.split(",") if r]

@@ -9,16 +9,20 @@ kwargs, a `documents` block), so no `attention_mode` follows its forward. Here a
 function reports each call (`with_row_rules`): the same rules (`usp_graph.rules`) and refusals as
 every other door. The verdict is kept on the model per kind of documents given (`_verdict_key`):
 the first packed forward is followed op by op, later ones run as before. Under torch.compile (any
-backend) the hook is traced; a function Dynamo leaves to eager (`_verdict_in_eager`, a graph break
-before the forward) gets the verdict from one eager forward without grad at the first packed call.
+backend, fullgraph=True too) the hook adds no graph break: the verdict of a compiled forward comes
+from one eager forward without grad under the rules (`_verdict_in_eager`), run on the host while
+Dynamo traces the hook (`_verdict_while_tracing`, a constant of the trace), or in eager where
+torch.compile(model) left the hook to eager.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -99,15 +103,41 @@ def install_row_rules(model: torch.nn.Module) -> None:
     model.register_forward_pre_hook(_enter_row_rules, with_kwargs=True)
     model.register_forward_hook(_leave_row_rules, always_call=True)
     model._usp_row_rules = True
+    _MODELS[id(model)] = model
+
+
+# The models `install_row_rules` installed its hooks on, by id: `_verdict_while_tracing` finds the
+# model there (a copy or an unpickled model, with the hooks but not here, is found at its first
+# eager forward).
+_MODELS: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+_UNKNOWN_MODEL = "unknown model"
+
+
+def _plain(value: Any) -> bool:
+    """A value Dynamo can hand a constant function (`_verdict_while_tracing`)."""
+    return value is None or isinstance(value, (torch.Tensor, bool, int, float, str))
 
 
 def _enter_row_rules(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     if torch.compiler.is_compiling():
-        # Dynamo traces this hook (torch.compile(model), any backend): the documents of position ids
-        # or flash-attention kwargs are read inside the graph, where no rule can be applied; the
-        # model's verdict comes from one eager forward under the rules (`_verdict_in_eager`).
+        # Dynamo traces this hook: as a frame of its own under torch.compile(model) (any backend), or
+        # inlined where a compiled function calls the model. The documents would be read inside the
+        # graph, where no rule applies: the verdict is a constant of the trace, from one eager
+        # forward under the rules that Dynamo runs on the host while it traces (no graph break,
+        # fullgraph=True holds), kept on the model.
         if kwargs.get("position_ids") is not None or kwargs.get("cu_seq_lens_q") is not None:
-            _verdict_in_eager(model, args, kwargs)
+            # The model by its id (Dynamo hands a constant function tensors and constants only).
+            inputs = {k: v for k, v in kwargs.items() if _plain(v)}
+            refusal = _verdict_while_tracing(id(model), *[a if _plain(a) else None for a in args], **inputs)
+            if refusal == _UNKNOWN_MODEL:  # not met in eager (a copy, unpickled): checked in eager
+                _verdict_in_eager(model, args, kwargs)
+            elif refusal is not None:
+                raise ValueError(*refusal)
+        return
+    _MODELS[id(model)] = model
+    if _in_optimized_module():
+        # torch.compile(model) runs the hooks before the compiled frame; this one was left to eager.
+        _verdict_in_eager(model, args, kwargs)
         return
     stack = _ENTERED.__dict__.setdefault("stack", [])
     mode = None
@@ -128,7 +158,7 @@ def _enter_row_rules(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
 
 def _leave_row_rules(model: torch.nn.Module, args: tuple, *rest: Any) -> None:
     """Leave the block `_enter_row_rules` entered; a forward that completed under it passed."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _in_optimized_module():
         return
     stack = _ENTERED.__dict__.setdefault("stack", [])
     mode = stack.pop() if stack else None
@@ -165,8 +195,8 @@ def _verdict_key(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[tuple[
 
 @dynamo_marks.disable
 def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    """The rules for a compiled forward of a "usp" model: Dynamo leaves this function to eager (a
-    graph break before the forward, none inside it). The first call with packed documents runs
+    """The rules for a compiled forward of a "usp" model, in eager (Dynamo compiles none of the
+    frames this calls; `_verdict_while_tracing` runs it while Dynamo traces). The first call with packed documents runs
     the forward once more in eager, without grad, under `RowRules`; its verdict (the refusal, or
     none) is kept on the model for the kinds of documents given (`_verdict_key`), shared with
     eager forwards, and every later packed call takes it: one host read of the documents per call
@@ -197,15 +227,63 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
         raise type(verdicts[key])(*verdicts[key].args)
 
 
+@dynamo_marks.assume_constant_result
+def _verdict_while_tracing(model_id: int, *args: Any, **kwargs: Any) -> tuple | str | None:
+    """`_verdict_in_eager` while Dynamo traces a "usp" model's pre-hook: Dynamo runs this on the
+    host with the real tensors and takes the result as a constant of the trace: None (passes, or
+    nothing to check), else the refusal's arguments, raised in the traced hook (`_UNKNOWN_MODEL`:
+    the model is not in `_MODELS`)."""
+    model = _MODELS.get(model_id)
+    if model is None:
+        return _UNKNOWN_MODEL
+    try:
+        with _eager_while_compiling():
+            _verdict_in_eager(model, args, kwargs)
+    except ValueError as e:
+        return tuple(e.args)
+    return None
+
+
+@contextlib.contextmanager
+def _eager_while_compiling() -> Iterator[None]:
+    """`torch.compiler.is_compiling()` False: torch >= 2.13 holds it True for a whole compile, code
+    that Dynamo runs on the host included, and the check's forward is eager code (transformers' and
+    usp's own branches on it)."""
+    old = getattr(torch.compiler, "_is_compiling_flag", None)
+    if old is not None:
+        torch.compiler._is_compiling_flag = False
+    try:
+        yield
+    finally:
+        if old is not None:
+            torch.compiler._is_compiling_flag = old
+
+
+def _in_optimized_module() -> bool:
+    """Inside the call of a `torch.compile(model)` (Dynamo's own flag; False while Dynamo was never
+    imported): Dynamo runs the model's hooks outside the compiled frame then."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    flag = getattr(eval_frame, "_is_in_optimized_module", None)
+    return bool(flag()) if flag is not None else False
+
+
 def _is_row_refusal(e: ValueError) -> bool:
     text = str(e)
     return "outside attention" in text or "without scaled_dot_product_attention" in text
 
 
 def _in_attention_mode() -> bool:
-    """An `attention_mode` block routes and tracks every call itself."""
+    """An `attention_mode` block routes and tracks every call itself (while Dynamo traces, its
+    modes are off the real stack, on the tracer's)."""
     from torch.overrides import _get_current_function_mode_stack
 
     from .mode import _SDPAToUSP
 
-    return any(isinstance(m, _SDPAToUSP) for m in _get_current_function_mode_stack())
+    modes = list(_get_current_function_mode_stack())
+    tracer = sys.modules.get("torch._dynamo.symbolic_convert")  # Dynamo imported: maybe tracing
+    try:
+        stack = tracer.InstructionTranslator.current_tx().symbolic_torch_function_state.mode_stack
+        modes += [getattr(m, "value", None) for m in stack]
+    except Exception:  # noqa: BLE001 - not while Dynamo traces, or another torch layout
+        pass
+    return any(isinstance(m, _SDPAToUSP) for m in modes)

@@ -33,7 +33,7 @@ import math
 import torch
 from torch import Tensor
 
-from .. import registry
+from .. import dynamo_marks, registry
 from . import kernel_choice
 from .boundaries import lse_dtype
 from .cpu_kernel import cpu_bwd, cpu_fwd, group_sum
@@ -222,6 +222,13 @@ def _check_max(name: str, value: object) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+@dynamo_marks.assume_constant_result
+def _has_autocast(device_type: str) -> bool:
+    """`torch.amp.is_autocast_available`, a constant of a Dynamo trace: torch 2.11's Dynamo cannot
+    trace the builtin it calls and broke the graph at every attention call of a compiled model."""
+    return torch.amp.is_autocast_available(device_type)
+
+
 def varlen_attn(
     q: Tensor,
     k: Tensor,
@@ -254,7 +261,7 @@ def varlen_attn(
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
     dev = q.device.type
     # Autocast exists for some device types only (not meta, where shapes are propagated).
-    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev) and q.is_floating_point():
+    if _has_autocast(dev) and torch.is_autocast_enabled(dev) and q.is_floating_point():
         # Custom ops get no autocast rule of their own; follow SDPA's (run in the autocast dtype).
         dtype = torch.get_autocast_dtype(dev)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
