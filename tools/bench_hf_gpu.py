@@ -40,15 +40,24 @@ from usp_graph.testing import lognormal_lengths
 TOLERANCE = 2e-2
 
 
-def _batch(lengths: list[int], vocab: int, device: str) -> dict[str, torch.Tensor]:
+def _batch(
+    lengths: list[int], vocab: int, device: str, *, for_model: bool = False
+) -> dict[str, torch.Tensor]:
+    """One packed row. ``labels``: each token's next token in its document (-100 at a document's
+    last token), for a loss taken on the logits as they are; ``for_model``: the form a model's own
+    ``labels=`` loss shifts itself (``DataCollatorWithFlattening``'s: the ids, -100 at each
+    document's first token)."""
     gen = torch.Generator().manual_seed(0)
     tokens = sum(lengths)
     ids = torch.randint(0, vocab, (tokens,), generator=gen)
     pos = torch.cat([torch.arange(n) for n in lengths])
-    labels = torch.full((tokens,), -100)
+    labels = ids.clone() if for_model else torch.full((tokens,), -100)
     start = 0
     for n in lengths:
-        labels[start : start + n - 1] = ids[start + 1 : start + n]
+        if for_model:
+            labels[start] = -100
+        else:
+            labels[start : start + n - 1] = ids[start + 1 : start + n]
         start += n
     return {k: v[None].to(device) for k, v in (("input_ids", ids), ("position_ids", pos), ("labels", labels))}
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_hf_gpu import _batch  # the packed row: ids, restarting positions, in-document labels
+from bench_hf_gpu import _batch  # the packed row: ids, restarting positions, labels in the model's form
 from bench_long_gpu import _mean_doc, _strip  # the long-context table's document draws; argv editing
 from harness import Results, add_json_arg, stopwatch, time_ms
 from hf_llama import add_size_args, checkpoint_layers, hf_llama, use_quick_sizes
@@ -139,7 +139,7 @@ def _one_column(a: argparse.Namespace, text: str, rows: list[str]) -> list[dict[
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     lengths = lognormal_lengths(tokens, _mean_doc(tokens), seed=1)
-    batch = _batch(lengths, a.vocab, device)
+    batch = _batch(lengths, a.vocab, device, for_model=True)  # the model's own labels= loss
     meta = AttentionMetadata.from_lengths(lengths, max_docs=len(lengths) + 8, device=device)
     print(
         f"T={tokens} N={len(lengths)} checkpointing={ckpt} torch {torch.__version__} transformers {tf.__version__}"
