@@ -123,15 +123,25 @@ def test_attention_mode_around_a_compiled_model_is_refused_with_the_fix(impl, ba
     torch._dynamo.reset()
 
 
+def _run(how: str, model: torch.nn.Module) -> torch.nn.Module:
+    """`model` eager, or under plain torch.compile (Dynamo; aot_eager keeps eager's kernels)."""
+    torch._dynamo.reset()
+    return model if how == "eager" else torch.compile(model, backend="aot_eager")
+
+
+@pytest.mark.parametrize("how", ["eager", "compile"])
 @pytest.mark.parametrize("family", ["gpt_bigcode", "persimmon"])
-def test_models_whose_attention_gets_no_position_ids_keep_documents_with_the_cache_on(family):
-    # use_cache is the default of model(**batch) in eval; transformers then builds no packed mask.
+def test_models_whose_attention_gets_no_position_ids_keep_documents_with_the_cache_on(family, how):
+    # use_cache is the default of model(**batch) in eval; transformers then builds no packed mask
+    # (compiled, 0.11 off: the position ids were read from the mask builder's frame in eager only).
     ref, model = make_sweep_model(family), make_sweep_model(family)
     ref.eval(), model.eval()
     model.set_attn_implementation("usp")
     ids, pos = _ids(2), packed_positions(LENGTHS)
     expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
-    assert max_err(lm_forward(model, ids, pos, use_cache=True), expected) < 1e-10
+    with torch.no_grad():
+        assert max_err(lm_forward(_run(how, model), ids, pos, use_cache=True), expected) < 1e-10
+    torch._dynamo.reset()
 
 
 def test_an_encoder_given_documents_only_by_position_ids_is_warned_about_once():
@@ -173,16 +183,18 @@ def _bidirectional_mistral():
     return model
 
 
-def test_the_window_comes_from_the_models_mask_where_it_says_more_than_the_layer():
+@pytest.mark.parametrize("how", ["eager", "compile"])
+def test_the_window_comes_from_the_models_mask_where_it_says_more_than_the_layer(how):
     # A sliding-window decoder run bidirectionally: the mask keeps |q - k| <= w, the layer's
-    # window read the flash way keeps |q - k| <= w - 1 (0.06 off).
+    # window read the flash way keeps |q - k| <= w - 1 (0.06 off, eager and then compiled).
     ref, model = _bidirectional_mistral(), _bidirectional_mistral()
     model.set_attn_implementation("usp")
     ids, pos = _ids(3), packed_positions(LENGTHS)
     expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # bidirectional with documents from position ids: said once
-        assert max_err(lm_forward(model, ids, pos), expected) < 1e-10
+        assert max_err(lm_forward(_run(how, model), ids, pos), expected) < 1e-10
+    torch._dynamo.reset()
 
 
 def test_a_window_that_lives_only_in_the_mask_is_kept():
@@ -193,6 +205,18 @@ def test_a_window_that_lives_only_in_the_mask_is_kept():
     ids, pos = _ids(4), packed_positions(LENGTHS)
     expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
     assert max_err(lm_forward(model, ids, pos), expected) < 1e-10
+
+
+def test_a_window_that_lives_only_in_the_mask_is_refused_compiled():
+    # Compiled code cannot read the mask function's window: attention checks the one it chose
+    # against the mask on the device, and refuses the call where they differ (never a wrong result).
+    model = make_lm("qwen2")
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = None
+    model.set_attn_implementation("usp")
+    with pytest.raises(RuntimeError, match="another window than its layers"), torch.no_grad():
+        lm_forward(_run("compile", model), _ids(4), packed_positions(LENGTHS))
+    torch._dynamo.reset()
 
 
 def test_a_model_that_reads_its_mask_itself_is_refused_with_the_reason():

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import resolve
-from .masks import document_starts, positions_mask
+from .masks import check_mask_window, document_starts, positions_mask
 from .ops.boundaries import device_assert
 from .resolve import ROUTED, DocumentStarts, UnsupportedAttention, documents_for_call
 from .resolve import refuse as _refuse
@@ -67,14 +67,19 @@ def usp_attention_forward(
 ) -> tuple[Tensor, None]:
     """transformers' attention interface: (B, H, L, K) query, (B, G, L, K) key/value ->
     ((B, L, H, K) output, None)."""
-    mask_starts = mask_window = None
+    mask_starts = mask_window = mask_function = None
     if isinstance(attention_mask, DocumentStarts):
-        mask_starts, mask_window, attention_mask = attention_mask.starts, attention_mask.window, None
+        mask_starts, mask_window = attention_mask.starts, attention_mask.window
+        mask_function, attention_mask = attention_mask.mask_function, None
     _refuse_what_usp_does_not_compute(module, query, key, attention_mask, dropout, kwargs)
     b, h, length, _ = query.shape
     is_causal = kwargs.get("is_causal")
     is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    window = _window(module, kwargs, is_causal, mask_window)
+    window = _window(module, kwargs, is_causal, mask_window, unread=mask_function is not None)
+    if mask_function is not None:  # compiled: the window was chosen without reading the mask's
+        probe = getattr(getattr(module, "config", None), "sliding_window", None)
+        probe = probe if isinstance(probe, int) and not isinstance(probe, bool) and probe > 0 else None
+        check_mask_window(mask_function, mask_starts, window, is_causal=is_causal, probe=probe)
     gqa = key.shape[1] != h
     metadata = documents_for_call(
         module, kwargs, b, length, mask_starts=mask_starts, like=query, is_causal=is_causal
@@ -142,6 +147,8 @@ def _window(
     kwargs: dict[str, Any],
     is_causal: bool,
     mask_window: tuple[int, int] | None = None,
+    *,
+    unread: bool = False,
 ) -> tuple[int, int] | None:
     """flash-attention's window of the call: the model's mask's where it was read (`_mask_window`:
     what "sdpa" computes, also where the layer holds no window, or, bidirectional, counts one less),
@@ -155,6 +162,11 @@ def _window(
         return None
     if isinstance(sw, bool) or not isinstance(sw, int) or sw < 1:
         raise _refuse(f"sliding_window={sw!r} is not a positive int", "fix the model config's sliding_window")
+    configured = getattr(getattr(module, "config", None), "sliding_window", None)
+    if unread and not is_causal and isinstance(configured, int) and not isinstance(configured, bool):
+        # Compiled, the mask unread: transformers' bidirectional window mask keeps |q - k| <=
+        # config.sliding_window (`sliding_window_bidirectional_overlay`); attention checks it.
+        return (configured, configured)
     return (sw - 1, -1) if is_causal else (sw - 1, sw - 1)
 
 
@@ -280,45 +292,17 @@ def usp_mask(
     read = _mask_starts(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, device)
     if read is not None and not compiling:
         read.window = _mask_window(mask_function)
-    pos = None if compiling or read is None else _positions_a_cache_hid()
-    if pos is not None and tuple(pos.shape[-1:]) == (q_length,) and pos.shape[0] in (1, batch_size):
+    elif read is not None:  # Dynamo cannot read the closure: attention checks its window against it
+        read.mask_function = mask_function
+    # The forward's position ids cut the documents too: with a cache passed, transformers leaves them
+    # out of the mask function (`resolve.forward_positions`), eager and compiled alike.
+    pos = None if read is None else resolve.forward_positions()
+    if pos is not None and pos.dim() == 2 and pos.shape[-1] == q_length and pos.shape[0] in (1, batch_size):
+        pos_starts = document_starts(pos.expand(batch_size, q_length)).reshape(read.starts.shape)
         read = DocumentStarts(
-            read.starts | document_starts(pos.expand(batch_size, q_length)).reshape(read.starts.shape)
+            read.starts | pos_starts.to(read.starts.device), read.window, read.mask_function
         )
     return read
-
-
-# transformers' mask builders, which skip the packed-sequence mask when a cache is passed.
-_MASK_BUILDERS = {"create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask"}
-
-
-def _positions_a_cache_hid() -> Tensor | None:
-    """The position ids transformers' mask builder (the caller) had but did not read because a cache
-    was passed (``use_cache=True``, the default of ``model(**batch)`` in eval): with no packed mask,
-    models whose attention gets no position ids (GPT-BigCode, Persimmon) crossed documents. Read
-    from the builder's frame, in eager only (a new cache: the mask reader sees no offset)."""
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return None
-        if frame.f_code.co_name in _MASK_BUILDERS and frame.f_globals.get("__name__", "").endswith(
-            "masking_utils"
-        ):
-            break
-        frame = frame.f_back
-    else:
-        return None
-    found = frame.f_locals
-    cache = found.get("cache", found.get("past_key_values"))
-    pos = found.get("position_ids")
-    if (
-        cache is None
-        or found.get("attention_mask") is not None
-        or not isinstance(pos, Tensor)
-        or pos.dim() != 2
-    ):
-        return None
-    return pos
 
 
 def _mask_starts(
@@ -420,6 +404,7 @@ def _guard_model_classes() -> None:
             from .hf_rows import install_row_rules
 
             install_row_rules(self)  # packed documents: the rules of usp_graph.rules, as on every door
+            resolve.install_forward_positions(self)  # the mask builder's position ids (`usp_mask`)
         return check(self, attn_implementation, *args, **kwargs)
 
     checked._usp_guard = True  # type: ignore[attr-defined]
