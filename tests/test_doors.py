@@ -144,6 +144,23 @@ def test_models_whose_attention_gets_no_position_ids_keep_documents_with_the_cac
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("how", ["eager", "compile"])
+def test_a_model_whose_mask_and_attention_get_no_position_ids_keeps_documents(how):
+    # ModernBERT reads its position ids for rotary angles only: neither its mask builder nor its
+    # attention gets them, and "usp" attended the whole row (0.96 off, every "usp" door).
+    ref, model = make_sweep_model("modernbert"), make_sweep_model("modernbert")
+    model.set_attn_implementation("usp")
+    ids, pos = _ids(6), packed_positions(LENGTHS)
+    expected = per_document(
+        lambda s: ref(input_ids=ids[:, s], position_ids=pos[:, s]).last_hidden_state, LENGTHS
+    )
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # bidirectional with documents from position ids: said once
+        out = _run(how, model)(input_ids=ids, position_ids=pos).last_hidden_state
+    torch._dynamo.reset()
+    assert max_err(out, expected) < 1e-10
+
+
 def test_an_encoder_given_documents_only_by_position_ids_is_warned_about_once():
     model = make_lm("bert")
     model.set_attn_implementation("usp")
