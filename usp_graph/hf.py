@@ -19,7 +19,9 @@ block metadata that contradicts the call's position ids is refused, as on the "s
 Causal or bidirectional from the module (``module.is_causal``, or the ``is_causal`` transformers
 passes), a sliding window from the model's mask where eager code can read it (`_mask_window`),
 else from the layer (the ``sliding_window`` transformers passes, else ``module.sliding_window``;
-flash-attention's reading: ``window - 1`` keys back, and forward too when bidirectional),
+flash-attention's reading: ``window - 1`` keys back, and forward too when bidirectional; compiled
+and bidirectional, transformers' mask rule ``|q - k| <= config.sliding_window``), which compiled
+code checks against the mask function on the device (`masks.check_mask_window`),
 grouped-query attention without repeating K/V. Refused with the reason: a padding mask or a 4-D
 mask (pack the documents instead), a mask function beyond documents, causal and windows
 (multimodal blocks, chunked attention in eager), model code that reads the mask itself, a KV
