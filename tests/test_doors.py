@@ -285,3 +285,35 @@ def test_rotary_scaling_from_the_row_length_is_warned_about_once(rope_type):
         for _ in range(2):
             resolve.warn_where_unknown(layer, True, True)
     assert len([w for w in seen if "row's length" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize(
+    ("piece", "causal", "window", "holds"),
+    [
+        ("bidirectional", False, (4, 4), True),  # transformers' |q - k| <= w
+        ("bidirectional", False, (3, 3), False),  # flash's reading of the layer's w: one short
+        ("causal", True, (3, -1), True),  # k > q - w
+        ("causal", True, (4, -1), False),
+        ("causal", True, None, False),  # a window the layer does not hold (probed at w)
+        ("full", True, None, True),
+    ],
+)
+def test_the_compiled_window_check_reads_the_mask_function_inside_documents(piece, causal, window, holds):
+    from transformers import masking_utils as mu
+
+    from usp_graph.masks import check_mask_window
+
+    w = 4
+    fn = {
+        "bidirectional": mu.sliding_window_bidirectional_mask_function(w),
+        "causal": mu.sliding_window_causal_mask_function(w),
+        "full": mu.causal_mask_function,
+    }[piece]
+    starts = torch.zeros(2, 16, dtype=torch.bool)
+    starts[:, 0] = starts[0, 9] = starts[1, 3] = True  # documents of 9 and 7, 3 and 13 tokens
+    check = lambda: check_mask_window(fn, starts, window, is_causal=causal, probe=w)  # noqa: E731
+    if holds:
+        check()
+    else:
+        with pytest.raises(RuntimeError, match="another window than its layers"):
+            check()
