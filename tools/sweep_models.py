@@ -554,7 +554,7 @@ def _cell(value) -> str:
     status, detail = value
     if status == "ERR":
         # usp_graph's own refusals are ValueErrors that say why; anything else is a crash
-        return "refused" if detail.startswith("ValueError:") else "ERR"
+        return "refused" if detail.startswith(("ValueError:", "UnsupportedAttention:")) else "ERR"
     return f"{status} {detail:.1e}"
 
 
