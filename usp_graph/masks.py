@@ -363,25 +363,23 @@ def check_mask_window(
     O(B x L): neighbours at a few distances, never (L, L). For compiled code, where the window is
     chosen without reading the mask function (Dynamo cannot read its closure)."""
     b, length = starts_BL.shape
-    device = starts_BL.device
-    doc_BL = starts_BL.long().cumsum(1)
-    rows = torch.arange(b, device=device)[:, None]
-    heads = torch.zeros(1, 1, dtype=torch.long, device=device)
-    q = torch.arange(length, device=device)[None, :]
-    distances: list[tuple[int, bool]] = []
     if window is None:
-        distances = [(probe, True), (-probe, True)] if probe else []
-        if is_causal:
-            distances = distances[:1]
+        distances = [(probe, True), (-probe, True)][: 1 if is_causal else 2] if probe else []
     else:
         left, right = window
         distances = [] if left < 0 else [(left, True), (left + 1, False)]
         if not is_causal and right >= 0:
             distances += [(-right, True), (-right - 1, False)]
+    distances = [(d, kept) for d, kept in distances if d != 0 and abs(d) < length]
+    if not distances:
+        return
+    device = starts_BL.device
+    doc_BL = starts_BL.long().cumsum(1)
+    rows = torch.arange(b, device=device)[:, None]
+    heads = torch.zeros(1, 1, dtype=torch.long, device=device)
+    q = torch.arange(length, device=device)[None, :]
     bad = torch.zeros((), dtype=torch.bool, device=device)
     for d, kept in distances:
-        if d == 0 or abs(d) >= length:
-            continue
         kv = q - d
         inside = (kv >= 0) & (kv < length)
         kv = kv.clamp(0, length - 1)
