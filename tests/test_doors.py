@@ -147,18 +147,21 @@ def test_models_whose_attention_gets_no_position_ids_keep_documents_with_the_cac
 @pytest.mark.parametrize("how", ["eager", "compile"])
 def test_a_model_whose_mask_and_attention_get_no_position_ids_keeps_documents(how):
     # ModernBERT reads its position ids for rotary angles only: neither its mask builder nor its
-    # attention gets them, and "usp" attended the whole row (0.96 off, every "usp" door).
+    # attention gets them, and "usp" attended the whole row (0.96 off, every "usp" door). An encoder
+    # given its documents by position ids only: said once (its own SDPA attends the whole row).
     ref, model = make_sweep_model("modernbert"), make_sweep_model("modernbert")
     model.set_attn_implementation("usp")
     ids, pos = _ids(6), packed_positions(LENGTHS)
     expected = per_document(
         lambda s: ref(input_ids=ids[:, s], position_ids=pos[:, s]).last_hidden_state, LENGTHS
     )
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # bidirectional with documents from position ids: said once
+    usp_graph.resolve._WARNED.discard("encoder")
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
         out = _run(how, model)(input_ids=ids, position_ids=pos).last_hidden_state
     torch._dynamo.reset()
     assert max_err(out, expected) < 1e-10
+    assert [w for w in seen if "attends bidirectionally" in str(w.message)]
 
 
 def test_an_encoder_given_documents_only_by_position_ids_is_warned_about_once():

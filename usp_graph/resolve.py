@@ -289,7 +289,9 @@ def documents_for_call(
     cannot know about them (`warn_where_unknown`)."""
     found, source = _documents_for_call(module, kwargs, b, length, mask_starts, like)
     if found is not None:
-        warn_where_unknown(module, is_causal, source == "positions")
+        # The mask's starts hold the forward's position ids too (`install_forward_positions`).
+        positions = source == "positions" or (source == "mask" and forward_positions() is not None)
+        warn_where_unknown(module, is_causal, positions)
     return found
 
 
