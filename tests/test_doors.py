@@ -320,3 +320,16 @@ def test_the_compiled_window_check_reads_the_mask_function_inside_documents(piec
     else:
         with pytest.raises(RuntimeError, match="another window than its layers"):
             check()
+
+
+def test_a_refused_forward_leaves_no_position_ids_behind():
+    # The forward's position ids are kept for its mask builder while it runs: a refusal (here the
+    # rules' hook, on the second call before the forward) must not leave them to the next forward.
+    from usp_graph import resolve
+
+    model = make_sweep_model("lfm2")  # short convolutions along the sequence: refused when packed
+    model.set_attn_implementation("usp")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="convolves along the sequence"):
+            model(input_ids=_ids()[:, :10], position_ids=packed_positions((4, 6)), use_cache=False)
+    assert resolve._FORWARD_POSITIONS == []

@@ -405,8 +405,9 @@ def _guard_model_classes() -> None:
             _refuse_own_attention(type(self))
             from .hf_rows import install_row_rules
 
-            install_row_rules(self)  # packed documents: the rules of usp_graph.rules, as on every door
+            # first: its hook pushes before the rules' hook may refuse, and pops after (always called)
             resolve.install_forward_positions(self)  # the mask builder's position ids (`usp_mask`)
+            install_row_rules(self)  # packed documents: the rules of usp_graph.rules, as on every door
         return check(self, attn_implementation, *args, **kwargs)
 
     checked._usp_guard = True  # type: ignore[attr-defined]

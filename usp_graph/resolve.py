@@ -613,7 +613,9 @@ def _positions_in_graph(
 # got none), pushed and popped by hooks on the model (`install_forward_positions`). A forward with
 # a cache (``use_cache=True``, the default of ``model(**batch)`` in eval) has transformers build no
 # packed-sequence mask from them, and models whose attention gets no position ids (GPT-BigCode,
-# Persimmon) would cross documents: the mask builder cuts its `DocumentStarts` at them too. Under
+# Persimmon) would cross documents; so would models that hand neither their mask builder nor
+# attention the position ids (ModernBERT, DistilBERT, OPT): the mask builder cuts its
+# `DocumentStarts` at them too. Under
 # torch.compile Dynamo traces the hooks (the list's changes are side effects it replays), so the
 # compiled mask builder reads the same position ids as eager code.
 _FORWARD_POSITIONS: list[Tensor | None] = []
