@@ -3,6 +3,7 @@
     python tools/sweep_models.py                     # every family of tests/realmodels.SWEEP_SPECS
     python tools/sweep_models.py --families phi3,t5  # some
     python tools/sweep_models.py --cp ulysses        # context parallelism on 2 gloo ranks
+    python tools/sweep_models.py --doors usp         # only the doors table (below)
 
 Each family is built from a config (no download), fp64, SDPA attention, dropout zeroed, training
 mode, and runs on 2 rows x 16 tokens of packed documents (positions restart at 0 per document;
@@ -24,6 +25,16 @@ no document crosses a row). Checks, each printed as ok / FAIL / refused / ERR / 
 - no position_ids: the family called without ``position_ids`` under packed documents, compiled
   and eager (positions the model counts itself): refused, or each document's own result ("-": the
   forward takes none, so the packed check already ran without them).
+
+The doors table (``--doors usp``, or doors of it by name): every front door a transformers user
+takes, each cell the output and every parameter grad against each document alone, or a refusal.
+Columns (`DOORS`): attn_implementation "usp" in eager, under plain ``torch.compile`` (Dynamo with
+aot_eager) and under backend usp, with the documents in packed position ids ("pos",
+``DataCollatorWithFlattening``'s default), in flash-attention's ``cu_seq_lens_q/k`` next to them
+("flash") or in a ``documents(meta)`` block; "sdpa" + backend usp with position ids only ("sdpa"
+under ``documents`` is the packed column above). "-": the forward takes no position ids (or no
+flash kwargs); "model's own": "sdpa" without a block gives the plain model's result, whose mask
+ignores the position ids (it attends the whole row, with or without usp).
 
 ``--cp ulysses`` (or any strategy) checks context parallelism instead, on 2 gloo ranks: the rows
 sharded over the ranks, eager, compiled, and compiled with gradient checkpointing, against every
