@@ -487,3 +487,13 @@ def test_the_doors_table_names_each_verdict_and_an_unknown_door_is_refused():
     with pytest.raises(SystemExit) as exit_:
         main(["--doors", "usp-eager-nothing"])
     assert exit_.value.code == 2
+
+
+def test_cross_attention_of_a_usp_model_under_backend_usp_gives_each_documents_own_result():
+    # BART (learned positions replaced) with attn_implementation="usp" under documents(target, kv=source):
+    # its cross-attention (10 target tokens over 16 source tokens) was refused as a KV cache.
+    pytest.importorskip("transformers")
+    from tools.sweep_models import sweep_doors
+
+    row = sweep_doors("bart_nopos", ["usp backend documents"])
+    assert row["doors"]["usp backend documents"][0] == "ok", row

@@ -73,7 +73,14 @@ def usp_attention_forward(
     if isinstance(attention_mask, DocumentStarts):
         mask_starts, mask_window = attention_mask.starts, attention_mask.window
         mask_function, attention_mask = attention_mask.mask_function, None
-    _refuse_what_usp_does_not_compute(module, query, key, attention_mask, dropout, kwargs)
+    cross = query.shape[2] != key.shape[2] and torch.compiler.is_compiling() and resolve.block_active()
+    _refuse_what_usp_does_not_compute(module, query, key, attention_mask, dropout, kwargs, cross=cross)
+    if cross:  # backend usp under documents(meta, kv=kv_meta) tells cross-attention from the graph
+        resolve.refuse_unhonoured(query)
+        out = F.scaled_dot_product_attention(
+            query, key, value, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+        )
+        return out.transpose(1, 2).contiguous(), None
     b, h, length, _ = query.shape
     is_causal = kwargs.get("is_causal")
     is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
@@ -111,8 +118,11 @@ def _refuse_what_usp_does_not_compute(
     attention_mask: Any,
     dropout: float,
     kwargs: dict[str, Any],
+    *,
+    cross: bool = False,
 ) -> None:
-    """A mask, logit softcapping, sinks, a position bias, dropout, a KV cache: refused with the fix."""
+    """A mask, logit softcapping, sinks, a position bias, dropout, a KV cache (query and key lengths
+    differ, unless `cross`: cross-attention backend usp rewrites): refused with the fix."""
     if attention_mask is not None:
         raise _refuse(
             f"an attention mask of shape {tuple(attention_mask.shape)} reached attention (a 4-D mask passed to the "
@@ -137,7 +147,7 @@ def _refuse_what_usp_does_not_compute(
             "set the model's attention_dropout to 0.0 for training",
         )
     lq, lk = query.shape[2], key.shape[2]
-    if lq != lk:
+    if lq != lk and not cross:
         raise _refuse(
             f"query length {lq} != key length {lk}: a KV cache from earlier steps (generation)",
             'usp attends within the packed documents of one forward pass; generate with model.set_attn_implementation("sdpa")',

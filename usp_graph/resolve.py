@@ -168,6 +168,11 @@ def _block_active() -> bool:
     return _BLOCKS is not None and _BLOCKS.packed_documents_active()
 
 
+def block_active() -> bool:
+    """Whether a ``documents(...)`` block is active (read where compiled code decides on it)."""
+    return _block_active()
+
+
 def refuse_unhonoured(like: Tensor) -> None:
     """Under torch.compile: fail the call (an assert in the compiled code, whatever the backend) when
     an active block would be ignored: ``documents(metadata)`` under any backend but usp, or an
