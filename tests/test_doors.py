@@ -123,15 +123,45 @@ def test_attention_mode_around_a_compiled_model_is_refused_with_the_fix(impl, ba
     torch._dynamo.reset()
 
 
+def _run(how: str, model: torch.nn.Module) -> torch.nn.Module:
+    """`model` eager, or under plain torch.compile (Dynamo; aot_eager keeps eager's kernels)."""
+    torch._dynamo.reset()
+    return model if how == "eager" else torch.compile(model, backend="aot_eager")
+
+
+@pytest.mark.parametrize("how", ["eager", "compile"])
 @pytest.mark.parametrize("family", ["gpt_bigcode", "persimmon"])
-def test_models_whose_attention_gets_no_position_ids_keep_documents_with_the_cache_on(family):
-    # use_cache is the default of model(**batch) in eval; transformers then builds no packed mask.
+def test_models_whose_attention_gets_no_position_ids_keep_documents_with_the_cache_on(family, how):
+    # use_cache is the default of model(**batch) in eval; transformers then builds no packed mask
+    # (compiled, 0.11 off: the position ids were read from the mask builder's frame in eager only).
     ref, model = make_sweep_model(family), make_sweep_model(family)
     ref.eval(), model.eval()
     model.set_attn_implementation("usp")
     ids, pos = _ids(2), packed_positions(LENGTHS)
     expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
-    assert max_err(lm_forward(model, ids, pos, use_cache=True), expected) < 1e-10
+    with torch.no_grad():
+        assert max_err(lm_forward(_run(how, model), ids, pos, use_cache=True), expected) < 1e-10
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how", ["eager", "compile"])
+def test_a_model_whose_mask_and_attention_get_no_position_ids_keeps_documents(how):
+    # ModernBERT reads its position ids for rotary angles only: neither its mask builder nor its
+    # attention gets them, and "usp" attended the whole row (0.96 off, every "usp" door). An encoder
+    # given its documents by position ids only: said once (its own SDPA attends the whole row).
+    ref, model = make_sweep_model("modernbert"), make_sweep_model("modernbert")
+    model.set_attn_implementation("usp")
+    ids, pos = _ids(6), packed_positions(LENGTHS)
+    expected = per_document(
+        lambda s: ref(input_ids=ids[:, s], position_ids=pos[:, s]).last_hidden_state, LENGTHS
+    )
+    usp_graph.resolve._WARNED.discard("encoder")
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        out = _run(how, model)(input_ids=ids, position_ids=pos).last_hidden_state
+    torch._dynamo.reset()
+    assert max_err(out, expected) < 1e-10
+    assert [w for w in seen if "attends bidirectionally" in str(w.message)]
 
 
 def test_an_encoder_given_documents_only_by_position_ids_is_warned_about_once():
@@ -173,16 +203,18 @@ def _bidirectional_mistral():
     return model
 
 
-def test_the_window_comes_from_the_models_mask_where_it_says_more_than_the_layer():
+@pytest.mark.parametrize("how", ["eager", "compile"])
+def test_the_window_comes_from_the_models_mask_where_it_says_more_than_the_layer(how):
     # A sliding-window decoder run bidirectionally: the mask keeps |q - k| <= w, the layer's
-    # window read the flash way keeps |q - k| <= w - 1 (0.06 off).
+    # window read the flash way keeps |q - k| <= w - 1 (0.06 off, eager and then compiled).
     ref, model = _bidirectional_mistral(), _bidirectional_mistral()
     model.set_attn_implementation("usp")
     ids, pos = _ids(3), packed_positions(LENGTHS)
     expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # bidirectional with documents from position ids: said once
-        assert max_err(lm_forward(model, ids, pos), expected) < 1e-10
+        assert max_err(lm_forward(_run(how, model), ids, pos), expected) < 1e-10
+    torch._dynamo.reset()
 
 
 def test_a_window_that_lives_only_in_the_mask_is_kept():
@@ -193,6 +225,18 @@ def test_a_window_that_lives_only_in_the_mask_is_kept():
     ids, pos = _ids(4), packed_positions(LENGTHS)
     expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
     assert max_err(lm_forward(model, ids, pos), expected) < 1e-10
+
+
+def test_a_window_that_lives_only_in_the_mask_is_refused_compiled():
+    # Compiled code cannot read the mask function's window: attention checks the one it chose
+    # against the mask on the device, and refuses the call where they differ (never a wrong result).
+    model = make_lm("qwen2")
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = None
+    model.set_attn_implementation("usp")
+    with pytest.raises(RuntimeError, match="another window than its layers"), torch.no_grad():
+        lm_forward(_run("compile", model), _ids(4), packed_positions(LENGTHS))
+    torch._dynamo.reset()
 
 
 def test_a_model_that_reads_its_mask_itself_is_refused_with_the_reason():
@@ -244,3 +288,48 @@ def test_rotary_scaling_from_the_row_length_is_warned_about_once(rope_type):
         for _ in range(2):
             resolve.warn_where_unknown(layer, True, True)
     assert len([w for w in seen if "row's length" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize(
+    ("piece", "causal", "window", "holds"),
+    [
+        ("bidirectional", False, (4, 4), True),  # transformers' |q - k| <= w
+        ("bidirectional", False, (3, 3), False),  # flash's reading of the layer's w: one short
+        ("causal", True, (3, -1), True),  # k > q - w
+        ("causal", True, (4, -1), False),
+        ("causal", True, None, False),  # a window the layer does not hold (probed at w)
+        ("full", True, None, True),
+    ],
+)
+def test_the_compiled_window_check_reads_the_mask_function_inside_documents(piece, causal, window, holds):
+    from transformers import masking_utils as mu
+
+    from usp_graph.masks import check_mask_window
+
+    w = 4
+    fn = {
+        "bidirectional": mu.sliding_window_bidirectional_mask_function(w),
+        "causal": mu.sliding_window_causal_mask_function(w),
+        "full": mu.causal_mask_function,
+    }[piece]
+    starts = torch.zeros(2, 16, dtype=torch.bool)
+    starts[:, 0] = starts[0, 9] = starts[1, 3] = True  # documents of 9 and 7, 3 and 13 tokens
+    check = lambda: check_mask_window(fn, starts, window, is_causal=causal, probe=w)  # noqa: E731
+    if holds:
+        check()
+    else:
+        with pytest.raises(RuntimeError, match="another window than its layers"):
+            check()
+
+
+def test_a_refused_forward_leaves_no_position_ids_behind():
+    # The forward's position ids are kept for its mask builder while it runs: a refusal (here the
+    # rules' hook, on the second call before the forward) must not leave them to the next forward.
+    from usp_graph import resolve
+
+    model = make_sweep_model("lfm2")  # short convolutions along the sequence: refused when packed
+    model.set_attn_implementation("usp")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="convolves along the sequence"):
+            model(input_ids=_ids()[:, :10], position_ids=packed_positions((4, 6)), use_cache=False)
+    assert resolve._FORWARD_POSITIONS == []

@@ -464,3 +464,36 @@ def test_keys_written_in_place_are_self_attention_compiled_and_eager():
     for n in lengths:
         assert max_err(out[:, :, s : s + n], model(x[:, s : s + n], pos[:, s : s + n])) <= 1e-12
         s += n
+
+
+def test_the_doors_table_names_each_verdict_and_an_unknown_door_is_refused():
+    pytest.importorskip("transformers")
+    from tools.sweep_models import doors_table, main
+
+    doors = ["usp eager pos", "usp compile flash", "sdpa backend pos"]
+    row = {
+        "family": "f",
+        "kind": "encoder",
+        "tol": 1e-10,
+        "doors": {
+            "usp eager pos": ("ok", 1e-15),
+            "usp compile flash": ("ERR", "UnsupportedAttention: no"),
+            "sdpa backend pos": ("MODEL", 0.5),
+        },
+    }
+    lines = doors_table([row], doors).splitlines()
+    assert lines[2] == "| f | encoder | ok | refused | model's own |"
+    assert "f: usp compile flash: UnsupportedAttention: no" in lines
+    with pytest.raises(SystemExit) as exit_:
+        main(["--doors", "usp-eager-nothing"])
+    assert exit_.value.code == 2
+
+
+def test_cross_attention_of_a_usp_model_under_backend_usp_gives_each_documents_own_result():
+    # BART (learned positions replaced) with attn_implementation="usp" under documents(target, kv=source):
+    # its cross-attention (10 target tokens over 16 source tokens) was refused as a KV cache.
+    pytest.importorskip("transformers")
+    from tools.sweep_models import sweep_doors
+
+    row = sweep_doors("bart_nopos", ["usp backend documents"])
+    assert row["doors"]["usp backend documents"][0] == "ok", row

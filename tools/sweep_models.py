@@ -3,6 +3,7 @@
     python tools/sweep_models.py                     # every family of tests/realmodels.SWEEP_SPECS
     python tools/sweep_models.py --families phi3,t5  # some
     python tools/sweep_models.py --cp ulysses        # context parallelism on 2 gloo ranks
+    python tools/sweep_models.py --doors usp         # only the doors table (below)
 
 Each family is built from a config (no download), fp64, SDPA attention, dropout zeroed, training
 mode, and runs on 2 rows x 16 tokens of packed documents (positions restart at 0 per document;
@@ -24,6 +25,16 @@ no document crosses a row). Checks, each printed as ok / FAIL / refused / ERR / 
 - no position_ids: the family called without ``position_ids`` under packed documents, compiled
   and eager (positions the model counts itself): refused, or each document's own result ("-": the
   forward takes none, so the packed check already ran without them).
+
+The doors table (``--doors usp``, or doors of it by name): every front door a transformers user
+takes, each cell the output and every parameter grad against each document alone, or a refusal.
+Columns (`DOORS`): attn_implementation "usp" in eager, under plain ``torch.compile`` (Dynamo with
+aot_eager) and under backend usp, with the documents in packed position ids ("pos",
+``DataCollatorWithFlattening``'s default), in flash-attention's ``cu_seq_lens_q/k`` next to them
+("flash") or in a ``documents(meta)`` block; "sdpa" + backend usp with position ids only ("sdpa"
+under ``documents`` is the packed column above). "-": the forward takes no position ids (or no
+flash kwargs); "model's own": "sdpa" without a block gives the plain model's result, whose mask
+ignores the position ids (it attends the whole row, with or without usp).
 
 ``--cp ulysses`` (or any strategy) checks context parallelism instead, on 2 gloo ranks: the rows
 sharded over the ranks, eager, compiled, and compiled with gradient checkpointing, against every
@@ -103,11 +114,13 @@ def _takes(model, name: str) -> bool:
     return name in inspect.signature(model.forward).parameters
 
 
-def forward(model, kind: str, ids, pos, tgt=None, tgt_pos=None, *, takes=None) -> torch.Tensor:
+def forward(model, kind: str, ids, pos, tgt=None, tgt_pos=None, *, takes=None, extra=None) -> torch.Tensor:
     """The tensor the loss reads: logits (decoder), last hidden state (encoder), or the decoder's
-    last hidden state next to the encoder's (seq2seq, concatenated on the token axis)."""
+    last hidden state next to the encoder's (seq2seq, concatenated on the token axis). `extra`:
+    more keyword inputs (flash-attention's ``cu_seq_lens_q/k``)."""
     takes = takes or (lambda n: _takes(model, n))
     kw = {"position_ids": pos} if takes("position_ids") else {}
+    kw.update(extra or {})
     if kind == "decoder":
         return model(input_ids=ids, use_cache=False, **kw).logits
     if kind == "encoder":
@@ -231,6 +244,134 @@ def without_position_ids(model, batch: Batch, ref_out: torch.Tensor, tol: float)
     """The family called without position ids (its own positions) under packed documents."""
     takes = lambda n, m=model: _takes(m, n) and not n.endswith("position_ids")  # noqa: E731
     return _both_paths(model, batch, takes, ref_out, tol)
+
+
+# The front doors of the ``--doors usp`` table: column -> (attention implementation, how the model
+# runs, where the documents come from). "compile" is plain ``torch.compile`` (Dynamo with
+# aot_eager: the doors decide while Dynamo traces; inductor only changes the kernels); "backend"
+# is backend usp. Documents: "pos" packed position ids (``DataCollatorWithFlattening``'s default,
+# the Trainer/TRL padding-free path), "flash" flash-attention's ``cu_seq_lens_q/k`` next to them
+# (its ``return_flash_attn_kwargs=True``), "documents" a ``documents(meta)`` block.
+DOORS = {
+    "usp eager pos": ("usp", "eager", "pos"),
+    "usp eager flash": ("usp", "eager", "flash"),
+    "usp eager documents": ("usp", "eager", "documents"),
+    "usp compile pos": ("usp", "compile", "pos"),
+    "usp compile flash": ("usp", "compile", "flash"),
+    "usp backend pos": ("usp", "backend", "pos"),
+    "usp backend flash": ("usp", "backend", "flash"),
+    "usp backend documents": ("usp", "backend", "documents"),
+    "sdpa backend pos": ("sdpa", "backend", "pos"),
+}
+
+
+def _takes_kwargs(model) -> bool:
+    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+
+
+def door_cell(name: str, door: str, batch: Batch, ref_out: torch.Tensor, ref: dict, tol: float):
+    """One cell of the doors table: family `name` through `door` (`DOORS`) on the packed batch,
+    output and every parameter grad against each document alone; None where the door does not
+    apply (the forward takes no position ids, or no flash-attention kwargs)."""
+    impl, how, given = DOORS[door]
+    torch._dynamo.reset()
+    try:
+        model = make_sweep_model(name)
+        model.set_attn_implementation(impl)
+    except ValueError as exc:  # "usp" refused at construction (a model computing attention itself)
+        return ("ERR", _short(exc))
+    model.train()
+    takes = lambda n, m=model: _takes(m, n)  # noqa: E731
+    if given != "documents" and not takes("position_ids"):
+        return None  # no documents reach the model without a block
+    extra = None
+    if given == "flash":
+        if not _takes_kwargs(model):
+            return None
+        cu = batch.meta.cu_seqlens[: len(SOURCE) + 1]
+        extra = {
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": max(SOURCE),
+            "max_length_k": max(SOURCE),
+        }
+    if how == "eager":
+        fn = model
+    elif how == "compile":
+        fn = torch.compile(model, backend="aot_eager")
+    else:
+        fn = torch.compile(model, backend="usp", options={"inner": "aot_eager"})
+    block = batch.documents() if given == "documents" else contextlib.nullcontext()
+    args = (batch.ids, batch.pos, getattr(batch, "tgt", None), getattr(batch, "tgt_pos", None))
+    try:
+        with block:
+            out = forward(fn, batch.kind, *args, takes=takes, extra=extra)
+        weighted_loss(out).backward()
+        err = max(max_err(out.detach(), ref_out), max_err(grads(model), ref))
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        return ("ERR", _short(_own_error(exc)))
+    finally:
+        torch._dynamo.reset()
+    if err > tol and impl == "sdpa" and given != "documents":
+        # No block: backend usp keeps the model's own semantics. A model whose mask ignores the
+        # position ids attends the whole row with or without usp (no documents were said).
+        with torch.no_grad():
+            own = forward(model, batch.kind, *args, takes=takes)
+        if max_err(out.detach(), own) <= tol:
+            return ("MODEL", err)
+    return ("ok" if err <= tol else "FAIL", err)
+
+
+def sweep_doors(name: str, doors: list[str]) -> dict:
+    """The doors table's row of family `name`."""
+    spec = SWEEP_SPECS[name]
+    row: dict = {"family": name, "kind": spec.kind, "tol": spec.tol}
+    try:
+        model = make_sweep_model(name)
+        model.train()
+        batch = Batch(spec.kind, seed=2)
+        ref_out, ref = alone(model, batch, lambda n, m=model: _takes(m, n))
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        row["build"] = _short(exc)
+        return row
+    row["doors"] = {door: door_cell(name, door, batch, ref_out, ref, spec.tol) for door in doors}
+    return row
+
+
+def doors_table(rows: list[dict], doors: list[str]) -> str:
+    """The ``--doors usp`` table: ok / FAIL max err / refused / ERR / - (the door gets no documents
+    from this family's forward) / model's own ("sdpa" without a block: the result of the plain
+    model, whose mask ignores the position ids); each refusal's and crash's message follows."""
+    lines = ["| family | kind | " + " | ".join(doors) + " |", "| --- " * (len(doors) + 2) + "|"]
+    notes = []
+    for r in rows:
+        if "build" in r:
+            lines.append(f"| {r['family']} | {r['kind']} |" + " ERR |" * len(doors))
+            notes.append(f"{r['family']}: build: {r['build']}")
+            continue
+        cells = [r["doors"].get(d) for d in doors]
+        lines.append(
+            f"| {r['family']} | {r['kind']} | " + " | ".join(_door_cell_text(c) for c in cells) + " |"
+        )
+        for door, cell in zip(doors, cells, strict=True):
+            if cell is not None and cell[0] == "MODEL":
+                notes.append(
+                    f"{r['family']}: {door}: the plain model's own result (it attends the whole row)"
+                )
+            elif cell is not None and cell[0] != "ok":
+                notes.append(
+                    f"{r['family']}: {door}: {cell[1] if cell[0] == 'ERR' else f'max err {cell[1]:.1e}'}"
+                )
+    return "\n".join(lines + [""] + notes)
+
+
+def _door_cell_text(value) -> str:
+    if value is None:
+        return "-"
+    if value[0] == "MODEL":
+        return "model's own"
+    cell = _cell(value)
+    return "ok" if cell.startswith("ok") else cell
 
 
 def dumps_written(root: str) -> tuple:
@@ -424,7 +565,7 @@ def _cell(value) -> str:
     status, detail = value
     if status == "ERR":
         # usp_graph's own refusals are ValueErrors that say why; anything else is a crash
-        return "refused" if detail.startswith("ValueError:") else "ERR"
+        return "refused" if detail.startswith(("ValueError:", "UnsupportedAttention:")) else "ERR"
     return f"{status} {detail:.1e}"
 
 
@@ -501,7 +642,19 @@ def main(argv=None) -> int:
         "--cp", default=None, metavar="STRATEGY",
         help="instead: context parallelism over 2 gloo ranks with this strategy (decoders and encoders)",
     )  # fmt: skip
+    parser.add_argument(
+        "--doors", default="classic,usp",
+        help='comma-separated: "classic" (the table of backend usp under documents and its checks), "usp" '
+        '(every door of the doors table), or doors of it by name (dashes for spaces: usp-compile-pos)',
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    wanted = [d.strip().replace("-", " ") for d in args.doors.split(",") if d.strip()]
+    doors = [d for d in DOORS if "usp" in wanted or d in wanted]
+    bad = [d for d in wanted if d not in ("classic", "usp") and d not in DOORS]
+    if bad:
+        parser.error(
+            f"--doors {bad}: each one of classic, usp, {', '.join(d.replace(' ', '-') for d in DOORS)}"
+        )
     names = args.families.split(",") if args.families else list(SWEEP_SPECS)
     unknown = [n for n in names if n not in SWEEP_SPECS]
     if unknown:
@@ -523,9 +676,18 @@ def main(argv=None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    rows = []
+    rows, door_rows = [], []
     with torch._dynamo.config.patch(recompile_limit=64, cache_size_limit=64):
         for name in names:
+            if doors:
+                t0 = time.perf_counter()
+                with contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115
+                    door_rows.append(sweep_doors(name, doors))
+                cells = door_rows[-1].get("doors", {})
+                print(f"{name} doors: {[_door_cell_text(c) for c in cells.values()]} "
+                      f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
+            if "classic" not in wanted:
+                continue
             t0 = time.perf_counter()
             with contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115
                 row = sweep_one(name)
@@ -539,8 +701,12 @@ def main(argv=None) -> int:
             )
             if args.trace and row.get("trace"):
                 print(row["trace"])
-    print()
-    print(table(rows))
+    if rows:
+        print()
+        print(table(rows))
+    if door_rows:
+        print()
+        print(doors_table(door_rows, doors))
     return 0
 
 

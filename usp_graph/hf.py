@@ -19,7 +19,9 @@ block metadata that contradicts the call's position ids is refused, as on the "s
 Causal or bidirectional from the module (``module.is_causal``, or the ``is_causal`` transformers
 passes), a sliding window from the model's mask where eager code can read it (`_mask_window`),
 else from the layer (the ``sliding_window`` transformers passes, else ``module.sliding_window``;
-flash-attention's reading: ``window - 1`` keys back, and forward too when bidirectional),
+flash-attention's reading: ``window - 1`` keys back, and forward too when bidirectional; compiled
+and bidirectional, transformers' mask rule ``|q - k| <= config.sliding_window``), which compiled
+code checks against the mask function on the device (`masks.check_mask_window`),
 grouped-query attention without repeating K/V. Refused with the reason: a padding mask or a 4-D
 mask (pack the documents instead), a mask function beyond documents, causal and windows
 (multimodal blocks, chunked attention in eager), model code that reads the mask itself, a KV
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import resolve
-from .masks import document_starts, positions_mask
+from .masks import check_mask_window, document_starts, positions_mask
 from .ops.boundaries import device_assert
 from .resolve import ROUTED, DocumentStarts, UnsupportedAttention, documents_for_call
 from .resolve import refuse as _refuse
@@ -67,14 +69,26 @@ def usp_attention_forward(
 ) -> tuple[Tensor, None]:
     """transformers' attention interface: (B, H, L, K) query, (B, G, L, K) key/value ->
     ((B, L, H, K) output, None)."""
-    mask_starts = mask_window = None
+    mask_starts = mask_window = mask_function = None
     if isinstance(attention_mask, DocumentStarts):
-        mask_starts, mask_window, attention_mask = attention_mask.starts, attention_mask.window, None
-    _refuse_what_usp_does_not_compute(module, query, key, attention_mask, dropout, kwargs)
+        mask_starts, mask_window = attention_mask.starts, attention_mask.window
+        mask_function, attention_mask = attention_mask.mask_function, None
+    cross = query.shape[2] != key.shape[2] and torch.compiler.is_compiling() and resolve.block_active()
+    _refuse_what_usp_does_not_compute(module, query, key, attention_mask, dropout, kwargs, cross=cross)
+    if cross:  # backend usp under documents(meta, kv=kv_meta) tells cross-attention from the graph
+        resolve.refuse_unhonoured(query)
+        out = F.scaled_dot_product_attention(
+            query, key, value, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+        )
+        return out.transpose(1, 2).contiguous(), None
     b, h, length, _ = query.shape
     is_causal = kwargs.get("is_causal")
     is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    window = _window(module, kwargs, is_causal, mask_window)
+    window = _window(module, kwargs, is_causal, mask_window, unread=mask_function is not None)
+    if mask_function is not None:  # compiled: the window was chosen without reading the mask's
+        probe = getattr(getattr(module, "config", None), "sliding_window", None)
+        probe = probe if isinstance(probe, int) and not isinstance(probe, bool) and probe > 0 else None
+        check_mask_window(mask_function, mask_starts, window, is_causal=is_causal, probe=probe)
     gqa = key.shape[1] != h
     metadata = documents_for_call(
         module, kwargs, b, length, mask_starts=mask_starts, like=query, is_causal=is_causal
@@ -104,8 +118,11 @@ def _refuse_what_usp_does_not_compute(
     attention_mask: Any,
     dropout: float,
     kwargs: dict[str, Any],
+    *,
+    cross: bool = False,
 ) -> None:
-    """A mask, logit softcapping, sinks, a position bias, dropout, a KV cache: refused with the fix."""
+    """A mask, logit softcapping, sinks, a position bias, dropout, a KV cache (query and key lengths
+    differ, unless `cross`: cross-attention backend usp rewrites): refused with the fix."""
     if attention_mask is not None:
         raise _refuse(
             f"an attention mask of shape {tuple(attention_mask.shape)} reached attention (a 4-D mask passed to the "
@@ -130,7 +147,7 @@ def _refuse_what_usp_does_not_compute(
             "set the model's attention_dropout to 0.0 for training",
         )
     lq, lk = query.shape[2], key.shape[2]
-    if lq != lk:
+    if lq != lk and not cross:
         raise _refuse(
             f"query length {lq} != key length {lk}: a KV cache from earlier steps (generation)",
             'usp attends within the packed documents of one forward pass; generate with model.set_attn_implementation("sdpa")',
@@ -142,6 +159,8 @@ def _window(
     kwargs: dict[str, Any],
     is_causal: bool,
     mask_window: tuple[int, int] | None = None,
+    *,
+    unread: bool = False,
 ) -> tuple[int, int] | None:
     """flash-attention's window of the call: the model's mask's where it was read (`_mask_window`:
     what "sdpa" computes, also where the layer holds no window, or, bidirectional, counts one less),
@@ -155,6 +174,11 @@ def _window(
         return None
     if isinstance(sw, bool) or not isinstance(sw, int) or sw < 1:
         raise _refuse(f"sliding_window={sw!r} is not a positive int", "fix the model config's sliding_window")
+    configured = getattr(getattr(module, "config", None), "sliding_window", None)
+    if unread and not is_causal and isinstance(configured, int) and not isinstance(configured, bool):
+        # Compiled, the mask unread: transformers' bidirectional window mask keeps |q - k| <=
+        # config.sliding_window (`sliding_window_bidirectional_overlay`); attention checks it.
+        return (configured, configured)
     return (sw - 1, -1) if is_causal else (sw - 1, sw - 1)
 
 
@@ -280,45 +304,17 @@ def usp_mask(
     read = _mask_starts(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, device)
     if read is not None and not compiling:
         read.window = _mask_window(mask_function)
-    pos = None if compiling or read is None else _positions_a_cache_hid()
-    if pos is not None and tuple(pos.shape[-1:]) == (q_length,) and pos.shape[0] in (1, batch_size):
+    elif read is not None:  # Dynamo cannot read the closure: attention checks its window against it
+        read.mask_function = mask_function
+    # The forward's position ids cut the documents too: with a cache passed, transformers leaves them
+    # out of the mask function (`resolve.forward_positions`), eager and compiled alike.
+    pos = None if read is None else resolve.forward_positions()
+    if pos is not None and pos.dim() == 2 and pos.shape[-1] == q_length and pos.shape[0] in (1, batch_size):
+        pos_starts = document_starts(pos.expand(batch_size, q_length)).reshape(read.starts.shape)
         read = DocumentStarts(
-            read.starts | document_starts(pos.expand(batch_size, q_length)).reshape(read.starts.shape)
+            read.starts | pos_starts.to(read.starts.device), read.window, read.mask_function
         )
     return read
-
-
-# transformers' mask builders, which skip the packed-sequence mask when a cache is passed.
-_MASK_BUILDERS = {"create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask"}
-
-
-def _positions_a_cache_hid() -> Tensor | None:
-    """The position ids transformers' mask builder (the caller) had but did not read because a cache
-    was passed (``use_cache=True``, the default of ``model(**batch)`` in eval): with no packed mask,
-    models whose attention gets no position ids (GPT-BigCode, Persimmon) crossed documents. Read
-    from the builder's frame, in eager only (a new cache: the mask reader sees no offset)."""
-    frame = sys._getframe(2)
-    for _ in range(4):
-        if frame is None:
-            return None
-        if frame.f_code.co_name in _MASK_BUILDERS and frame.f_globals.get("__name__", "").endswith(
-            "masking_utils"
-        ):
-            break
-        frame = frame.f_back
-    else:
-        return None
-    found = frame.f_locals
-    cache = found.get("cache", found.get("past_key_values"))
-    pos = found.get("position_ids")
-    if (
-        cache is None
-        or found.get("attention_mask") is not None
-        or not isinstance(pos, Tensor)
-        or pos.dim() != 2
-    ):
-        return None
-    return pos
 
 
 def _mask_starts(
@@ -419,6 +415,8 @@ def _guard_model_classes() -> None:
             _refuse_own_attention(type(self))
             from .hf_rows import install_row_rules
 
+            # first: its hook pushes before the rules' hook may refuse, and pops after (always called)
+            resolve.install_forward_positions(self)  # the mask builder's position ids (`usp_mask`)
             install_row_rules(self)  # packed documents: the rules of usp_graph.rules, as on every door
         return check(self, attn_implementation, *args, **kwargs)
 

@@ -53,6 +53,7 @@ __all__ = [
     "check_positions_match",
     "positions_mask",
     "documents_of_mask",
+    "check_mask_window",
 ]
 
 UNBOUNDED = -1
@@ -345,6 +346,51 @@ def positions_mask(pos_BL: Tensor, *, is_causal: bool, window: tuple[int, int] |
     if left != UNBOUNDED:
         keep = keep & (back <= left)
     return keep[:, None]
+
+
+def check_mask_window(
+    mask_function: Any,
+    starts_BL: Tensor,
+    window: tuple[int, int] | None,
+    *,
+    is_causal: bool,
+    probe: int | None,
+) -> None:
+    """Assert on the device that a model's mask function (transformers' ``mask_function(batch, head,
+    q, kv)``) keeps the band `window` inside the documents `starts_BL` cuts: at distance ``left``
+    a key is kept and at ``left + 1`` cut (and ahead, bidirectional, at ``right`` and ``right + 1``);
+    with no window, that nothing is cut at distance `probe` (a window the layer does not hold).
+    O(B x L): neighbours at a few distances, never (L, L). For compiled code, where the window is
+    chosen without reading the mask function (Dynamo cannot read its closure)."""
+    b, length = starts_BL.shape
+    if window is None:
+        distances = [(probe, True), (-probe, True)][: 1 if is_causal else 2] if probe else []
+    else:
+        left, right = window
+        distances = [] if left < 0 else [(left, True), (left + 1, False)]
+        if not is_causal and right >= 0:
+            distances += [(-right, True), (-right - 1, False)]
+    distances = [(d, kept) for d, kept in distances if d != 0 and abs(d) < length]
+    if not distances:
+        return
+    device = starts_BL.device
+    doc_BL = starts_BL.long().cumsum(1)
+    rows = torch.arange(b, device=device)[:, None]
+    heads = torch.zeros(1, 1, dtype=torch.long, device=device)
+    q = torch.arange(length, device=device)[None, :]
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    for d, kept in distances:
+        kv = q - d
+        inside = (kv >= 0) & (kv < length)
+        kv = kv.clamp(0, length - 1)
+        same = inside & (doc_BL.gather(1, kv.expand(b, length)) == doc_BL)
+        sees = torch.as_tensor(mask_function(rows, heads, q, kv), device=device).bool().expand(b, length)
+        bad = bad | (same & (sees != kept)).any()
+    device_assert(
+        ~bad,
+        'attn_implementation="usp": the model\'s mask holds another window than its layers (compiled code '
+        'cannot read the mask\'s own); use attn_implementation="sdpa" for this model',
+    )
 
 
 def cu_seqlens_from_positions(pos_BL: Tensor, capacity: int | None = None) -> Tensor:

@@ -168,6 +168,11 @@ def _block_active() -> bool:
     return _BLOCKS is not None and _BLOCKS.packed_documents_active()
 
 
+def block_active() -> bool:
+    """Whether a ``documents(...)`` block is active (read where compiled code decides on it)."""
+    return _block_active()
+
+
 def refuse_unhonoured(like: Tensor) -> None:
     """Under torch.compile: fail the call (an assert in the compiled code, whatever the backend) when
     an active block would be ignored: ``documents(metadata)`` under any backend but usp, or an
@@ -289,7 +294,9 @@ def documents_for_call(
     cannot know about them (`warn_where_unknown`)."""
     found, source = _documents_for_call(module, kwargs, b, length, mask_starts, like)
     if found is not None:
-        warn_where_unknown(module, is_causal, source == "positions")
+        # The mask's starts hold the forward's position ids too (`install_forward_positions`).
+        positions = source == "positions" or (source == "mask" and forward_positions() is not None)
+        warn_where_unknown(module, is_causal, positions)
     return found
 
 
@@ -608,6 +615,43 @@ def _positions_in_graph(
     )
 
 
+# The position ids each running forward of a "usp" model was called with, innermost last (None: it
+# got none), pushed and popped by hooks on the model (`install_forward_positions`). A forward with
+# a cache (``use_cache=True``, the default of ``model(**batch)`` in eval) has transformers build no
+# packed-sequence mask from them, and models whose attention gets no position ids (GPT-BigCode,
+# Persimmon) would cross documents; so would models that hand neither their mask builder nor
+# attention the position ids (ModernBERT, DistilBERT, OPT): the mask builder cuts its
+# `DocumentStarts` at them too. Under
+# torch.compile Dynamo traces the hooks (the list's changes are side effects it replays), so the
+# compiled mask builder reads the same position ids as eager code.
+_FORWARD_POSITIONS: list[Tensor | None] = []
+
+
+def install_forward_positions(model: torch.nn.Module) -> None:
+    """Keep the position ids of each forward of `model` for its mask builder
+    (`forward_positions`); once per model."""
+    if getattr(model, "_usp_forward_positions", False):
+        return
+    model.register_forward_pre_hook(_push_positions, with_kwargs=True)
+    model.register_forward_hook(_pop_positions, always_call=True)
+    model._usp_forward_positions = True
+
+
+def _push_positions(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    pos = kwargs.get("position_ids")
+    _FORWARD_POSITIONS.append(pos if isinstance(pos, Tensor) else None)
+
+
+def _pop_positions(model: torch.nn.Module, *rest: Any) -> None:
+    if _FORWARD_POSITIONS:
+        _FORWARD_POSITIONS.pop()
+
+
+def forward_positions() -> Tensor | None:
+    """The position ids of the innermost running forward of a "usp" model (None: none given)."""
+    return _FORWARD_POSITIONS[-1] if _FORWARD_POSITIONS else None
+
+
 class DocumentStarts:
     """What "usp"'s mask builder hands transformers in place of a mask, and transformers hands each
     attention call: ``starts`` ((B, L) bool), where the model's own mask separates a token from the
@@ -617,13 +661,18 @@ class DocumentStarts:
     ids but does not pass them to attention: Persimmon, GPTBigCode), and cuts documents at its
     starts too (chunked attention under compile, where the mask function cannot be inspected)."""
 
-    __slots__ = ("starts", "window")
+    __slots__ = ("starts", "window", "mask_function")
 
-    def __init__(self, starts: Tensor, window: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, starts: Tensor, window: tuple[int, int] | None = None, mask_function: Any = None
+    ) -> None:
         self.starts = starts
         # The mask's own sliding window (flash-attention's (left, right); right -1: as far as the
         # left, for a bidirectional mask), read in eager from transformers' window pieces.
         self.window = window
+        # Compiled code, which cannot read the window: the mask function, which attention probes
+        # for the window it chose (`masks.check_mask_window`).
+        self.mask_function = mask_function
 
     def __repr__(self) -> str:
         return f"DocumentStarts(shape={tuple(self.starts.shape)})"
