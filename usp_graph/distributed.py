@@ -322,12 +322,14 @@ def _exit_cleanly() -> None:
     exit outlives the interpreter's own teardown: its destructor never runs, and its threads were
     still running while ``exit()`` destroyed the C++ statics and the peer rank closed its sockets;
     now and then a rank that had trained correctly died there with "terminate called without an
-    active exception". Two kinds of reference kept it: reference cycles (an `attention_mode` block's
-    checkpoint wrappers and an autograd graph's saved context hold the mode, its ContextParallel and
-    the group; any closure), which the interpreter's teardown does not all collect, and defaults
-    that torch modules imported after ``init_process_group`` evaluated to the group. Dropping both
-    here destroys the group on the main thread, its threads joined, before anything else is torn
-    down. gloo only: destroying an NCCL group at exit can block on its peers."""
+    active exception". What kept it: reference cycles (an autograd graph's saved context, any
+    closure), which the interpreter's teardown does not all collect, and defaults that torch
+    modules imported after ``init_process_group`` evaluated to the group. Dropping both here
+    destroys the group on the main thread, its threads joined, before anything else is torn down.
+    usp's own long-lived objects hold no group (`ContextParallel` holds it weakly; `attention_mode`'s
+    checkpoint wrappers keep no block's mode once it closed). A group the program itself still
+    refers to at exit (a ProcessGroup in a global) stays alive: delete that reference first. gloo
+    only: destroying an NCCL group at exit can block on its peers."""
     collectives = sys.modules.get("usp_graph.ops.collectives")
     if collectives is not None:
         collectives._drain_at_exit()
@@ -371,16 +373,17 @@ def _release_import_time_defaults(groups: list[dist.ProcessGroup]) -> None:
 
 
 def _functions_of(module: Any) -> Iterator[Any]:
-    """The Python functions `module` defines: at its top level and in the classes it defines."""
+    """The Python functions `module` defines: at its top level and in the classes it defines. Read
+    through `type()` alone: some values warn when an attribute is read (``torch.distributed.reduce_op``)."""
     for obj in list(vars(module).values()):
-        if getattr(obj, "__module__", None) != module.__name__:
-            continue
-        if isinstance(obj, types.FunctionType):
+        kind = type(obj)
+        if kind is types.FunctionType and obj.__module__ == module.__name__:
             yield obj
-        elif isinstance(obj, type):
+        elif issubclass(kind, type) and obj.__module__ == module.__name__:
             for member in list(vars(obj).values()):
-                member = getattr(member, "__func__", member)  # staticmethod, classmethod
-                if isinstance(member, types.FunctionType):
+                if type(member) in (staticmethod, classmethod):
+                    member = member.__func__
+                if type(member) is types.FunctionType:
                     yield member
 
 
