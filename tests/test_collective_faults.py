@@ -614,6 +614,73 @@ def test_a_process_that_trained_correctly_exits_cleanly(tmp_path, door):
         assert "terminate called" not in text and "Abort" not in text, (r, text[-2000:])
 
 
+_BOUND_AT_IMPORT = """
+def f(x, group=G, other=O):
+    pass
+
+def g(*, group=G):
+    pass
+
+class C:
+    def __init__(self, group=G):
+        pass
+
+    @staticmethod
+    def s(group=G):
+        pass
+"""
+
+
+@pytest.mark.filterwarnings("error")  # at exit: torch.distributed.reduce_op warns when it is read
+def test_the_exit_handler_releases_defaults_torch_modules_bound_to_a_destroyed_group(monkeypatch):
+    """torch.distributed.nn.functional writes ``group=group.WORLD``: imported after init_process_group
+    (torch imports it through Dynamo, lazily), its defaults hold the default group for good. The exit
+    handler sets such defaults of torch.distributed modules to None (their value had the module been
+    imported before init), leaves every other default and every other module alone, and warns
+    nothing."""
+    import types
+
+    from usp_graph.distributed import _release_import_time_defaults
+
+    group, other = object(), object()  # only identity matters
+    modules = {}
+    for name in ("torch.distributed._bound_at_import", "elsewhere_bound_at_import"):
+        modules[name] = types.ModuleType(name)
+        modules[name].G, modules[name].O = group, other
+        exec(_BOUND_AT_IMPORT, vars(modules[name]))
+        monkeypatch.setitem(sys.modules, name, modules[name])
+    _release_import_time_defaults([group])
+    torch_side, elsewhere = modules.values()
+    assert torch_side.f.__defaults__ == (None, other)
+    assert torch_side.g.__kwdefaults__ == {"group": None}
+    assert torch_side.C.__init__.__defaults__ == (None,) and torch_side.C.s.__defaults__ == (None,)
+    assert elsewhere.f.__defaults__ == (group, other) and elsewhere.g.__kwdefaults__ == {"group": group}
+    assert elsewhere.C.__init__.__defaults__ == (group,)
+
+
+def test_a_context_parallel_plan_does_not_keep_its_process_group_alive(tmp_path):
+    """A plan kept for the whole run (a global, Dynamo's cache of a compiled step) holds its group
+    weakly: destroyed, the group goes, and the plan says so when asked for it."""
+    import gc
+    import weakref
+
+    from usp_graph import ContextParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cp = ContextParallel("ulysses")
+        group = weakref.ref(dist.group.WORLD)
+        assert cp.group is group() and cp.is_over(group())
+        dist.destroy_process_group()
+        gc.collect()
+        assert group() is None
+        with pytest.raises(ValueError, match="process group '.+' of this ContextParallel was destroyed"):
+            _ = cp.group
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.mark.slow
 def test_a_functional_collective_in_a_file_replays_and_must_be_waited_for():
     for rank, out in enumerate(run_ranks(_c10d_in_a_graph_file, 2, timeout=120, pg_timeout=30)):
