@@ -458,14 +458,17 @@ def test_a_replay_failing_between_issue_and_wait_leaves_nothing_pending():
 
 # ------------------------------------------------------------------------------------------------
 # A clean exit after a correct step: fresh processes (a pooled rank leaves by os._exit, which skips
-# the interpreter teardown this is about), 2 gloo ranks, Ulysses; the process group is left for the
-# exit to tear down. Door "eager": every decoder layer under torch.utils.checkpoint(use_reentrant=
-# False) in attention_mode, and one issued all_to_all left in flight (a step cut short). Door
-# "compiled": backend usp with option cp under documents. Neither imports Dynamo before
-# init_process_group (torch does, at the first checkpoint call or compile: after it, as in a job).
+# the interpreter teardown this is about), 2 gloo ranks, Ulysses, one step through each door in
+# `doors`; the process group is left for the exit to tear down. Door "eager": every decoder layer
+# under torch.utils.checkpoint(use_reentrant=False) in attention_mode, and one issued all_to_all
+# left in flight (a step cut short). Door "compiled": backend usp with option cp under documents.
+# Nothing imports Dynamo before init_process_group (torch does, at the first checkpoint call or
+# compile: after it, as in a job).
+
+DOORS = "eager,compiled"
 
 
-def _train_then_exit(rank: int, world: int, store: str, log: str, door: str = "eager") -> None:
+def _train_then_exit(rank: int, world: int, store: str, log: str, doors: str = DOORS) -> None:
     err = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(err, 2)  # what the C++ runtime prints on abort ("terminate called ...") lands in `log`
     torch.set_num_threads(1)
@@ -487,11 +490,12 @@ def _train_then_exit(rank: int, world: int, store: str, log: str, door: str = "e
     meta = AttentionMetadata.from_lengths(lengths, max_docs=8)
     cp = ContextParallel("ulysses")
     ids, pos, labels = (cp.shard(batch[k], 1) for k in ("input_ids", "position_ids", "labels"))
-    step = {"eager": _eager_checkpointed_loss, "compiled": _compiled_loss}[door]
-    step(model, config, meta, cp, ids, pos, labels).backward()
-    cp.reduce_grads(model.parameters())
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-    if door == "eager":
+    for door in doors.split(","):
+        step = {"eager": _eager_checkpointed_loss, "compiled": _compiled_loss}[door]
+        step(model, config, meta, cp, ids, pos, labels).backward()
+        cp.reduce_grads(model.parameters())
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    if "eager" in doors.split(","):
         y = _x(4, 3)
         torch.ops.usp.all_to_all_start(y, 0, 0, [2, 2], [2, 2], dist.group.WORLD.group_name)  # never waited
     print(f"trained; gloo threads: {len(_gloo_threads())}", flush=True, file=sys.stderr)
@@ -588,16 +592,15 @@ def _group_holders() -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
-@pytest.mark.parametrize("door", ["eager", "compiled"])
-def test_a_process_that_trained_correctly_exits_cleanly(tmp_path, door):
+def test_a_process_that_trained_correctly_exits_cleanly(tmp_path):
     """The abort itself came 1-3 times in 50 runs; what caused it, every time: the gloo group outlived
     the exit handler (a reference held it), so its threads ran on into the C++ teardown. A run on 2
-    ranks, checking that no gloo thread is left once the exit handler ran (tools/exit_repeat.py
-    repeats it)."""
+    ranks, an eager and a compiled step each, checking that no gloo thread is left once the exit
+    handler ran (tools/exit_repeat.py repeats it)."""
     ctx = torch.multiprocessing.get_context("spawn")
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     procs = [
-        ctx.Process(target=_train_then_exit, args=(r, 2, str(tmp_path / "store"), str(logs[r]), door))
+        ctx.Process(target=_train_then_exit, args=(r, 2, str(tmp_path / "store"), str(logs[r]), DOORS))
         for r in range(2)
     ]
     for p in procs:
