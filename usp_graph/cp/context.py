@@ -133,27 +133,11 @@ class ContextParallel:
         if self.rank < 0:
             raise ValueError("this process is not a member of the given CP group")
         self.group_name = group.group_name
-        # Weakly: a plan kept for the whole run (a global, Dynamo's cache of a compiled step) must not
-        # keep its group alive past destroy_process_group (its gloo threads would run into the
-        # interpreter's teardown: `usp_graph.distributed._exit_cleanly`).
-        self._group_ref = weakref.ref(group)
+        self._group_ref = weakref.ref(group)  # weakly: see `_live_group`
         self.layout = ChunkLayout(self.world, zigzag=load_balance == "zigzag")
         self._set_degrees(ulysses_degree, ring_group, ulysses_group)
 
-    @property
-    def group(self) -> dist.ProcessGroup:
-        """The CP process group (held weakly: a destroyed group is gone from here too)."""
-        group = self._group_ref()
-        if group is None:
-            raise ValueError(
-                f"the process group {self.group_name!r} of this ContextParallel was destroyed; build a "
-                "ContextParallel on a live group"
-            )
-        return group
-
-    def is_over(self, group: dist.ProcessGroup) -> bool:
-        """Whether this plan was built over `group` itself (not another group of the same name)."""
-        return self._group_ref() is group
+    group = property(lambda self: _live_group(self))
 
     def _set_degrees(self, ulysses_degree: int | None, ring_group, ulysses_group) -> None:
         """Ranks per Ulysses group and per ring (usp: `ulysses_degree`, its subgroups made here
@@ -302,6 +286,20 @@ class ContextParallel:
         FSDP2's sharded (DTensor) grads are refused: see `usp_graph.fsdp` for that layout.
         """
         _reduce_grads(list(params), self.group)
+
+
+def _live_group(cp: ContextParallel) -> dist.ProcessGroup:
+    """`ContextParallel.group`: the CP process group, held weakly. A plan kept for the whole run (a
+    global, Dynamo's cache of a compiled step) must not keep its group alive past
+    destroy_process_group: its gloo threads would run into the interpreter's teardown (issue 37,
+    `usp_graph.distributed._exit_cleanly`)."""
+    group = cp._group_ref()
+    if group is None:
+        raise ValueError(
+            f"the process group {cp.group_name!r} of this ContextParallel was destroyed; build a "
+            "ContextParallel on a live group"
+        )
+    return group
 
 
 def _check_same_metadata(cu_seqlens: Tensor | AttentionMetadata, group, world: int) -> None:
