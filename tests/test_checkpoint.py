@@ -172,3 +172,34 @@ def test_a_recognised_mask_is_no_longer_built_to_be_passed_to_checkpointed_regio
         and v.dim() == 4
     ]
     assert masks == [], [n.format_node() for n in masks]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_a_checkpoint_entry_point_copied_inside_the_block_holds_no_mode(monkeypatch, use_reentrant):
+    """A module imported inside the block may copy checkpoint's entry points (torch imports Dynamo
+    at the first checkpoint call, and Dynamo imports torch.distributed._composable, which copies
+    the non-reentrant one): the copy keeps no block's mode (nor its ContextParallel and process
+    group) once the block closed, and outside a block it checkpoints as torch does."""
+    import gc
+    import weakref
+
+    import torch.utils.checkpoint as ckpt
+
+    model = _model()
+    batch = make_llama_batch(model.config, LENGTHS, generator=torch.Generator().manual_seed(1))
+    with attention_mode(AttentionMetadata.from_lengths(LENGTHS, max_docs=8)) as mode:
+        copied = {
+            "_checkpoint_without_reentrant_generator": ckpt._checkpoint_without_reentrant_generator,
+            "CheckpointFunction": ckpt.CheckpointFunction,
+        }
+    block = weakref.ref(mode)
+    del mode
+    gc.collect()
+    assert block() is None
+    ref_grads = _grads(model, _loss(model, batch))  # no block: one document per row
+    for name, entry in copied.items():
+        monkeypatch.setattr(ckpt, name, entry)
+    wrapped = _Checkpointed(model, use_reentrant=use_reentrant)
+    grads = _grads(wrapped, _loss(wrapped, batch))
+    for name, g in ref_grads.items():
+        assert torch.equal(grads["model." + name], g), name

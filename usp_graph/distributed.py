@@ -34,6 +34,7 @@ import datetime
 import gc
 import hashlib
 import sys
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -312,28 +313,78 @@ def all_reduce_sum_ordered(
 
 def _exit_cleanly() -> None:
     """At interpreter exit: finish the issued collectives still in flight, destroy the process
-    groups (every subgroup, then the default group: torch's order), then free what only reference
+    groups (every subgroup, then the default group: torch's order), drop the references torch's own
+    modules bound to them at import (`_release_import_time_defaults`), then free what only reference
     cycles still hold, while the interpreter is whole.
 
-    Why the last step (issue 37): `destroy_process_group` only forgets a group; its C++ object,
-    with gloo's worker and TCP loop threads, goes when its last Python reference does. A reference
-    cycle (an `attention_mode` block's checkpoint wrappers hold the mode, its ContextParallel and
-    the group; an autograd graph's saved context; any closure) kept the group past the interpreter's
-    own teardown, which does not collect every cycle: the group was never destroyed (its
-    destructor never ran), and its threads were still running while ``exit()`` destroyed the C++
-    statics and the peer rank closed its sockets; now and then a rank that had trained correctly
-    died there with "terminate called without an active exception". Collecting here destroys such
-    a group on the main thread, its threads joined, before anything else is torn down. gloo only: destroying an NCCL group at exit can
-    block on its peers."""
+    Why (issue 37): `destroy_process_group` only forgets a group; its C++ object, with gloo's worker
+    and TCP loop threads, goes when its last Python reference does. A group still referenced at
+    exit outlives the interpreter's own teardown: its destructor never runs, and its threads were
+    still running while ``exit()`` destroyed the C++ statics and the peer rank closed its sockets;
+    now and then a rank that had trained correctly died there with "terminate called without an
+    active exception". What kept it: reference cycles (an autograd graph's saved context, any
+    closure), which the interpreter's teardown does not all collect, and defaults that torch
+    modules imported after ``init_process_group`` evaluated to the group. Dropping both here
+    destroys the group on the main thread, its threads joined, before anything else is torn down.
+    usp's own long-lived objects hold no group (`ContextParallel` holds it weakly; `attention_mode`'s
+    checkpoint wrappers keep no block's mode once it closed). A group the program itself still
+    refers to at exit (a ProcessGroup in a global) stays alive: delete that reference first. gloo
+    only: destroying an NCCL group at exit can block on its peers."""
     collectives = sys.modules.get("usp_graph.ops.collectives")
     if collectives is not None:
         collectives._drain_at_exit()
     try:
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            groups = list(dist.distributed_c10d._world.pg_map)
             dist.destroy_process_group()
+            _release_import_time_defaults(groups)
+            del groups
     except Exception:  # noqa: BLE001, S110 - at exit, nothing is left to report to
         pass
     gc.collect()
+
+
+def _release_import_time_defaults(groups: list[dist.ProcessGroup]) -> None:
+    """Set to None the default arguments of torch.distributed's functions that are one of `groups`.
+
+    Some torch modules write ``group=group.WORLD`` as a default (``torch.distributed.nn.functional``,
+    the ZeRO optimizer's helpers, the sharded grad scaler): evaluated at import, it is the default
+    group itself when the module is imported after ``init_process_group``, and for good. torch
+    imports such modules lazily (Dynamo imports ``torch.distributed.nn`` through FSDP, and torch
+    imports Dynamo at the first ``torch.utils.checkpoint`` call or ``torch.compile``), so in a
+    typical job they hold the default group past ``destroy_process_group``. None is the value
+    they have when imported before ``init_process_group`` (the default group, looked up per call).
+    A tuple of defaults holds no object the garbage collector tracks, so ``gc.get_referrers``
+    does not see this reference."""
+    ids = {id(g) for g in groups}
+
+    def released(values):
+        return type(values)(None if id(v) in ids else v for v in values)
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "torch.distributed" or name.startswith("torch.distributed.")):
+            continue
+        for fn in _functions_of(module):
+            if fn.__defaults__ and any(id(v) in ids for v in fn.__defaults__):
+                fn.__defaults__ = released(fn.__defaults__)
+            kw = fn.__kwdefaults__
+            if kw and any(id(v) in ids for v in kw.values()):
+                fn.__kwdefaults__ = {k: None if id(v) in ids else v for k, v in kw.items()}
+
+
+def _functions_of(module: Any) -> Iterator[Any]:
+    """The Python functions `module` defines: at its top level and in the classes it defines. Read
+    through `type()` alone: some values warn when an attribute is read (``torch.distributed.reduce_op``)."""
+    for obj in list(vars(module).values()):
+        kind = type(obj)
+        if kind is types.FunctionType and obj.__module__ == module.__name__:
+            yield obj
+        elif issubclass(kind, type) and obj.__module__ == module.__name__:
+            for member in list(vars(obj).values()):
+                if type(member) in (staticmethod, classmethod):
+                    member = member.__func__
+                if type(member) is types.FunctionType:
+                    yield member
 
 
 atexit.register(_exit_cleanly)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -218,6 +219,12 @@ def _in_mode(mode: TorchFunctionMode):
     return mode
 
 
+# The open blocks' modes, innermost last, and torch.utils.checkpoint's own entry points, saved when
+# the outermost block wraps them (`_recompute_checkpoints_in`).
+_OPEN_MODES: list[_SDPAToUSP] = []
+_CHECKPOINT_OWN: dict[str, Any] = {}
+
+
 @contextlib.contextmanager
 def _recompute_checkpoints_in(mode: _SDPAToUSP) -> Iterator[None]:
     """Activation checkpoints started inside the block recompute under `mode` in backward.
@@ -228,7 +235,14 @@ def _recompute_checkpoints_in(mode: _SDPAToUSP) -> Iterator[None]:
     documents). While the block is open, checkpoint's two entry points (module globals it looks up
     at every call) are wrapped so that the rerun enters the same mode: non-reentrant checkpoints
     get it as their recompute context (after the user's own `context_fn`), reentrant ones run the
-    region's function inside it. Nothing else about checkpointing changes."""
+    region's function inside it. Nothing else about checkpointing changes.
+
+    The wrappers are module-level and find the mode when a checkpoint starts, in `_OPEN_MODES`:
+    a module imported inside the block that copies an entry point (torch imports Dynamo at the
+    first checkpoint call, and Dynamo imports `torch.distributed._composable.checkpoint_activation`,
+    which does) keeps a wrapper that holds no block's mode (and its ContextParallel and process
+    group, which would then outlive `destroy_process_group`: issue 37) and that is torch's own
+    checkpointing when no block is open."""
     import torch.utils.checkpoint as ckpt
 
     generator = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
@@ -236,33 +250,48 @@ def _recompute_checkpoints_in(mode: _SDPAToUSP) -> Iterator[None]:
     if generator is None or function is None:  # another torch layout: leave checkpoint alone
         yield
         return
-
-    def nonreentrant(fn, preserve, context_fn, determinism_check, debug, *rest, **kwargs):
-        if debug:  # checkpoint's debug mode refuses a context_fn of its own
-            return generator(fn, preserve, context_fn, determinism_check, debug, *rest, **kwargs)
-
-        def with_mode():
-            forward_ctx, recompute_ctx = context_fn()
-            return forward_ctx, _Both(recompute_ctx, lambda: _in_mode(mode))
-
-        return generator(fn, preserve, with_mode, determinism_check, debug, *rest, **kwargs)
-
-    class _Reentrant:
-        @staticmethod
-        def apply(run_function, preserve_rng_state, *args):
-            def run_in_mode(*a):
-                with _in_mode(mode):
-                    return run_function(*a)
-
-            return function.apply(run_in_mode, preserve_rng_state, *args)
-
-    ckpt._checkpoint_without_reentrant_generator = nonreentrant
+    if generator is not _nonreentrant:  # the outermost block: these are torch's own
+        _CHECKPOINT_OWN.update(generator=generator, function=function)
+    ckpt._checkpoint_without_reentrant_generator = _nonreentrant
     ckpt.CheckpointFunction = _Reentrant
+    _OPEN_MODES.append(mode)
     try:
         yield
     finally:
+        _OPEN_MODES.remove(mode)
         ckpt._checkpoint_without_reentrant_generator = generator
         ckpt.CheckpointFunction = function
+
+
+def _nonreentrant(fn, preserve, context_fn, determinism_check, debug, *rest, **kwargs):
+    """torch.utils.checkpoint's non-reentrant generator, recomputing under the innermost open block."""
+    generator = _CHECKPOINT_OWN["generator"]
+    if debug or not _OPEN_MODES:  # checkpoint's debug mode refuses a context_fn of its own
+        return generator(fn, preserve, context_fn, determinism_check, debug, *rest, **kwargs)
+    mode = _OPEN_MODES[-1]
+
+    def with_mode():
+        forward_ctx, recompute_ctx = context_fn()
+        return forward_ctx, _Both(recompute_ctx, lambda: _in_mode(mode))
+
+    return generator(fn, preserve, with_mode, determinism_check, debug, *rest, **kwargs)
+
+
+class _Reentrant:
+    """torch.utils.checkpoint's CheckpointFunction, running the region in the innermost open block."""
+
+    @staticmethod
+    def apply(run_function, preserve_rng_state, *args):
+        function = _CHECKPOINT_OWN["function"]
+        if not _OPEN_MODES:
+            return function.apply(run_function, preserve_rng_state, *args)
+        mode = _OPEN_MODES[-1]
+
+        def run_in_mode(*a):
+            with _in_mode(mode):
+                return run_function(*a)
+
+        return function.apply(run_in_mode, preserve_rng_state, *args)
 
 
 class _Both:

@@ -245,7 +245,11 @@ def check_cp_matches_process_group(cp: Any) -> None:
             f"option 'cp' ({cp!r}) was built for process group {cp.group_name!r}, which is not a live group of "
             f"the initialized torch.distributed ({e}); {fix}"
         ) from None
-    if pg is not cp.group or pg.size() != cp.world or pg.rank() != cp.rank:
+    try:
+        same = cp.group is pg
+    except ValueError:  # cp's own group was destroyed: pg is another group of that name
+        same = False
+    if not same or pg.size() != cp.world or pg.rank() != cp.rank:
         raise ValueError(
             f"option 'cp' ({cp!r}) does not match the initialized process group: it was built for a group "
             f"{cp.group_name!r} of {cp.world} ranks (this rank {cp.rank}), but the live group of that name is another "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -126,14 +127,17 @@ class ContextParallel:
         ring_group = ulysses_group = None
         if mesh is not None:
             group, ring_group, ulysses_group, ulysses_degree = _mesh_groups(strategy, mesh, ulysses_degree)
-        self.group = group if group is not None else dist.group.WORLD
-        self.world = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
+        group = group if group is not None else dist.group.WORLD
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         if self.rank < 0:
             raise ValueError("this process is not a member of the given CP group")
-        self.group_name = self.group.group_name
+        self.group_name = group.group_name
+        self._group_ref = weakref.ref(group)  # weakly: see `_live_group`
         self.layout = ChunkLayout(self.world, zigzag=load_balance == "zigzag")
         self._set_degrees(ulysses_degree, ring_group, ulysses_group)
+
+    group = property(lambda self: _live_group(self))
 
     def _set_degrees(self, ulysses_degree: int | None, ring_group, ulysses_group) -> None:
         """Ranks per Ulysses group and per ring (usp: `ulysses_degree`, its subgroups made here
@@ -282,6 +286,20 @@ class ContextParallel:
         FSDP2's sharded (DTensor) grads are refused: see `usp_graph.fsdp` for that layout.
         """
         _reduce_grads(list(params), self.group)
+
+
+def _live_group(cp: ContextParallel) -> dist.ProcessGroup:
+    """`ContextParallel.group`: the CP process group, held weakly. A plan kept for the whole run (a
+    global, Dynamo's cache of a compiled step) must not keep its group alive past
+    destroy_process_group: its gloo threads would run into the interpreter's teardown (issue 37,
+    `usp_graph.distributed._exit_cleanly`)."""
+    group = cp._group_ref()
+    if group is None:
+        raise ValueError(
+            f"the process group {cp.group_name!r} of this ContextParallel was destroyed; build a "
+            "ContextParallel on a live group"
+        )
+    return group
 
 
 def _check_same_metadata(cu_seqlens: Tensor | AttentionMetadata, group, world: int) -> None:
