@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import dynamo_marks
+from .checkpointing import recompute_under
 from .metadata import AttentionMetadata, check_has_values
 from .rows import RowTracker
 from .rules import refusal
@@ -219,91 +219,37 @@ def _in_mode(mode: TorchFunctionMode):
     return mode
 
 
-# The open blocks' modes, innermost last, and torch.utils.checkpoint's own entry points, saved when
-# the outermost block wraps them (`_recompute_checkpoints_in`).
+# The open blocks' modes, innermost last: a checkpointed region started inside a block recomputes
+# under the innermost one (`_forward_mode`).
 _OPEN_MODES: list[_SDPAToUSP] = []
-_CHECKPOINT_OWN: dict[str, Any] = {}
 
 
 @contextlib.contextmanager
 def _recompute_checkpoints_in(mode: _SDPAToUSP) -> Iterator[None]:
     """Activation checkpoints started inside the block recompute under `mode` in backward.
 
-    `torch.utils.checkpoint` reruns a region's forward when backward needs its activations,
-    after the `attention_mode` block has usually closed: the rerun would call plain SDPA, save
-    other tensors than the forward did and fail with a CheckpointError (or, worse, attend across
-    documents). While the block is open, checkpoint's two entry points (module globals it looks up
-    at every call) are wrapped so that the rerun enters the same mode: non-reentrant checkpoints
-    get it as their recompute context (after the user's own `context_fn`), reentrant ones run the
-    region's function inside it. Nothing else about checkpointing changes.
-
-    The wrappers are module-level and find the mode when a checkpoint starts, in `_OPEN_MODES`:
-    a module imported inside the block that copies an entry point (torch imports Dynamo at the
-    first checkpoint call, and Dynamo imports `torch.distributed._composable.checkpoint_activation`,
-    which does) keeps a wrapper that holds no block's mode (and its ContextParallel and process
-    group, which would then outlive `destroy_process_group`: issue 37) and that is torch's own
-    checkpointing when no block is open."""
-    import torch.utils.checkpoint as ckpt
-
-    generator = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
-    function = getattr(ckpt, "CheckpointFunction", None)
-    if generator is None or function is None:  # another torch layout: leave checkpoint alone
-        yield
-        return
-    if generator is not _nonreentrant:  # the outermost block: these are torch's own
-        _CHECKPOINT_OWN.update(generator=generator, function=function)
-    ckpt._checkpoint_without_reentrant_generator = _nonreentrant
-    ckpt.CheckpointFunction = _Reentrant
+    `torch.utils.checkpoint` reruns a region's forward when backward needs its activations, after
+    the `attention_mode` block has usually closed: the rerun would call plain SDPA, save other
+    tensors than the forward did and fail with a CheckpointError (or, worse, attend across
+    documents). `usp_graph.checkpointing.recompute_under` runs every region's recompute under what
+    `_forward_mode` saw at the region's forward: the mode of the innermost open block. Its wrappers
+    of checkpoint's entry points are installed once and hold no block's mode (nor its
+    ContextParallel and process group, which would then outlive `destroy_process_group`: issue 37);
+    a region's own recompute holds its mode as long as its autograd graph lives."""
     _OPEN_MODES.append(mode)
     try:
         yield
     finally:
         _OPEN_MODES.remove(mode)
-        ckpt._checkpoint_without_reentrant_generator = generator
-        ckpt.CheckpointFunction = function
 
 
-def _nonreentrant(fn, preserve, context_fn, determinism_check, debug, *rest, **kwargs):
-    """torch.utils.checkpoint's non-reentrant generator, recomputing under the innermost open block."""
-    generator = _CHECKPOINT_OWN["generator"]
-    if debug or not _OPEN_MODES:  # checkpoint's debug mode refuses a context_fn of its own
-        return generator(fn, preserve, context_fn, determinism_check, debug, *rest, **kwargs)
+def _forward_mode() -> Callable[[], contextlib.AbstractContextManager]:
+    """At a checkpointed region's forward: what its recompute enters (the innermost open block's
+    mode, unless already active; nothing outside a block)."""
+    if not _OPEN_MODES:
+        return contextlib.nullcontext
     mode = _OPEN_MODES[-1]
-
-    def with_mode():
-        forward_ctx, recompute_ctx = context_fn()
-        return forward_ctx, _Both(recompute_ctx, lambda: _in_mode(mode))
-
-    return generator(fn, preserve, with_mode, determinism_check, debug, *rest, **kwargs)
+    return lambda: _in_mode(mode)
 
 
-class _Reentrant:
-    """torch.utils.checkpoint's CheckpointFunction, running the region in the innermost open block."""
-
-    @staticmethod
-    def apply(run_function, preserve_rng_state, *args):
-        function = _CHECKPOINT_OWN["function"]
-        if not _OPEN_MODES:
-            return function.apply(run_function, preserve_rng_state, *args)
-        mode = _OPEN_MODES[-1]
-
-        def run_in_mode(*a):
-            with _in_mode(mode):
-                return run_function(*a)
-
-        return function.apply(run_in_mode, preserve_rng_state, *args)
-
-
-class _Both:
-    """Enter `first`, then the context `second()` makes (at entry, not before)."""
-
-    def __init__(self, first, second) -> None:
-        self.first, self.second = first, second
-
-    def __enter__(self) -> None:
-        self.stack = contextlib.ExitStack()
-        self.stack.enter_context(self.first)
-        self.stack.enter_context(self.second())
-
-    def __exit__(self, *exc) -> bool | None:
-        return self.stack.__exit__(*exc)
+recompute_under(_forward_mode)
