@@ -240,7 +240,8 @@ class RowTracker:
             return True
         if self.metadata is None:
             return False
-        if self.metadata.cu_seqlens.is_meta:  # no values to read (a meta model's shape check): the rules apply
+        # No values to read (a meta model's shape check): the rules apply.
+        if self.metadata.cu_seqlens.is_meta:
             return True
         if self._cuts is None:  # one host read per tracker
             self._cuts = self.metadata.cu_seqlens.tolist()
