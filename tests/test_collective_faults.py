@@ -590,6 +590,25 @@ def _group_holders() -> list[str]:
     return sorted(set(lines))[:20] or sorted({describe(o) for o, _ in first.values()})
 
 
+def _exit_run(tmp: str, tag: str, doors: str) -> list[tuple[int | None, str]]:
+    """Two spawned ranks that train (`doors`) and exit: each rank's (exit code, log)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    logs = [os.path.join(tmp, f"{tag}.rank{r}.log") for r in range(2)]
+    store = os.path.join(tmp, f"{tag}.store")
+    procs = [ctx.Process(target=_train_then_exit, args=(r, 2, store, logs[r], doors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [
+        (p.exitcode, open(log).read() if os.path.exists(log) else "")
+        for p, log in zip(procs, logs, strict=True)
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
 def test_a_process_that_trained_correctly_exits_cleanly(tmp_path):
@@ -597,21 +616,8 @@ def test_a_process_that_trained_correctly_exits_cleanly(tmp_path):
     the exit handler (a reference held it), so its threads ran on into the C++ teardown. A run on 2
     ranks, an eager and a compiled step each, checking that no gloo thread is left once the exit
     handler ran (tools/exit_repeat.py repeats it)."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
-    procs = [
-        ctx.Process(target=_train_then_exit, args=(r, 2, str(tmp_path / "store"), str(logs[r]), DOORS))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        if p.is_alive():
-            p.kill()
-    for r, p in enumerate(procs):
-        text = logs[r].read_text()
-        assert p.exitcode == 0 and "trained; gloo threads: " in text, (r, p.exitcode, text[-2000:])
+    for r, (code, text) in enumerate(_exit_run(str(tmp_path), "run", DOORS)):
+        assert code == 0 and "trained; gloo threads: " in text, (r, code, text[-2000:])
         assert "trained; gloo threads: 0" not in text, text  # the check below checks something
         assert "after the exit handler, gloo threads: 0" in text, (r, text[-2000:])
         assert "terminate called" not in text and "Abort" not in text, (r, text[-2000:])

@@ -20,31 +20,17 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.test_collective_faults import DOORS, _train_then_exit  # noqa: E402 - after the path
+from tests.test_collective_faults import DOORS, _exit_run  # noqa: E402 - after the path
 
 
 def one_run(tmp: str, run: int, doors: str) -> str | None:
     """What went wrong in run `run` (None: nothing)."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    logs = [os.path.join(tmp, f"run{run}.rank{r}.log") for r in range(2)]
-    store = os.path.join(tmp, f"store{run}")
-    procs = [ctx.Process(target=_train_then_exit, args=(r, 2, store, logs[r], doors)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        if p.is_alive():
-            p.kill()
-            p.join()
     problems = []
-    for r, p in enumerate(procs):
-        text = open(logs[r]).read() if os.path.exists(logs[r]) else ""
-        if p.exitcode != 0:
-            problems.append(f"rank {r} exit code {p.exitcode}")
+    for r, (code, text) in enumerate(_exit_run(tmp, f"run{run}", doors)):
+        if code != 0:
+            problems.append(f"rank {r} exit code {code}")
         if "terminate called" in text or "Abort" in text:
             problems.append(f"rank {r} aborted")
         if "after the exit handler, gloo threads: 0" not in text:
