@@ -334,10 +334,13 @@ def _exit_cleanly() -> None:
     if collectives is not None:
         collectives._drain_at_exit()
     try:
-        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
-            groups = list(dist.distributed_c10d._world.pg_map)
-            dist.destroy_process_group()
-            _release_import_time_defaults(groups)
+        if dist.is_available():
+            groups = []
+            if dist.is_initialized() and dist.get_backend() == "gloo":
+                groups = list(dist.distributed_c10d._world.pg_map)
+                dist.destroy_process_group()
+            # The groups destroyed here, and those the program destroyed itself before exit.
+            _release_import_time_defaults(groups + _destroyed_group_defaults())
             del groups
     except Exception:  # noqa: BLE001, S110 - at exit, nothing is left to report to
         pass
@@ -361,15 +364,31 @@ def _release_import_time_defaults(groups: list[dist.ProcessGroup]) -> None:
     def released(values):
         return type(values)(None if id(v) in ids else v for v in values)
 
+    for fn in _distributed_functions():
+        if fn.__defaults__ and any(id(v) in ids for v in fn.__defaults__):
+            fn.__defaults__ = released(fn.__defaults__)
+        kw = fn.__kwdefaults__
+        if kw and any(id(v) in ids for v in kw.values()):
+            fn.__kwdefaults__ = {k: None if id(v) in ids else v for k, v in kw.items()}
+
+
+def _distributed_functions() -> Iterator[Any]:
+    """The Python functions of the loaded ``torch.distributed`` modules (`_functions_of`)."""
     for name, module in list(sys.modules.items()):
-        if module is None or not (name == "torch.distributed" or name.startswith("torch.distributed.")):
-            continue
-        for fn in _functions_of(module):
-            if fn.__defaults__ and any(id(v) in ids for v in fn.__defaults__):
-                fn.__defaults__ = released(fn.__defaults__)
-            kw = fn.__kwdefaults__
-            if kw and any(id(v) in ids for v in kw.values()):
-                fn.__kwdefaults__ = {k: None if id(v) in ids else v for k, v in kw.items()}
+        if module is not None and (name == "torch.distributed" or name.startswith("torch.distributed.")):
+            yield from _functions_of(module)
+
+
+def _destroyed_group_defaults() -> list[Any]:
+    """Process groups that defaults of torch.distributed's functions hold and that are no longer
+    live (``destroy_process_group`` ran, here or in the program)."""
+    live = {id(g) for g in dist.distributed_c10d._world.pg_map}
+    found = []
+    for fn in _distributed_functions():
+        for v in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()):
+            if issubclass(type(v), dist.ProcessGroup) and id(v) not in live:
+                found.append(v)
+    return found
 
 
 def _functions_of(module: Any) -> Iterator[Any]:
