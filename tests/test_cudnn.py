@@ -7,6 +7,7 @@ boundary check. The kernel itself is checked on the H200 by tools/check_cudnn_gp
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import warnings
@@ -251,6 +252,104 @@ def test_a_graph_build_error_reaches_the_caller(monkeypatch):
     with pytest.raises(cudnn_kernel.BuildError, match="bad graph") as info:
         cudnn_kernel._plan("fwd", key)
     assert isinstance(info.value.__cause__, ValueError) and ("fwd", key) not in cudnn_kernel._plans
+
+
+# ------------------------------------------------------------------------------------------------
+# The backward in groups of KV heads (its workspace: T x H x K float32, three times that with GQA).
+
+
+def _workspace_by_heads(kind, key, **kwargs):
+    """A build whose backward workspace is what cuDNN 9.19's was on the H200: float32 T x H x K for
+    MHA, three times that with grouped K/V, for the heads of one launch."""
+    h = key.heads // key.head_groups
+    per_head = key.total_q * key.head_dim * 4 * (1 if key.heads == key.kv_heads else 3)
+    return cudnn_kernel._Plan(graph=("graph", kind, key), workspace=h * per_head if kind == "bwd" else 0)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "limit_mb", "groups"),
+    [
+        (16, 4, 256, 1),
+        (16, 4, 32, 2),
+        (16, 4, 1, 4),
+        (16, 16, 8, 2),
+        (16, 16, 1, 16),
+        (8, 1, 1, 1),
+        (12, 6, 13, 3),
+    ],
+)
+def test_a_backward_over_the_workspace_limit_runs_in_the_fewest_groups_of_kv_heads(
+    monkeypatch, heads, kv_heads, limit_mb, groups
+):
+    """T = 4096, K = 64: 1 MiB per query head of MHA, 3 MiB with GQA; one KV head cannot be split."""
+    _with_build(monkeypatch, _workspace_by_heads)
+    monkeypatch.setattr(cudnn_kernel, "_grouped", {})
+    monkeypatch.setenv("USP_CUDNN_BACKWARD_WORKSPACE_MB", str(limit_mb))
+    q, k, _ = _qkv(4096, heads, kv_heads, 64)
+    key = cudnn_kernel.plan_key(
+        q, k, _cu(0, 4096), 4096, 4096, True, 0.125, (-1, -1), square=True, backward=True
+    )
+    chosen = cudnn_kernel.grouped_backward(key)
+    assert chosen.head_groups == groups and chosen == dataclasses.replace(key, head_groups=groups)
+    assert cudnn_kernel.grouped_backward(key) is chosen  # decided once
+    det = dataclasses.replace(key, deterministic=True)
+    assert cudnn_kernel.grouped_backward(det) == det  # the deterministic backward stays whole
+
+
+def test_a_grouped_backward_that_does_not_build_runs_whole(monkeypatch):
+    def build(kind, key, **kwargs):
+        if key.head_groups > 1:
+            raise RuntimeError("no engine")
+        return _workspace_by_heads(kind, key)
+
+    _with_build(monkeypatch, build)
+    monkeypatch.setattr(cudnn_kernel, "_grouped", {})
+    monkeypatch.setenv("USP_CUDNN_BACKWARD_WORKSPACE_MB", "1")
+    q, k, _ = _qkv(4096, 8, 2, 64)
+    key = cudnn_kernel.plan_key(
+        q, k, _cu(0, 4096), 4096, 4096, True, 0.125, (-1, -1), square=True, backward=True
+    )
+    assert cudnn_kernel.grouped_backward(key) == key
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 6), (8, 4)])
+@pytest.mark.parametrize("square", [True, False])
+def test_each_group_of_a_grouped_backward_gets_its_own_heads(monkeypatch, heads, kv_heads, square):
+    """The launches of a grouped backward, each given its slices of q/k/v/out/dout/stats and of
+    dq/dk/dv (computed here by the math kernel in fp64 in place of cuDNN), give the whole backward:
+    a query head paired with another group's K/V, or a slice written twice or never, would not."""
+    from usp_graph.ops.math_kernel import math_bwd, math_fwd
+
+    _with_build(monkeypatch, _workspace_by_heads)
+    monkeypatch.setattr(cudnn_kernel, "_grouped", {})
+    monkeypatch.setenv("USP_CUDNN_BACKWARD_WORKSPACE_MB", "0")
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    lengths = [5, 0, 1, 17, 9]
+    t = sum(lengths)
+    cu = _cu(*torch.tensor([0, *lengths]).cumsum(0).tolist())
+    cu_k = cu if square else cu.clone()
+    q, dout = (torch.randn(t, heads, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(t, kv_heads, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    args = (cu, cu_k, 17, 17, True, 0.25)
+    out, lse = math_fwd(q, k, v, *args)
+    launches = []
+
+    def execute(plan, key, pack, ws=None):
+        s = cudnn_kernel
+        stats = pack[s._STATS][..., 0].t()
+        grads = math_bwd(pack[s._DO], pack[s._Q], pack[s._K], pack[s._V], pack[s._O], stats, *args)
+        for uid, g in zip((s._DQ, s._DK, s._DV), grads, strict=True):
+            assert pack[uid].shape == g.shape
+            pack[uid].copy_(g)
+        launches.append(pack[s._Q].shape[1])
+
+    monkeypatch.setattr(cudnn_kernel, "_execute", execute)
+    got = cudnn_kernel.cudnn_bwd(dout, q, k, v, out, lse, *args, square=square)
+    want = math_bwd(dout, q, k, v, out, lse, *args)
+    assert launches == [heads // kv_heads] * kv_heads  # a limit of 0: one group per KV head
+    for a, b in zip(got, want, strict=True):
+        # cuDNN's stats are float32: 1e-7 here; another group's heads would be off by O(1)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_importing_usp_graph_does_not_import_cudnn():

@@ -118,6 +118,11 @@ def _run_row(row: str, a: argparse.Namespace, tokens: int, ckpt: bool, batch, me
             record["ms_each"] = [round(s.elapsed_time(e), 2) for s, e in events]
             record["ms"] = round(statistics.median(record["ms_each"]), 2)
             record["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if a.memory_trace:
+                from mem_peak import peak_live, print_peak
+
+                record["memory_trace"] = peak_live(step)
+                print_peak(row, record["memory_trace"])
         else:
             record["ms"] = round(
                 time_ms(lambda: losses.append(step()), device, warmup=0, reps=a.iters).median_ms, 2
@@ -210,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         help="torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True (transformers >= 5.25)",
     )  # fmt: skip
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--memory-trace", action="store_true",
+        help="after the timed steps, one more under the allocator history: what is alive at the peak (tools/mem_peak.py)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny sizes on any device (a smoke test)")
     add_json_arg(p)
     a = p.parse_args(argv)

@@ -45,6 +45,7 @@ step bitwise; with the default backward, only the loss is promised bitwise (BENC
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -70,6 +71,8 @@ __all__ = [
     "cudnn_fwd",
     "cudnn_bwd",
     "deterministic_workspace_limit",
+    "backward_workspace_limit",
+    "grouped_backward",
 ]
 
 
@@ -117,6 +120,9 @@ class PlanKey:
     total_q: int = 0
     total_k: int = 0
     deterministic: bool = False
+    # the backward's only: run in this many groups of KV heads, each with its query heads, one graph
+    # launch per group on slices of the same buffers (`grouped_backward`); 1: all heads at once
+    head_groups: int = 1
 
 
 def _padded(bound: int, total: int, exact: bool = False) -> int:
@@ -181,6 +187,13 @@ def mask_settings(key: PlanKey) -> dict[str, Any]:
     }
 
 
+def backward_workspace_limit() -> int:
+    """Bytes the default backward's workspace may take before it runs in groups of KV heads
+    (`grouped_backward`): ``USP_CUDNN_BACKWARD_WORKSPACE_MB``, by default 256 MiB."""
+    env = os.environ.get("USP_CUDNN_BACKWARD_WORKSPACE_MB")
+    return int(env) * 2**20 if env is not None else 256 * 2**20
+
+
 def deterministic_workspace_limit(device: int | None = None) -> int:
     """Bytes a deterministic backward plan may need: ``USP_CUDNN_DETERMINISTIC_WORKSPACE_MB``, or
     by default an eighth of the device's memory, at most 16 GiB (on the H200 the workspace was
@@ -241,8 +254,10 @@ def _build(kind: str, key: PlanKey, *, all_plans: bool = False) -> _Plan:
     io = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}[key.dtype]
     f32, i32, i64 = cudnn.data_type.FLOAT, cudnn.data_type.INT32, cudnn.data_type.INT64
     n, sq, sk, h, g, d = key.slots, key.s_q, key.s_k, key.heads, key.kv_heads, key.head_dim
-    q_dim, k_dim, s_dim = [n, h, sq, d], [n, g, sk, d], [n, h, sq, 1]
-    # token-major (T, H, K) buffers; the batch stride is a placeholder under ragged offsets
+    hg, gg = h // key.head_groups, g // key.head_groups  # the heads of one launch
+    q_dim, k_dim, s_dim = [n, hg, sq, d], [n, gg, sk, d], [n, hg, sq, 1]
+    # token-major (T, H, K) buffers (a group's heads are a slice of them: the strides and ragged
+    # offsets are the whole buffers'); the batch stride is a placeholder under ragged offsets
     q_st, k_st, s_st = [sq * h * d, d, h * d, 1], [sk * g * d, d, g * d, 1], [sq * h, 1, h, 1]
     graph = cudnn.pygraph(
         handle=_handle(key.device), io_data_type=io, intermediate_data_type=f32, compute_data_type=f32
@@ -406,13 +421,47 @@ def slot_metadata(
     return (padded_q, padded_k), offsets  # type: ignore[return-value]
 
 
-def _execute(plan: _Plan, key: PlanKey, pack: dict[int, Tensor]) -> None:
+def _execute(plan: _Plan, key: PlanKey, pack: dict[int, Tensor], ws: Tensor | None = None) -> None:
     cudnn = module()
-    ws = torch.empty(max(plan.workspace, 1), dtype=torch.uint8, device=pack[_Q].device)
+    if ws is None:
+        ws = torch.empty(max(plan.workspace, 1), dtype=torch.uint8, device=pack[_Q].device)
     with _lock:
         h = _handle(key.device)
         cudnn.set_stream(handle=h, stream=torch.cuda.current_stream(pack[_Q].device).cuda_stream)
         plan.graph.execute(pack, ws, handle=h)
+
+
+# cuDNN's default backward holds a float32 workspace of T x H x K (the dQ accumulator) with as many
+# K/V heads as query heads, and three times that with grouped K/V (dK and dV accumulated per query
+# head): 1.5 GiB at 64K tokens with 16/4 heads, K = 128 (H200, cuDNN 9.19), which raised a
+# checkpointed train step's peak memory 4% over flex's (its backward holds none; BENCHMARKS.md 0f).
+# The heads are independent, so a backward over that limit runs in groups of KV heads, each with
+# its query heads, as launches of one smaller graph on slices of the same buffers: 1/groups of the
+# workspace, the same kernels per head.
+_grouped: dict[PlanKey, PlanKey] = {}
+
+
+def grouped_backward(key: PlanKey) -> PlanKey:
+    """The backward key to run for `key`: itself, or with `head_groups` = the fewest groups of KV
+    heads (a divisor of G) whose workspace is within `backward_workspace_limit()`, as many as
+    there are KV heads at most. Not for the deterministic backward (its plans stay as they are),
+    or when the grouped graph does not build. Decided once per key (building its graph)."""
+    chosen = _grouped.get(key)
+    if chosen is not None:
+        return chosen
+    chosen = key
+    if not key.deterministic and key.head_groups == 1 and key.kv_heads > 1:
+        workspace, limit = _plan("bwd", key).workspace, backward_workspace_limit()
+        if workspace > limit:
+            groups = next(c for c in range(2, key.kv_heads + 1) if key.kv_heads % c == 0 and (workspace <= limit * c or c == key.kv_heads))  # fmt: skip
+            candidate = dataclasses.replace(key, head_groups=groups)
+            try:
+                _plan("bwd", candidate)
+                chosen = candidate
+            except BuildError:
+                pass
+    _grouped[key] = chosen
+    return chosen
 
 
 def cudnn_fwd(
@@ -456,17 +505,31 @@ def cudnn_bwd(
         det = torch.are_deterministic_algorithms_enabled()
         key = plan_key(q, k, cu_q, max_q, max_k, is_causal, scale, window, square=square, backward=True,
                        deterministic=det)  # fmt: skip
+    key = grouped_backward(key)
     plan = _plan("bwd", key)
     t_q, h, d = q.shape
     q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
-    stats = lse.float().masked_fill(lse == float("-inf"), float("inf")).t().contiguous().view(t_q, h, 1)
+    stats = lse.float()
+    if not square:  # with one boundary tensor every row sees a key: no -inf (a NaN stays NaN)
+        stats = stats.masked_fill(lse == float("-inf"), float("inf"))
+    stats = stats.t().contiguous().view(t_q, h, 1)
     if metadata is None:
         metadata = slot_metadata(cu_q, cu_k, h, k.shape[1], d, key.slots)
     (seq_q, seq_k), (off_q, off_k, off_s) = metadata
     new = torch.empty_like if square else torch.zeros_like  # rows outside every document: zero
     dq, dk, dv = new(q), new(k), new(v)
-    pack = {_Q: q, _K: k, _V: v, _O: out, _DO: dout, _STATS: stats, _DQ: dq, _DK: dk, _DV: dv,
-            _SEQ_Q: seq_q, _SEQ_K: seq_k, _OFF_Q: off_q, _OFF_K: off_k, _OFF_S: off_s}  # fmt: skip
-    _execute(plan, key, pack)
+    meta = {_SEQ_Q: seq_q, _SEQ_K: seq_k, _OFF_Q: off_q, _OFF_K: off_k, _OFF_S: off_s}
+    groups = key.head_groups
+    if groups == 1:
+        pack = {_Q: q, _K: k, _V: v, _O: out, _DO: dout, _STATS: stats, _DQ: dq, _DK: dk, _DV: dv, **meta}
+        _execute(plan, key, pack)
+    else:
+        ws = torch.empty(max(plan.workspace, 1), dtype=torch.uint8, device=q.device)
+        hg, gg = h // groups, k.shape[1] // groups
+        for i in range(groups):
+            qh, kh = slice(i * hg, (i + 1) * hg), slice(i * gg, (i + 1) * gg)
+            pack = {_Q: q[:, qh], _K: k[:, kh], _V: v[:, kh], _O: out[:, qh], _DO: dout[:, qh], _STATS: stats[:, qh],
+                    _DQ: dq[:, qh], _DK: dk[:, kh], _DV: dv[:, kh], **meta}  # fmt: skip
+            _execute(plan, key, pack, ws)
     _runs["bwd"] += 1
     return dq, dk, dv
