@@ -49,13 +49,12 @@ def _autograd_kernel(op: torch._ops.OpOverload, info: Op) -> Callable[..., Any]:
     does for an op with positional arguments only, without its per-call costs (0.1 ms of a
     4K-token attention call's 0.45 ms on the H200 went to re-reading the schema to fill in the
     defaults the dispatcher dropped: tools/profile_varlen_host.py). Ops with keyword-only
-    arguments, lists of tensors or ``out=`` take torch's."""
+    arguments or lists of tensors take torch's."""
     schema = op._schema
     arguments = list(schema.arguments)
-    if (
-        any(a.kwarg_only for a in arguments)
-        or _utils.is_out(op)
-        or any(_utils.is_tensorlist_like_type(a.type) for a in (*arguments, *schema.returns))
+    # (usp ops are functional, so none has out=; `Op` checks)
+    if any(a.kwarg_only for a in arguments) or any(
+        "List[" in str(a.type) and "Tensor" in str(a.type) for a in (*arguments, *schema.returns)
     ):
         return _autograd.make_autograd_impl(op, info)
     # The dispatcher drops trailing arguments equal to their defaults: setup_context sees them all.
