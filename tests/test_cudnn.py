@@ -261,7 +261,7 @@ def test_a_graph_build_error_reaches_the_caller(monkeypatch):
 def _workspace_by_heads(kind, key, **kwargs):
     """A build whose backward workspace is what cuDNN 9.19's was on the H200: float32 T x H x K for
     MHA, three times that with grouped K/V, for the heads of one launch."""
-    h = key.heads // key.head_groups
+    h = key.heads
     per_head = key.total_q * key.head_dim * 4 * (1 if key.heads == key.kv_heads else 3)
     return cudnn_kernel._Plan(graph=("graph", kind, key), workspace=h * per_head if kind == "bwd" else 0)
 
@@ -289,16 +289,18 @@ def test_a_backward_over_the_workspace_limit_runs_in_the_fewest_groups_of_kv_hea
     key = cudnn_kernel.plan_key(
         q, k, _cu(0, 4096), 4096, 4096, True, 0.125, (-1, -1), square=True, backward=True
     )
-    chosen = cudnn_kernel.grouped_backward(key)
-    assert chosen.head_groups == groups and chosen == dataclasses.replace(key, head_groups=groups)
-    assert cudnn_kernel.grouped_backward(key) is chosen  # decided once
+    assert cudnn_kernel.grouped_backward(key) == groups
+    group_key = dataclasses.replace(key, heads=heads // groups, kv_heads=kv_heads // groups)
+    assert groups == 1 or ("bwd", group_key) in cudnn_kernel._plans
+    built = dict(cudnn_kernel._plans)
+    assert cudnn_kernel.grouped_backward(key) == groups and cudnn_kernel._plans == built  # decided once
     det = dataclasses.replace(key, deterministic=True)
-    assert cudnn_kernel.grouped_backward(det) == det  # the deterministic backward stays whole
+    assert cudnn_kernel.grouped_backward(det) == 1  # the deterministic backward stays whole
 
 
 def test_a_grouped_backward_that_does_not_build_runs_whole(monkeypatch):
     def build(kind, key, **kwargs):
-        if key.head_groups > 1:
+        if key.heads < 8:
             raise RuntimeError("no engine")
         return _workspace_by_heads(kind, key)
 
@@ -309,7 +311,20 @@ def test_a_grouped_backward_that_does_not_build_runs_whole(monkeypatch):
     key = cudnn_kernel.plan_key(
         q, k, _cu(0, 4096), 4096, 4096, True, 0.125, (-1, -1), square=True, backward=True
     )
-    assert cudnn_kernel.grouped_backward(key) == key
+    assert cudnn_kernel.grouped_backward(key) == 1
+
+
+def test_a_grouped_backward_whose_workspace_does_not_shrink_runs_whole(monkeypatch):
+    def build(kind, key, **kwargs):
+        return cudnn_kernel._Plan(graph=None, workspace=2**30)
+
+    _with_build(monkeypatch, build)
+    monkeypatch.setattr(cudnn_kernel, "_grouped", {})
+    q, k, _ = _qkv(4096, 8, 2, 64)
+    key = cudnn_kernel.plan_key(
+        q, k, _cu(0, 4096), 4096, 4096, True, 0.125, (-1, -1), square=True, backward=True
+    )
+    assert cudnn_kernel.grouped_backward(key) == 1
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 6), (8, 4)])

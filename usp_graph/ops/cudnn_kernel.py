@@ -57,6 +57,7 @@ import torch
 from torch import Tensor
 
 from ..metadata import capacity_bucket
+from .boundaries import per_boundaries
 
 __all__ = [
     "BuildError",
@@ -120,9 +121,6 @@ class PlanKey:
     total_q: int = 0
     total_k: int = 0
     deterministic: bool = False
-    # the backward's only: run in this many groups of KV heads, each with its query heads, one graph
-    # launch per group on slices of the same buffers (`grouped_backward`); 1: all heads at once
-    head_groups: int = 1
 
 
 def _padded(bound: int, total: int, exact: bool = False) -> int:
@@ -254,10 +252,8 @@ def _build(kind: str, key: PlanKey, *, all_plans: bool = False) -> _Plan:
     io = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}[key.dtype]
     f32, i32, i64 = cudnn.data_type.FLOAT, cudnn.data_type.INT32, cudnn.data_type.INT64
     n, sq, sk, h, g, d = key.slots, key.s_q, key.s_k, key.heads, key.kv_heads, key.head_dim
-    hg, gg = h // key.head_groups, g // key.head_groups  # the heads of one launch
-    q_dim, k_dim, s_dim = [n, hg, sq, d], [n, gg, sk, d], [n, hg, sq, 1]
-    # token-major (T, H, K) buffers (a group's heads are a slice of them: the strides and ragged
-    # offsets are the whole buffers'); the batch stride is a placeholder under ragged offsets
+    q_dim, k_dim, s_dim = [n, h, sq, d], [n, g, sk, d], [n, h, sq, 1]
+    # token-major (T, H, K) buffers; the batch stride is a placeholder under ragged offsets
     q_st, k_st, s_st = [sq * h * d, d, h * d, 1], [sk * g * d, d, g * d, 1], [sq * h, 1, h, 1]
     graph = cudnn.pygraph(
         handle=_handle(key.device), io_data_type=io, intermediate_data_type=f32, compute_data_type=f32
@@ -433,35 +429,38 @@ def _execute(plan: _Plan, key: PlanKey, pack: dict[int, Tensor], ws: Tensor | No
 
 # cuDNN's default backward holds a float32 workspace of T x H x K (the dQ accumulator) with as many
 # K/V heads as query heads, and three times that with grouped K/V (dK and dV accumulated per query
-# head): 1.5 GiB at 64K tokens with 16/4 heads, K = 128 (H200, cuDNN 9.19), which raised a
-# checkpointed train step's peak memory 4% over flex's (its backward holds none; BENCHMARKS.md 0f).
-# The heads are independent, so a backward over that limit runs in groups of KV heads, each with
-# its query heads, as launches of one smaller graph on slices of the same buffers: 1/groups of the
-# workspace, the same kernels per head.
-_grouped: dict[PlanKey, PlanKey] = {}
+# head): 1.5 GiB at 64K tokens with 16/4 heads, K = 128 (H200, cuDNN 9.19), which put a checkpointed
+# train step's peak memory 4% over flex's (its backward holds none; BENCHMARKS.md 0f). The heads
+# are independent, so a backward over that limit runs in groups of KV heads, each with its query
+# heads, copied out to buffers of their own (sliced buffers kept the whole workspace: cuDNN sizes it
+# by the buffers' strides): a graph of H / groups heads, its workspace 1 / groups.
+_grouped: dict[PlanKey, int] = {}
 
 
-def grouped_backward(key: PlanKey) -> PlanKey:
-    """The backward key to run for `key`: itself, or with `head_groups` = the fewest groups of KV
-    heads (a divisor of G) whose workspace is within `backward_workspace_limit()`, as many as
-    there are KV heads at most. Not for the deterministic backward (its plans stay as they are),
-    or when the grouped graph does not build. Decided once per key (building its graph)."""
-    chosen = _grouped.get(key)
-    if chosen is not None:
-        return chosen
-    chosen = key
-    if not key.deterministic and key.head_groups == 1 and key.kv_heads > 1:
+def _group_key(key: PlanKey, groups: int) -> PlanKey:
+    return dataclasses.replace(key, heads=key.heads // groups, kv_heads=key.kv_heads // groups)
+
+
+def grouped_backward(key: PlanKey) -> int:
+    """How many groups of KV heads the backward of `key` runs in: 1, or the fewest (a divisor of G,
+    at most G) whose graph's workspace is within `backward_workspace_limit()`, if that graph
+    builds and its workspace is smaller. Never for the deterministic backward (its plans stay as
+    they are). Decided once per key (building the graphs it compares)."""
+    groups = _grouped.get(key)
+    if groups is not None:
+        return groups
+    groups = 1
+    if not key.deterministic and key.kv_heads > 1:
         workspace, limit = _plan("bwd", key).workspace, backward_workspace_limit()
         if workspace > limit:
-            groups = next(c for c in range(2, key.kv_heads + 1) if key.kv_heads % c == 0 and (workspace <= limit * c or c == key.kv_heads))  # fmt: skip
-            candidate = dataclasses.replace(key, head_groups=groups)
+            c = next(c for c in range(2, key.kv_heads + 1) if key.kv_heads % c == 0 and (workspace <= limit * c or c == key.kv_heads))  # fmt: skip
             try:
-                _plan("bwd", candidate)
-                chosen = candidate
+                if _plan("bwd", _group_key(key, c)).workspace < workspace:
+                    groups = c
             except BuildError:
                 pass
-    _grouped[key] = chosen
-    return chosen
+    _grouped[key] = groups
+    return groups
 
 
 def cudnn_fwd(
@@ -505,8 +504,8 @@ def cudnn_bwd(
         det = torch.are_deterministic_algorithms_enabled()
         key = plan_key(q, k, cu_q, max_q, max_k, is_causal, scale, window, square=square, backward=True,
                        deterministic=det)  # fmt: skip
-    key = grouped_backward(key)
-    plan = _plan("bwd", key)
+    groups = grouped_backward(key)
+    plan = _plan("bwd", key if groups == 1 else _group_key(key, groups))
     t_q, h, d = q.shape
     q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
     stats = lse.float()
@@ -518,18 +517,31 @@ def cudnn_bwd(
     (seq_q, seq_k), (off_q, off_k, off_s) = metadata
     new = torch.empty_like if square else torch.zeros_like  # rows outside every document: zero
     dq, dk, dv = new(q), new(k), new(v)
-    meta = {_SEQ_Q: seq_q, _SEQ_K: seq_k, _OFF_Q: off_q, _OFF_K: off_k, _OFF_S: off_s}
-    groups = key.head_groups
     if groups == 1:
-        pack = {_Q: q, _K: k, _V: v, _O: out, _DO: dout, _STATS: stats, _DQ: dq, _DK: dk, _DV: dv, **meta}
+        pack = {_Q: q, _K: k, _V: v, _O: out, _DO: dout, _STATS: stats, _DQ: dq, _DK: dk, _DV: dv,
+                _SEQ_Q: seq_q, _SEQ_K: seq_k, _OFF_Q: off_q, _OFF_K: off_k, _OFF_S: off_s}  # fmt: skip
         _execute(plan, key, pack)
     else:
+        g = k.shape[1]
+        hg, gg = h // groups, g // groups
+        (seq_q, seq_k), (off_q, off_k, off_s) = per_boundaries(
+            "cudnn",
+            cu_q,
+            cu_k,
+            (hg, gg, d, key.slots),
+            lambda: slot_metadata(cu_q, cu_k, hg, gg, d, key.slots),
+        )
         ws = torch.empty(max(plan.workspace, 1), dtype=torch.uint8, device=q.device)
-        hg, gg = h // groups, k.shape[1] // groups
         for i in range(groups):
             qh, kh = slice(i * hg, (i + 1) * hg), slice(i * gg, (i + 1) * gg)
-            pack = {_Q: q[:, qh], _K: k[:, kh], _V: v[:, kh], _O: out[:, qh], _DO: dout[:, qh], _STATS: stats[:, qh],
-                    _DQ: dq[:, qh], _DK: dk[:, kh], _DV: dv[:, kh], **meta}  # fmt: skip
+            part = [x[:, qh].contiguous() for x in (q, out, dout, stats)] + [
+                x[:, kh].contiguous() for x in (k, v)
+            ]
+            gq, gout, gdout, gstats, gk, gv = part
+            gdq, gdk, gdv = new(gq), new(gk), new(gv)
+            pack = {_Q: gq, _K: gk, _V: gv, _O: gout, _DO: gdout, _STATS: gstats, _DQ: gdq, _DK: gdk, _DV: gdv,
+                    _SEQ_Q: seq_q, _SEQ_K: seq_k, _OFF_Q: off_q, _OFF_K: off_k, _OFF_S: off_s}  # fmt: skip
             _execute(plan, key, pack, ws)
+            dq[:, qh], dk[:, kh], dv[:, kh] = gdq, gdk, gdv
     _runs["bwd"] += 1
     return dq, dk, dv
