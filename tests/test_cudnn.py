@@ -11,6 +11,7 @@ import dataclasses
 import subprocess
 import sys
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -332,7 +333,8 @@ def test_a_grouped_backward_whose_workspace_does_not_shrink_runs_whole(monkeypat
 def test_each_group_of_a_grouped_backward_gets_its_own_heads(monkeypatch, heads, kv_heads, square):
     """The launches of a grouped backward, each given its slices of q/k/v/out/dout/stats and of
     dq/dk/dv (computed here by the math kernel in fp64 in place of cuDNN), give the whole backward:
-    a query head paired with another group's K/V, or a slice written twice or never, would not."""
+    a query head paired with another group's K/V, or a slice written twice or never, would not.
+    Only one group's copies are alive at a time (two would take back the memory grouping saves)."""
     from usp_graph.ops.math_kernel import math_bwd, math_fwd
 
     _with_build(monkeypatch, _workspace_by_heads)
@@ -347,9 +349,12 @@ def test_each_group_of_a_grouped_backward_gets_its_own_heads(monkeypatch, heads,
     k, v = (torch.randn(t, kv_heads, 16, generator=gen, dtype=torch.float64) for _ in range(2))
     args = (cu, cu_k, 17, 17, True, 0.25)
     out, lse = math_fwd(q, k, v, *args)
-    launches = []
+    launches, copies = [], []
 
     def execute(plan, key, pack, ws=None):
+        # one group's copies at a time: the last group's are gone when the next launches
+        assert all(ref() is None for ref in copies), "a group's copies outlived its launch"
+        copies.extend(weakref.ref(pack[uid]) for uid in (cudnn_kernel._Q, cudnn_kernel._O, cudnn_kernel._DQ))
         s = cudnn_kernel
         stats = pack[s._STATS][..., 0].t()
         grads = math_bwd(pack[s._DO], pack[s._Q], pack[s._K], pack[s._V], pack[s._O], stats, *args)

@@ -492,6 +492,32 @@ def cudnn_fwd(
     return out, stats.view(t_q, h).t().contiguous()
 
 
+def _grouped_launch(plan, key, i, hg, gg, inputs, grads, meta, ws, new) -> None:
+    """Group `i` of a grouped backward: its query heads (`hg` of them) and KV heads (`gg`) copied to
+    buffers of their own, one launch, its gradients copied into `grads`' slices. A function of its
+    own so that one group's copies are freed before the next group's are made."""
+    q, k, v, out, dout, stats = inputs
+    qh, kh = slice(i * hg, (i + 1) * hg), slice(i * gg, (i + 1) * gg)
+    gq, gout, gdout, gstats = (x[:, qh].contiguous() for x in (q, out, dout, stats))
+    gk, gv = k[:, kh].contiguous(), v[:, kh].contiguous()
+    gdq, gdk, gdv = new(gq), new(gk), new(gv)
+    pack = {
+        _Q: gq,
+        _K: gk,
+        _V: gv,
+        _O: gout,
+        _DO: gdout,
+        _STATS: gstats,
+        _DQ: gdq,
+        _DK: gdk,
+        _DV: gdv,
+        **meta,
+    }
+    _execute(plan, key, pack, ws)
+    dq, dk, dv = grads
+    dq[:, qh], dk[:, kh], dv[:, kh] = gdq, gdk, gdv
+
+
 def cudnn_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor,
     max_q: int, max_k: int, is_causal: bool, scale: float, window: tuple[int, int] = (-1, -1), *, square: bool,
@@ -531,17 +557,9 @@ def cudnn_bwd(
             (hg, gg, d, key.slots),
             lambda: slot_metadata(cu_q, cu_k, hg, gg, d, key.slots),
         )
+        meta = {_SEQ_Q: seq_q, _SEQ_K: seq_k, _OFF_Q: off_q, _OFF_K: off_k, _OFF_S: off_s}
         ws = torch.empty(max(plan.workspace, 1), dtype=torch.uint8, device=q.device)
         for i in range(groups):
-            qh, kh = slice(i * hg, (i + 1) * hg), slice(i * gg, (i + 1) * gg)
-            part = [x[:, qh].contiguous() for x in (q, out, dout, stats)] + [
-                x[:, kh].contiguous() for x in (k, v)
-            ]
-            gq, gout, gdout, gstats, gk, gv = part
-            gdq, gdk, gdv = new(gq), new(gk), new(gv)
-            pack = {_Q: gq, _K: gk, _V: gv, _O: gout, _DO: gdout, _STATS: gstats, _DQ: gdq, _DK: gdk, _DV: gdv,
-                    _SEQ_Q: seq_q, _SEQ_K: seq_k, _OFF_Q: off_q, _OFF_K: off_k, _OFF_S: off_s}  # fmt: skip
-            _execute(plan, key, pack, ws)
-            dq[:, qh], dk[:, kh], dv[:, kh] = gdq, gdk, gdv
+            _grouped_launch(plan, key, i, hg, gg, (q, k, v, out, dout, stats), (dq, dk, dv), meta, ws, new)
     _runs["bwd"] += 1
     return dq, dk, dv
