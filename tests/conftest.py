@@ -1,7 +1,7 @@
 """Suite-wide settings: the `slow` marker for tests in modules that do not mark themselves, the
 early start of long subprocess checks (`tests.background`), and the end of the pooled gloo ranks
 (`tests.dist`) and of those subprocesses when the session ends, and the order in which xdist
-workers take the test files (`LONG_FIRST`), and one OpenMP thread per process.
+workers take the test files (`LONG_FIRST`).
 
 `slow` marks a test that spawns ranks or processes, or runs for seconds: ``python -m pytest -q``
 (and CI) runs every test; ``-m "not slow"`` is the quick loop. Modules mark their own tests where
@@ -13,16 +13,9 @@ from __future__ import annotations
 
 import os
 
-# One OpenMP thread per process: xdist's two workers, the background checks and the spawned ranks
-# share the machine's cores, and torch's default (a thread per core in every process) oversubscribed
-# them: the whole suite took 14:38 with it and 13:45 without (2 cores, 2026-12-04). Set before torch
-# is imported here, so the workers and every subprocess inherit it; a test that needs other thread
-# counts sets them itself (`torch.set_num_threads`).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import pytest
 
-import pytest  # noqa: E402
-
-from tests import background  # noqa: E402
+from tests import background
 from tests.dist import close_pools, warm
 
 SLOW: dict[str, tuple[str, ...]] = {
