@@ -182,6 +182,29 @@ def test_deterministic_workspace_limit_reads_the_environment(monkeypatch):
     assert cudnn_kernel.deterministic_workspace_limit() == 12 * 2**20
 
 
+@pytest.mark.parametrize("value", ["12.5", "-1", "lots", ""])
+@pytest.mark.parametrize(
+    ("name", "limit"),
+    [
+        ("USP_CUDNN_DETERMINISTIC_WORKSPACE_MB", cudnn_kernel.deterministic_workspace_limit),
+        ("USP_CUDNN_BACKWARD_WORKSPACE_MB", cudnn_kernel.backward_workspace_limit),
+    ],
+)
+def test_a_workspace_limit_that_is_not_a_whole_number_of_mib_is_refused_by_name(
+    monkeypatch, name, limit, value
+):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name} must be a whole number of MiB"):
+        limit()
+
+
+def test_backward_workspace_limit_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("USP_CUDNN_BACKWARD_WORKSPACE_MB", raising=False)
+    assert cudnn_kernel.backward_workspace_limit() == 256 * 2**20
+    monkeypatch.setenv("USP_CUDNN_BACKWARD_WORKSPACE_MB", "0")
+    assert cudnn_kernel.backward_workspace_limit() == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # Without the package.
 

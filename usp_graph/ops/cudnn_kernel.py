@@ -185,11 +185,25 @@ def mask_settings(key: PlanKey) -> dict[str, Any]:
     }
 
 
+def _env_mb(name: str) -> int | None:
+    """Environment variable `name` as a whole number of MiB, in bytes (None when unset)."""
+    text = os.environ.get(name)
+    if text is None:
+        return None
+    try:
+        mb = int(text)
+    except ValueError:
+        mb = -1
+    if mb < 0:
+        raise ValueError(f"{name} must be a whole number of MiB (0 or more), got {text!r}")
+    return mb * 2**20
+
+
 def backward_workspace_limit() -> int:
     """Bytes the default backward's workspace may take before it runs in groups of KV heads
     (`grouped_backward`): ``USP_CUDNN_BACKWARD_WORKSPACE_MB``, by default 256 MiB."""
-    env = os.environ.get("USP_CUDNN_BACKWARD_WORKSPACE_MB")
-    return int(env) * 2**20 if env is not None else 256 * 2**20
+    env = _env_mb("USP_CUDNN_BACKWARD_WORKSPACE_MB")
+    return env if env is not None else 256 * 2**20
 
 
 def deterministic_workspace_limit(device: int | None = None) -> int:
@@ -197,9 +211,9 @@ def deterministic_workspace_limit(device: int | None = None) -> int:
     by default an eighth of the device's memory, at most 16 GiB (on the H200 the workspace was
     ~32 bytes x slots x S^2 at H=16: 14.5 GB for 27 slots of S=4096). Above it the plan is
     refused and flash varlen (deterministic in that mode) runs the shape."""
-    env = os.environ.get("USP_CUDNN_DETERMINISTIC_WORKSPACE_MB")
+    env = _env_mb("USP_CUDNN_DETERMINISTIC_WORKSPACE_MB")
     if env is not None:
-        return int(env) * 2**20
+        return env
     total = torch.cuda.get_device_properties(device if device is not None else 0).total_memory
     return min(16 * 2**30, total // 8)
 
