@@ -96,6 +96,64 @@ def test_a_backward_is_given_once_and_reaches_autograd():
         double.register_autograd(lambda ctx, g: g, setup_context=lambda ctx, inputs, output: None)
 
 
+@define("usp_define_test::affine")
+def affine(x: Tensor, a: float = 2.0, b: int = 1) -> Tensor:
+    return x * a + b
+
+
+affine.register_fake(lambda x, a=2.0, b=1: torch.empty_like(x))
+_affine_seen: list = []
+
+
+def _affine_setup(ctx, inputs, output):
+    _affine_seen.append(inputs[1:])
+    ctx.a = inputs[1]
+
+
+def _affine_backward(ctx, g):
+    _affine_seen.append(tuple(ctx.needs_input_grad))
+    return g * ctx.a, None, None
+
+
+affine.register_autograd(_affine_backward, setup_context=_affine_setup)
+
+
+@define("usp_define_test::unwired")
+def unwired(x: Tensor, scale: float = 1.0) -> Tensor:
+    return x * scale
+
+
+unwired.register_fake(lambda x, scale=1.0: torch.empty_like(x))
+
+
+def test_a_positional_op_sees_its_defaults_and_only_its_own_inputs_in_its_rule():
+    """usp's own autograd kernel (ops without keyword-only arguments) does what custom_op's does:
+    setup_context gets the arguments the dispatcher dropped as defaults, the rule's
+    needs_input_grad covers the arguments given (as custom_op's), the rule's gradient reaches the
+    input, and without grad the kernel runs alone."""
+    x = torch.arange(3.0, dtype=torch.float64, requires_grad=True)
+    _affine_seen.clear()
+    out = affine(x)
+    assert torch.equal(out, x.detach() * 2 + 1)
+    out.sum().backward()
+    assert _affine_seen == [(2.0, 1), (True,)]
+    assert torch.equal(x.grad, torch.full((3,), 2.0, dtype=torch.float64))
+    _affine_seen.clear()
+    affine(x, 3.0).sum().backward()  # a given argument, not its default
+    assert _affine_seen == [(3.0, 1), (True, False)] and torch.equal(
+        x.grad, torch.full((3,), 5.0, dtype=torch.float64)
+    )
+    _affine_seen.clear()
+    with torch.no_grad():
+        assert torch.equal(affine(x, 0.5, 4), x.detach() * 0.5 + 4)
+    assert _affine_seen == []  # no setup_context without grad
+    y = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(
+        RuntimeError, match=r"backward through usp_define_test\.unwired\.default but no autograd"
+    ):
+        unwired(y).sum().backward()
+
+
 def test_define_refuses_a_mutating_op():
     with pytest.raises(ValueError, match="mutates_args must be empty"):
         define("usp_define_test::bad", mutates_args=("x",))

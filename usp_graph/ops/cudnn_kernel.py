@@ -473,6 +473,8 @@ def grouped_backward(key: PlanKey) -> int:
                     groups = c
             except BuildError:
                 pass
+    if len(_grouped) >= 256:
+        _grouped.clear()
     _grouped[key] = groups
     return groups
 
