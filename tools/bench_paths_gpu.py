@@ -123,6 +123,8 @@ def _run_row(row: str, a: argparse.Namespace, tokens: int, ckpt: bool, batch, me
 
                 record["memory_trace"] = peak_live(step)
                 print_peak(row, record["memory_trace"])
+            if a.profile:
+                _profile_step(step, row, a.profile)
         else:
             record["ms"] = round(
                 time_ms(lambda: losses.append(step()), device, warmup=0, reps=a.iters).median_ms, 2
@@ -133,6 +135,19 @@ def _run_row(row: str, a: argparse.Namespace, tokens: int, ckpt: bool, batch, me
         record["error"] = f"{type(e).__name__}: {e}"[:1500]
         record.setdefault("graph_breaks", _graph_breaks() - breaks)
     return record
+
+
+def _profile_step(step, row: str, top: int) -> None:
+    """One step under torch.profiler: the ops that take the GPU's time and the host's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    for key in ("cuda_time_total", "cpu_time_total"):
+        print(f"  {row} by {key}:")
+        print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
 
 
 def _one_column(a: argparse.Namespace, text: str, rows: list[str]) -> list[dict[str, Any]]:
@@ -219,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         "--memory-trace", action="store_true",
         help="after the timed steps, one more under the allocator history: what is alive at the peak (tools/mem_peak.py)",
     )  # fmt: skip
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile one step of each row (torch.profiler): its top N ops by GPU and by host time",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes on any device (a smoke test)")
     add_json_arg(p)
     a = p.parse_args(argv)

@@ -14,6 +14,8 @@ per call, the layers of one attention call from the outside in:
 - ``op fwd``: ``torch.ops.usp.varlen_fwd`` under ``no_grad`` (no wrapper checks);
 - ``kernel fwd``: `kernel_choice.cuda_fwd` (no op dispatch);
 - ``cudnn fwd``: `cudnn_kernel.cudnn_fwd` with its plan key and metadata given (cudnn only);
+- ``op bwd``, ``kernel bwd``, ``cudnn bwd``: the same three layers of the backward alone, from a
+  saved forward's `out` and `lse` (no autograd);
 - ``bare graphs fwd+bwd``: cuDNN's two graphs with everything bound once (cudnn only; the same
   `build_cudnn_raw` as bench_varlen_gpu).
 
@@ -116,11 +118,22 @@ def run_kernel(kernel: str, a: argparse.Namespace, docs, q, k, v, dout) -> list[
     def kernel_fwd() -> None:
         kernel_choice.cuda_fwd(qd, kd, vd, cu, cu, mx, mx, causal, scale)
 
+    with cuda_kernel(kernel), torch.no_grad():
+        out, lse = torch.ops.usp.varlen_fwd(qd, kd, vd, cu, cu, mx, mx, causal, scale)
+
+    def op_bwd() -> None:
+        torch.ops.usp.varlen_bwd(dout, qd, kd, vd, out, lse, cu, cu, mx, mx, causal, scale)
+
+    def kernel_bwd() -> None:
+        kernel_choice.cuda_bwd(dout, qd, kd, vd, out, lse, cu, cu, mx, mx, causal, scale)
+
     layers: list[tuple[str, Callable[[], Any]]] = [
         ("varlen_attn fwd+bwd", fwd_bwd),
         ("varlen_attn fwd", attn_fwd),
         ("op fwd", op_fwd),
         ("kernel fwd", kernel_fwd),
+        ("op bwd", op_bwd),
+        ("kernel bwd", kernel_bwd),
     ]
     if kernel == "cudnn":
         key = cudnn_kernel.plan_key(qd, kd, cu, mx, mx, causal, scale, (-1, -1), square=True)
@@ -131,12 +144,33 @@ def run_kernel(kernel: str, a: argparse.Namespace, docs, q, k, v, dout) -> list[
                 qd, kd, vd, cu, cu, mx, mx, causal, scale, square=True, key=key, metadata=meta
             )
 
+        bkey = cudnn_kernel.plan_key(qd, kd, cu, mx, mx, causal, scale, (-1, -1), square=True, backward=True)
+
+        def cudnn_bwd() -> None:
+            cudnn_kernel.cudnn_bwd(
+                dout,
+                qd,
+                kd,
+                vd,
+                out,
+                lse,
+                cu,
+                cu,
+                mx,
+                mx,
+                causal,
+                scale,
+                square=True,
+                key=bkey,
+                metadata=meta,
+            )
+
         raw, _ = build_cudnn_raw(docs, causal, q.device)
 
         def bare() -> None:
             raw(q, k, v).backward(dout)
 
-        layers += [("cudnn fwd", cudnn_fwd), ("bare graphs fwd+bwd", bare)]
+        layers += [("cudnn fwd", cudnn_fwd), ("cudnn bwd", cudnn_bwd), ("bare graphs fwd+bwd", bare)]
     with cuda_kernel(kernel):
         for name, fn in layers:
             rows.append({"kernel": kernel, **_layer(name, fn, a.reps)})
