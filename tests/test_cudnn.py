@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from usp_graph.metadata import capacity_bucket
-from usp_graph.ops import boundaries, cudnn_kernel, flash_kernel, kernel_choice, varlen
+from usp_graph.ops import boundaries, cudnn_kernel, flash_kernel, flex_kernel, kernel_choice, varlen
 
 
 def _cu(*bounds: int) -> torch.Tensor:
@@ -715,6 +715,52 @@ def test_empty_slots_before_the_last_document_are_kept(monkeypatch):
     assert _same(got, want)
     ((_, got_cu, got_max),) = seen
     assert got_cu.tolist() == [0, 0, 0, 50, 50, 50, 128] and got_max == 78
+
+
+@pytest.mark.parametrize("flex_builds", [True, False], ids=["flex", "flex-fails"])
+def test_flex_takes_a_slot_per_token_as_it_is_and_reads_nothing(monkeypatch, flex_builds):
+    # flex reads each token's document on the device: no host read, whatever the slots. Only the
+    # first call's check against flash, and flash where flex cannot build, cut the slots (one read).
+    calls, seen, reads, (q, k, v), dout = _fit_setup(monkeypatch, [40, 1, 47, 40])
+    flex_seen = []
+
+    def flex_fwd(q, k, v, cu, c, s):
+        if not flex_builds:
+            raise flex_kernel.BuildError("no graph")
+        flex_seen.append(cu)
+        return varlen._cpu_fwd(q, k, v, cu, cu, q.shape[0], q.shape[0], c, s)
+
+    def flex_bwd(do, q, k, v, o, lse, cu, c, s):
+        flex_seen.append(cu)
+        return varlen._cpu_bwd(do, q, k, v, o, lse, cu, cu, q.shape[0], q.shape[0], c, s)
+
+    flash_seen = []
+    flash_fwd, flash_bwd = flash_kernel.flash_fwd, flash_kernel.flash_bwd
+    monkeypatch.setattr(flash_kernel, "flash_fwd", lambda *a: flash_seen.append(a[3]) or flash_fwd(*a))
+    monkeypatch.setattr(flash_kernel, "flash_bwd", lambda *a: flash_seen.append(a[6]) or flash_bwd(*a))
+    monkeypatch.setattr(flex_kernel, "flex_fwd", flex_fwd)
+    monkeypatch.setattr(flex_kernel, "flex_bwd", flex_bwd)
+    monkeypatch.setattr(kernel_choice, "_flex_applies", lambda *a: True)  # the test's fp32 tensors
+    monkeypatch.setattr(kernel_choice, "_flex_checked", set())
+    for step, lengths in enumerate([[40, 1, 47, 40], [1] * 70 + [58], [128]]):
+        cu = _one_slot_per_token(lengths)  # each step its own boundary tensor
+        want_out, want_lse = varlen._cpu_fwd(q, k, v, cu, cu, 128, 128, True, 0.125)
+        want = varlen._cpu_bwd(dout, q, k, v, want_out, want_lse, cu, cu, 128, 128, True, 0.125)
+        reads.clear()
+        flash_seen.clear()
+        with varlen.cuda_kernel("flex"), warnings.catch_warnings():
+            warnings.simplefilter("ignore" if not flex_builds else "error")
+            for _ in range(2):
+                out, lse = varlen._cuda_fwd(q, k, v, cu, cu, 128, 128, True, 0.125)
+                grads = varlen._cuda_bwd(dout, q, k, v, out, lse, cu, cu, 128, 128, True, 0.125)
+                assert _same((out, lse), (want_out, want_lse)) and _same(grads, want), step
+        if flex_builds:
+            assert len(reads) == (1 if step == 0 else 0), step  # the first call's check only
+            assert flex_seen and all(c is cu for c in flex_seen[-4:])
+        else:
+            assert len(reads) == 1 and not flex_seen  # flash runs, on the slots cut once
+        assert len(flash_seen) == (0 if flex_builds and step else 2 if flex_builds else 4), step
+        assert all(c.numel() == capacity_bucket(len(lengths)) + 1 for c in flash_seen), step
 
 
 @pytest.mark.parametrize("case", ["few-slots", "short", "cross", "capturing"])

@@ -18,8 +18,10 @@ disagreement (or a graph that cannot be built) warns and moves that shape to fla
 Before any of them runs, the boundaries and max_seqlen are checked on the device and asserted
 asynchronously (no host sync; `boundaries.checked_lengths`). The one exception: boundaries with a
 slot per token (documents derived from position ids on the device) are cut to their documents by
-one host read per boundary tensor, once per step (`_fitted`). Windows run on cuDNN's diagonal band
-or flash's local-attention kernels (flex is windowless only), or the math kernel.
+one host read per boundary tensor, once per step (`_fitted`), for the kernels whose launch grid
+grows with slots x max_seqlen (flash, cuDNN); flex reads its documents per token on the device and
+takes them as they are, with no read. Windows run on cuDNN's diagonal band or flash's
+local-attention kernels (flex is windowless only), or the math kernel.
 """
 
 from __future__ import annotations
@@ -326,18 +328,37 @@ def _fitted(cu_q: Tensor, cu_k: Tensor, t_q: int, max_q: int, max_k: int) -> tup
     return cu, cu, min(bound, max_q), min(bound, max_k)  # never above a bound given: the check still sees it
 
 
+def _cudnn_first(q: Tensor) -> bool:
+    """cuDNN is tried first: asked for, or auto's first choice for this shape."""
+    return _cuda_kernel == "cudnn" or (_cuda_kernel == "auto" and _auto_kernels(q)[0] == "cudnn")
+
+
+def _flex_next(q, k, v, cu_q, cu_k, is_causal, scale, left, right) -> bool:
+    """flex runs this call unless cuDNN does first: windowless (flex's block masks know documents
+    only; a window runs on flash's or cuDNN's local-attention kernels) and `_use_flex`."""
+    return (
+        (left, right) == NO_WINDOW
+        and not _cudnn_first(q)
+        and _use_flex(q, k, v, cu_q, cu_k, is_causal, scale)
+    )
+
+
 def cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
     if not flash_ok(q, v):
         return math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
     if cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape:
         cu_k = cu_q  # one tensor: one check
-    cu_q, cu_k, max_q, max_k = _fitted(cu_q, cu_k, q.shape[0], max_q, max_k)
     checked_lengths(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)  # asserted on the device
+    flex = _flex_next(q, k, v, cu_q, cu_k, is_causal, scale, left, right)
+    if not flex:
+        cu_q, cu_k, max_q, max_k = _fitted(cu_q, cu_k, q.shape[0], max_q, max_k)
+    given = cu_q, cu_k, max_q, max_k
 
     def flash() -> tuple[Tensor, Tensor]:
-        return flash_kernel.flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
+        cq, ck, mq, mk = _fitted(*given[:2], q.shape[0], *given[2:]) if flex else given
+        return flash_kernel.flash_fwd(q, k, v, cq, ck, mq, mk, is_causal, scale, left, right)
 
-    if _cuda_kernel == "cudnn" or (_cuda_kernel == "auto" and _auto_kernels(q)[0] == "cudnn"):
+    if _cudnn_first(q):
         square, key, bkey = _cudnn_keys(q, k, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
         if _use_cudnn(q, k, v, (key, bkey)):
             try:
@@ -349,9 +370,7 @@ def cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right
             else:
                 return _checked_or_flash("cudnn", "forward", ("out", "lse"), got, flash, key, _cudnn_checked,
                                          _cudnn_broken, key)  # fmt: skip
-    # A window runs on flash (or cuDNN): its local-attention kernels take (left, right) as they are,
-    # and the flex path's block masks know documents only.
-    if (left, right) == NO_WINDOW and _use_flex(q, k, v, cu_q, cu_k, is_causal, scale):
+    if flex:
         try:
             got = flex_kernel.flex_fwd(q, k, v, cu_q, is_causal, scale)
         except flex_kernel.BuildError as exc:
@@ -366,15 +385,17 @@ def cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale
         return math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
     if cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape:
         cu_k = cu_q
-    cu_q, cu_k, max_q, max_k = _fitted(cu_q, cu_k, q.shape[0], max_q, max_k)
     checked_lengths(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)  # asserted on the device
+    flex = _flex_next(q, k, v, cu_q, cu_k, is_causal, scale, left, right)
+    if not flex:
+        cu_q, cu_k, max_q, max_k = _fitted(cu_q, cu_k, q.shape[0], max_q, max_k)
+    given = cu_q, cu_k, max_q, max_k
 
     def flash() -> tuple[Tensor, Tensor, Tensor]:
-        return flash_kernel.flash_bwd(
-            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right
-        )
+        cq, ck, mq, mk = _fitted(*given[:2], q.shape[0], *given[2:]) if flex else given
+        return flash_kernel.flash_bwd(dout, q, k, v, out, lse, cq, ck, mq, mk, is_causal, scale, left, right)
 
-    if _cuda_kernel == "cudnn" or (_cuda_kernel == "auto" and _auto_kernels(q)[0] == "cudnn"):
+    if _cudnn_first(q):
         square, key, bkey = _cudnn_keys(q, k, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
         if _use_cudnn(q, k, v, (key, bkey)):
             try:
@@ -386,7 +407,7 @@ def cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale
             else:
                 return _checked_or_flash("cudnn", "backward", ("dq", "dk", "dv"), got, flash, bkey, _cudnn_checked,
                                          _cudnn_broken, bkey)  # fmt: skip
-    if (left, right) == NO_WINDOW and _use_flex(q, k, v, cu_q, cu_k, is_causal, scale):
+    if flex:
         try:
             got = flex_kernel.flex_bwd(dout, q, k, v, out, lse, cu_q, is_causal, scale)
         except flex_kernel.BuildError as exc:
