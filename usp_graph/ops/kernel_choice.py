@@ -334,13 +334,9 @@ def _cudnn_first(q: Tensor) -> bool:
 
 
 def _flex_next(q, k, v, cu_q, cu_k, is_causal, scale, left, right) -> bool:
-    """flex runs this call unless cuDNN does first: windowless (flex's block masks know documents
-    only; a window runs on flash's or cuDNN's local-attention kernels) and `_use_flex`."""
-    return (
-        (left, right) == NO_WINDOW
-        and not _cudnn_first(q)
-        and _use_flex(q, k, v, cu_q, cu_k, is_causal, scale)
-    )
+    """flex runs this call where cuDNN does not come first: windowless (flex's block masks know
+    documents only; a window runs on flash's or cuDNN's local-attention kernels) and `_use_flex`."""
+    return (left, right) == NO_WINDOW and _use_flex(q, k, v, cu_q, cu_k, is_causal, scale)
 
 
 def cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
@@ -349,16 +345,16 @@ def cuda_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right
     if cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape:
         cu_k = cu_q  # one tensor: one check
     checked_lengths(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)  # asserted on the device
-    flex = _flex_next(q, k, v, cu_q, cu_k, is_causal, scale, left, right)
-    if not flex:
+    cudnn_first = _cudnn_first(q)
+    flex = not cudnn_first and _flex_next(q, k, v, cu_q, cu_k, is_causal, scale, left, right)
+    if not flex:  # flex takes the boundaries as they are; flash, should it run, cuts them then
         cu_q, cu_k, max_q, max_k = _fitted(cu_q, cu_k, q.shape[0], max_q, max_k)
-    given = cu_q, cu_k, max_q, max_k
 
     def flash() -> tuple[Tensor, Tensor]:
-        cq, ck, mq, mk = _fitted(*given[:2], q.shape[0], *given[2:]) if flex else given
+        cq, ck, mq, mk = _fitted(cu_q, cu_k, q.shape[0], max_q, max_k) if flex else (cu_q, cu_k, max_q, max_k)
         return flash_kernel.flash_fwd(q, k, v, cq, ck, mq, mk, is_causal, scale, left, right)
 
-    if _cudnn_first(q):
+    if cudnn_first:
         square, key, bkey = _cudnn_keys(q, k, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
         if _use_cudnn(q, k, v, (key, bkey)):
             try:
@@ -386,16 +382,16 @@ def cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale
     if cu_q.data_ptr() == cu_k.data_ptr() and cu_q.shape == cu_k.shape:
         cu_k = cu_q
     checked_lengths(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)  # asserted on the device
-    flex = _flex_next(q, k, v, cu_q, cu_k, is_causal, scale, left, right)
-    if not flex:
+    cudnn_first = _cudnn_first(q)
+    flex = not cudnn_first and _flex_next(q, k, v, cu_q, cu_k, is_causal, scale, left, right)
+    if not flex:  # flex takes the boundaries as they are; flash, should it run, cuts them then
         cu_q, cu_k, max_q, max_k = _fitted(cu_q, cu_k, q.shape[0], max_q, max_k)
-    given = cu_q, cu_k, max_q, max_k
 
     def flash() -> tuple[Tensor, Tensor, Tensor]:
-        cq, ck, mq, mk = _fitted(*given[:2], q.shape[0], *given[2:]) if flex else given
+        cq, ck, mq, mk = _fitted(cu_q, cu_k, q.shape[0], max_q, max_k) if flex else (cu_q, cu_k, max_q, max_k)
         return flash_kernel.flash_bwd(dout, q, k, v, out, lse, cq, ck, mq, mk, is_causal, scale, left, right)
 
-    if _cudnn_first(q):
+    if cudnn_first:
         square, key, bkey = _cudnn_keys(q, k, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
         if _use_cudnn(q, k, v, (key, bkey)):
             try:
