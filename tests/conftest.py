@@ -13,17 +13,10 @@ from __future__ import annotations
 
 import os
 
-# One OpenMP thread per process, set before any worker, rank or subprocess starts (they inherit it):
-# two xdist workers on two cores, each with its own intra-op pool, spent the cores spinning against
-# each other (the suite took 11:41 with torch's default and 10:25 with this, 2 cores, 2026-12-06).
-# Set OMP_NUM_THREADS to choose otherwise; results do not depend on it (the tests that compare
-# thread counts set theirs).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import pytest
 
-import pytest  # noqa: E402
-
-from tests import background  # noqa: E402
-from tests.dist import close_pools, warm  # noqa: E402
+from tests import background
+from tests.dist import close_pools, warm
 
 SLOW: dict[str, tuple[str, ...]] = {
     "test_bad_inputs.py": ("test_zero_heads_do_not_crash_the_process",),
