@@ -3,8 +3,9 @@
 It wraps, for one call of the step, the module globals through which usp's varlen ops reach their
 CUDA kernels (`usp_graph.ops.varlen._cuda_fwd/_cuda_bwd`, kept as globals for this) and flex's
 entry points, and reads the cuDNN kernel's own execution count. ``host_reads``: the host reads that
-cut boundaries with a slot per token to their documents (`kernel_choice._fitted`), each a sync. The ops have no public hook for
-this; a profiler trace gives the op calls but not which kernel each one chose."""
+cut boundaries with a slot per token to their documents (`kernel_choice._fitted`), each a sync. The
+ops have no public hook for this; a profiler trace gives the op calls but not which kernel each one
+chose."""
 
 from __future__ import annotations
 
