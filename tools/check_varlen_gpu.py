@@ -44,10 +44,17 @@ def _flex_runs(lens_q, lens_k, dtype) -> bool:
     )
 
 
-def check_case(name, dtype, lens_q, lens_k, h, g, dim, is_causal, gen, results):
+def check_case(name, dtype, lens_q, lens_k, h, g, dim, is_causal, gen, results, per_token=False):
+    """`per_token`: self-attention boundaries with a slot per token (T + 1 entries, unused slots
+    repeating T) and max_seqlen T, as documents derived from position ids reach the op."""
     dev = "cuda"
     mq = AttentionMetadata.from_lengths(lens_q, max_docs=len(lens_q) + 3, device=dev)
     mk = AttentionMetadata.from_lengths(lens_k, max_docs=len(lens_k) + 3, device=dev)
+    if per_token:
+        from usp_graph.masks import cu_seqlens_from_positions
+
+        pos = torch.cat([torch.arange(n, device=dev) for n in lens_q])[None]
+        mq = mk = AttentionMetadata(cu_seqlens_from_positions(pos), pos.shape[1], pos.shape[1])
     tq, tk = mq.total_tokens, mk.total_tokens
     q = torch.randn(tq, h, dim, generator=gen, device=dev).to(dtype).requires_grad_()
     k = torch.randn(tk, g, dim, generator=gen, device=dev).to(dtype).requires_grad_()
@@ -238,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict] = []
     lens = [300, 0, 1, 1000, 37, 1, 512, 2048]
     lens128 = [300, 0, 1, 1000, 37, 1, 512, 2245]
+    lens_pos = [1, 300, 1, 1, 1000, 37, 1, 512, 2243]  # position ids have no empty documents
     ok = True
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         for causal in (False, True):
@@ -272,6 +280,20 @@ def run(args: argparse.Namespace) -> int:
                 causal,
                 gen,
                 results,
+            )
+            # a slot per token (documents from position ids): flex takes them with no host read
+            ok &= check_case(
+                f"slot per token T=4096, GQA 8/2 K=128 {tag}",
+                dtype,
+                lens_pos,
+                lens_pos,
+                8,
+                2,
+                128,
+                causal,
+                gen,
+                results,
+                per_token=True,
             )
         ok &= check_case(
             "unequal q/k bottom-right causal GQA 4/1",
