@@ -763,6 +763,48 @@ def test_flex_takes_a_slot_per_token_as_it_is_and_reads_nothing(monkeypatch, fle
         assert all(c.numel() == capacity_bucket(len(lengths)) + 1 for c in flash_seen), step
 
 
+@pytest.mark.parametrize("case", ["slot-per-token", "head-dim-64", "a-slot-per-document"])
+def test_auto_runs_flex_where_flash_would_read_the_slots(monkeypatch, case):
+    # Below cuDNN's range auto's first choice is flash, which cuts a slot per token by a host read;
+    # flex reads each token's document on the device, so auto runs it there (head dim 128, where it
+    # was measured). A slot per document needs no read: flash as before.
+    lengths = [40, 1, 47, 40]
+    _, _, reads, _, dout = _fit_setup(monkeypatch, lengths)
+    d = 64 if case == "head-dim-64" else 128
+    q, k, v = _qkv(128, 4, 2, d, seed=5)
+    dout = _qkv(128, 4, 4, d, seed=6)[0]
+    cu = _one_slot_per_token(lengths) if case != "a-slot-per-document" else _cu(0, 40, 41, 88, 128)
+    flex_seen = []
+
+    def flex_fwd(q, k, v, cu, c, s):
+        flex_seen.append(cu)
+        return varlen._cpu_fwd(q, k, v, cu, cu, 128, 128, c, s)
+
+    def flex_bwd(do, q, k, v, o, lse, cu, c, s):
+        flex_seen.append(cu)
+        return varlen._cpu_bwd(do, q, k, v, o, lse, cu, cu, 128, 128, c, s)
+
+    monkeypatch.setattr(flex_kernel, "flex_fwd", flex_fwd)
+    monkeypatch.setattr(flex_kernel, "flex_bwd", flex_bwd)
+    monkeypatch.setattr(kernel_choice, "_flex_applies", lambda *a: True)
+    monkeypatch.setattr(kernel_choice, "_flex_checked", set())
+    assert kernel_choice._auto_kernel(q) == "flash"
+    want_out, want_lse = varlen._cpu_fwd(q, k, v, cu, cu, 128, 128, True, 0.125)
+    want = varlen._cpu_bwd(dout, q, k, v, want_out, want_lse, cu, cu, 128, 128, True, 0.125)
+    with varlen.cuda_kernel("auto"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(2):
+            reads.clear()
+            out, lse = varlen._cuda_fwd(q, k, v, cu, cu, 128, 128, True, 0.125)
+            grads = varlen._cuda_bwd(dout, q, k, v, out, lse, cu, cu, 128, 128, True, 0.125)
+            assert _same((out, lse), (want_out, want_lse)) and _same(grads, want), step
+            if case == "slot-per-token":  # the first call's check against flash reads, then none
+                assert len(flex_seen) == 2 * (step + 1) and len(reads) == (1 if step == 0 else 0)
+            else:
+                # flash: one read per boundary tensor (the same tensor both steps)
+                assert flex_seen == [] and len(reads) == (1 if case == "head-dim-64" and step == 0 else 0)
+
+
 @pytest.mark.parametrize("case", ["few-slots", "short", "cross", "capturing"])
 def test_boundaries_are_left_alone_where_cutting_does_not_pay_or_cannot_run(monkeypatch, case):
     lengths = [40, 1, 47, 40]
