@@ -22,6 +22,7 @@ import torch.nn as nn
 __all__ = [
     "LM_SPECS",
     "LMSpec",
+    "checkpoint_layers",
     "compile_usp",
     "grads",
     "lm_batch",
@@ -163,6 +164,18 @@ def lm_batch(rows: int, length: int, *, seed: int) -> tuple[torch.Tensor, torch.
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (rows, length), generator=gen)
     return ids, torch.arange(length).expand(rows, length).contiguous()
+
+
+def checkpoint_layers(model: nn.Module, use_reentrant: bool | None = None) -> None:
+    """transformers' own activation checkpointing (its default kind where `use_reentrant` is None):
+    `activation_checkpointing_enable` from transformers 5.25, `gradient_checkpointing_enable`
+    (deprecated there) before."""
+    kwargs = None if use_reentrant is None else {"use_reentrant": use_reentrant}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def compile_usp(model: nn.Module, **options) -> nn.Module:

@@ -25,6 +25,7 @@ from usp_graph.backend.documents import current_documents
 pytest.importorskip("transformers")
 
 from tests.realmodels import (  # noqa: E402
+    checkpoint_layers,
     compile_usp,
     grads,
     make_lm,
@@ -99,7 +100,7 @@ def _accumulate(
 def _checkpointed(attn: str, reentrant: bool) -> nn.Module:
     model = make_lm("llama")
     model.set_attn_implementation(attn)
-    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    checkpoint_layers(model, use_reentrant=reentrant)
     model.train()  # transformers checkpoints only in training mode
     return model
 

@@ -18,6 +18,7 @@ import warnings
 import pytest
 import torch
 
+from tests.realmodels import checkpoint_layers
 from tests.reference import rel_err
 
 transformers = pytest.importorskip("transformers")
@@ -62,11 +63,7 @@ def _each_document_alone(model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 
 def _checkpoint(model) -> None:
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpoint_layers(model, use_reentrant=False)
 
 
 class _VarlenCalls:

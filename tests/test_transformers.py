@@ -30,6 +30,7 @@ import usp_graph  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 from tests.realmodels import (  # noqa: E402
     LM_SPECS,
+    checkpoint_layers,
     compile_usp,
     grads,
     lm_batch,
@@ -275,9 +276,7 @@ def test_documents_are_not_silently_ignored_when_dynamo_runs_the_model_eagerly()
 
 
 def _enable_checkpointing(model: nn.Module) -> None:
-    # transformers 5 renamed gradient_checkpointing_enable (still there, deprecated).
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable()
+    checkpoint_layers(model)
     model.train()  # transformers checkpoints only in training mode
 
 
