@@ -97,10 +97,27 @@ def _accumulate(
     return outs, grads(model)
 
 
-def _checkpointed(attn: str, reentrant: bool) -> nn.Module:
+# Python state outside the checkpointed layers that each layer's forward writes: Dynamo breaks the
+# graph at such a region (as at transformers >= 5.25's own layers, whose attention wrapper from the
+# `kernels` package is set and restored in the forward), on whatever transformers runs.
+_OUTSIDE: dict[str, int] = {}
+
+
+def _writes_outside(forward):
+    def forward_with_a_side_effect(*args, **kwargs):
+        _OUTSIDE["calls"] = _OUTSIDE.get("calls", 0) + 1
+        return forward(*args, **kwargs)
+
+    return forward_with_a_side_effect
+
+
+def _checkpointed(attn: str, reentrant: bool, side_effect: bool = False) -> nn.Module:
     model = make_lm("llama")
     model.set_attn_implementation(attn)
     checkpoint_layers(model, use_reentrant=reentrant)
+    if side_effect:
+        for layer in model.model.layers:
+            layer.forward = _writes_outside(layer.forward)
     model.train()  # transformers checkpoints only in training mode
     return model
 
@@ -155,7 +172,7 @@ def test_compiled_sdpa_regions_recompute_each_forwards_documents_after_the_block
 def test_compiled_sdpa_regions_left_to_eager_are_refused_with_the_fix_at_the_forward():
     """Without the setting, the "sdpa" door's checkpointed layers run plain SDPA eagerly inside the
     block: refused at the forward, naming the setting (never a CheckpointError in backward)."""
-    model = _checkpointed("sdpa", reentrant=False)
+    model = _checkpointed("sdpa", reentrant=False, side_effect=True)
     torch._dynamo.reset()
     ids, pos, meta = BATCHES[0]
     fix = "skip_fwd_side_effects_in_bwd_under_checkpoint = True"
@@ -299,7 +316,7 @@ def _left_out_layer_under_cp(rank: int, world: int) -> str:
     from usp_graph import ContextParallel
     from usp_graph.resolve import UnsupportedAttention
 
-    model = _checkpointed("usp", reentrant=False)
+    model = _checkpointed("usp", reentrant=False, side_effect=True)
     cp = ContextParallel("ulysses")
     ids, pos, meta = BATCHES[0]  # the GLOBAL documents; each rank gets its shard of the tokens
     fn = compile_usp(model, cp=cp)
