@@ -261,11 +261,11 @@ def test_a_model_that_reads_its_mask_itself_is_refused_with_the_reason():
 def test_chunked_attention_compiled_with_flash_attention_kwargs_keeps_its_chunk_cuts():
     # The documents of cu_seq_lens_q/k replaced the mask's chunk cuts (0.2 off).
     from tests.realmodels import compile_usp
-    from tests.test_hf import _llama4_chunked
+    from tests.test_hf import _llama4_chunked, chunked_as_the_model_masks
 
     ref, model = _llama4_chunked("sdpa"), _llama4_chunked("usp")
     ids, pos = _ids(5), packed_positions(LENGTHS)
-    expected = per_document(lambda s: lm_forward(ref, ids[:, s], pos[:, s]), LENGTHS)
+    expected = chunked_as_the_model_masks(ref, ids, pos)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     torch._dynamo.reset()
     out = compile_usp(model)(
