@@ -116,8 +116,8 @@ def _checkpointed(attn: str, reentrant: bool, side_effect: bool = False) -> nn.M
     model.set_attn_implementation(attn)
     checkpoint_layers(model, use_reentrant=reentrant)
     if side_effect:
-        for layer in model.model.layers:
-            layer.forward = _writes_outside(layer.forward)
+        for layer in model.model.layers:  # inside the region whichever level transformers wraps
+            layer.self_attn.forward = _writes_outside(layer.self_attn.forward)
     model.train()  # transformers checkpoints only in training mode
     return model
 

@@ -538,6 +538,23 @@ def _calls_attention_interface(model_class) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in source
 
 
+@pytest.mark.parametrize(
+    ("version", "refused"), [("5.0.0", True), ("5.16.3", True), ("5.17.0", False), ("6.1.0.dev0", False)]
+)
+def test_usp_is_refused_on_a_transformers_older_than_it_was_checked_on(monkeypatch, version, refused):
+    # transformers 5.0 passed GPT-BigCode's and Persimmon's masks so that usp attended across
+    # documents (0.11 off) without a word: releases before the oldest checked one are refused.
+    model = make_lm("llama")  # first: the model's import replaces transformers' lazy module
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
+    if refused:
+        with pytest.raises(UnsupportedAttention, match=r"older than 5\.17.*pip install -U 'transformers>=5\.17'"):
+            model.set_attn_implementation("usp")
+        assert model.config._attn_implementation == "sdpa"  # left as it was
+    else:
+        model.set_attn_implementation("usp")
+        assert model.config._attn_implementation == "usp"
+
+
 @pytest.mark.parametrize("family", ["bloom", "falcon"])
 def test_a_model_that_computes_attention_itself_is_refused_and_one_that_calls_the_interface_runs(family):
     # Bloom (ALiBi) took usp's "no mask" for its own attention: causal no more, wrong without a

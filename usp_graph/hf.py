@@ -388,6 +388,29 @@ def _calls_attention_interface(cls: type) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in source or has_attention_class is None
 
 
+# The oldest transformers release on which "usp" was checked to attend exactly the documents each
+# model's own mask describes (tests/test_hf.py and the doors' tests; docs/transformers-and-trainer.md).
+# On 5.0 usp read some models' masks and arguments as later releases pass them and attended the
+# wrong documents without a word (GPT-BigCode, Persimmon: 0.11 off the documents run alone).
+OLDEST_TRANSFORMERS = (5, 17)
+
+
+def _refuse_old_transformers() -> None:
+    import transformers
+
+    version = getattr(transformers, "__version__", "0")
+    parts = re.match(r"(\d+)\.(\d+)", version)
+    if parts is None or (int(parts[1]), int(parts[2])) >= OLDEST_TRANSFORMERS:
+        return  # a development build without a release number: let it run
+    raise _refuse(
+        f"transformers {version} is older than {'.'.join(map(str, OLDEST_TRANSFORMERS))}, the oldest release usp was "
+        "checked on (older ones pass masks and attention arguments that usp reads differently, and some models "
+        "would attend the wrong documents)",
+        f"upgrade it (pip install -U 'transformers>={'.'.join(map(str, OLDEST_TRANSFORMERS))}'), or keep this "
+        'model on attn_implementation="sdpa"',
+    )
+
+
 def _refuse_own_attention(cls: type) -> None:
     """A model class whose attention layers do not call transformers' attention interface
     (Bloom and MPT with ALiBi, GPT-Neo, ...) would never run usp: it would take usp's "no mask"
@@ -412,6 +435,7 @@ def _guard_model_classes() -> None:
 
     def checked(self, attn_implementation, *args, **kwargs):
         if attn_implementation == ATTENTION:
+            _refuse_old_transformers()
             _refuse_own_attention(type(self))
             from .hf_rows import install_row_rules
 
