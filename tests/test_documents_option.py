@@ -53,6 +53,17 @@ class TinyAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, n, -1))
 
 
+def _wrapped_method(forward):
+    """The other kind (transformers 5.23's ``can_return_tuple``): ``wrapper(self, *args, **kwargs)``,
+    the module a parameter of its own and ``args`` the forward's own positional arguments."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
 class Plain(TinyAttention):
     def forward(self, input_ids, position_ids):
         return self.attend(input_ids, position_ids)
@@ -64,11 +75,18 @@ class Decorated(TinyAttention):
         return self.attend(input_ids, position_ids)
 
 
+class MethodDecorated(TinyAttention):
+    @_wrapped_method
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return self.attend(input_ids, position_ids)
+
+
 FORMS = {
     "keyword": (Plain, lambda m, ids, pos: m(input_ids=ids, position_ids=pos)),
     "positional": (Plain, lambda m, ids, pos: m(ids, pos)),
     "decorated keyword": (Decorated, lambda m, ids, pos: m(input_ids=ids, position_ids=pos)),
     "decorated positional": (Decorated, lambda m, ids, pos: m(ids, None, pos)),
+    "method-decorated positional": (MethodDecorated, lambda m, ids, pos: m(ids, None, pos)),
 }
 
 

@@ -7,8 +7,9 @@ a source that says where each value came from; this module reads it structurally
 - ``L['kwargs']['position_ids']``, ``L['batch']['position_ids']`` (``**kwargs``, a dict argument)
   -> ``position_ids``;
 - ``L['args'][3]`` (a positional argument caught by a decorator's ``*args``: transformers wraps
-  many ``forward`` methods so) -> the name of the parameter it binds to in ``args[0].forward``
-  when ``args[0]`` is the module, read from the frame Dynamo is compiling;
+  many ``forward`` methods so) -> the name of the parameter it binds to in the module's
+  ``forward``, the module being ``args[0]`` or the wrapper's own ``self``, read from the frame
+  Dynamo is compiling;
 - anything else is no argument: a size of one (``L['kwargs']['position_ids'].size()[1]``, the
   SymInt Dynamo adds once shapes are dynamic: issue 30), a parameter, a buffer, an attribute.
 """
@@ -24,21 +25,36 @@ import torch.fx as fx
 __all__ = ["argument_name", "find_argument", "argument_names"]
 
 
+def _wrapped_module(tx: Any, local: str) -> tuple[torch.nn.Module, int] | None:
+    """(the module whose ``forward`` the frame wraps, the index in ``*local`` of its first own
+    argument): ``wrapper(*args, **kwargs)`` with the module as ``args[0]``, or ``wrapper(self,
+    *args, **kwargs)`` with ``local`` the frame's ``*args`` (transformers uses both)."""
+    values = tx.f_locals.get(local)
+    if not isinstance(values, tuple):
+        return None
+    if values and isinstance(values[0], torch.nn.Module):
+        return values[0], 1
+    code, owner = tx.f_code, tx.f_locals.get("self")
+    if isinstance(owner, torch.nn.Module) and code.co_flags & inspect.CO_VARARGS:
+        if code.co_varnames[code.co_argcount + code.co_kwonlyargcount] == local:
+            return owner, 0
+    return None
+
+
 def _positional_name(local: str, index: int) -> str | None:
     """The parameter name that positional argument `index` of the frame's ``*local`` binds to, when
-    ``local[0]`` is an `nn.Module` whose ``forward`` the frame wraps (a decorator's ``*args``)."""
+    the frame wraps an `nn.Module`'s ``forward`` (a decorator's ``*args``: `_wrapped_module`)."""
     try:  # the frame being compiled; Dynamo's own state, so any failure is "unknown", never a guess
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        values = InstructionTranslator.current_tx().f_locals.get(local)
+        found = _wrapped_module(InstructionTranslator.current_tx(), local)
     except Exception:
         return None
-    if not isinstance(values, tuple) or not values or not isinstance(values[0], torch.nn.Module):
+    if found is None:
         return None
-    if not 1 <= index < len(values):
-        return None
+    module, first = found
     try:
-        params = list(inspect.signature(values[0].forward).parameters.values())
+        params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         return None
     positional = []
@@ -47,7 +63,8 @@ def _positional_name(local: str, index: int) -> str | None:
             break
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             positional.append(p.name)
-    return positional[index - 1] if index - 1 < len(positional) else None
+    i = index - first
+    return positional[i] if 0 <= i < len(positional) else None
 
 
 def argument_name(source: Any) -> str | None:
