@@ -108,6 +108,9 @@ def _run_row(row: str, a: argparse.Namespace, tokens: int, ckpt: bool, batch, me
             record["inner"] = sorted({r.inner for r in reports})
         if device == "cuda":
             torch.cuda.synchronize()
+            # what the row holds before its timed steps (model, grads, what earlier rows left): the
+            # peak is absolute, so a row's own share is peak - base
+            record["base_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
             torch.cuda.reset_peak_memory_stats()
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(a.iters)]  # fmt: skip
             for start, end in events:
@@ -175,7 +178,7 @@ def _one_column(a: argparse.Namespace, text: str, rows: list[str]) -> list[dict[
                 r["peak_x_flex"] = round(r["peak_gib"] / flex["peak_gib"], 3)
         what = r.get("error") or (
             f"{r['ms']:9.1f} ms  x{r.get('x_flex', float('nan')):.3f}  peak {r.get('peak_gib')} GiB "
-            f"(x{r.get('peak_x_flex', float('nan')):.3f})  loss {r['loss']:.5f}  breaks {r['graph_breaks']}  "
+            f"(x{r.get('peak_x_flex', float('nan')):.3f}, base {r.get('base_gib')})  loss {r['loss']:.5f}  breaks {r['graph_breaks']}  "
             f"kernels {r.get('kernels')}  sites {r.get('sites_rewritten')}/{r.get('sites_kept')}"
         )
         print(f"  {r['row']:13s} {what[:400]}")
@@ -206,6 +209,7 @@ def _isolated(a: argparse.Namespace, argv: list[str]) -> int:
                 "x_flex",
                 "peak_gib",
                 "peak_x_flex",
+                "base_gib",
                 "loss_rel_flex",
                 "kernels",
                 "graph_breaks",
