@@ -547,7 +547,9 @@ def test_usp_is_refused_on_a_transformers_older_than_it_was_checked_on(monkeypat
     model = make_lm("llama")  # first: the model's import replaces transformers' lazy module
     monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
     if refused:
-        with pytest.raises(UnsupportedAttention, match=r"older than 5\.17.*pip install -U 'transformers>=5\.17'"):
+        with pytest.raises(
+            UnsupportedAttention, match=r"older than 5\.17.*pip install -U 'transformers>=5\.17'"
+        ):
             model.set_attn_implementation("usp")
         assert model.config._attn_implementation == "sdpa"  # left as it was
     else:
