@@ -20,9 +20,9 @@ asynchronously (no host sync; `boundaries.checked_lengths`). The one exception: 
 slot per token (documents derived from position ids on the device) are cut to their documents by
 one host read per boundary tensor, once per step (`_fitted`), for the kernels whose launch grid
 grows with slots x max_seqlen (flash, cuDNN); flex reads its documents per token on the device and
-takes them as they are, with no read, so below cuDNN's range auto runs flex for such boundaries
-where flex applies (head dim 128, T a multiple of 128; measured on the H100 at 8K tokens: the
-Trainer path's step 24.0 ms against 24.4 with flash and the read). Windows run on cuDNN's diagonal band or flash's
+takes them as they are, with no read. auto does not pick flex for that below 16K tokens: flex
+builds its graphs per token count (about 20 s each), and the Trainer path's count changes with
+every batch, for a step within 1.5% of flash's (H100, 8K tokens, BENCHMARKS.md 0j). Windows run on cuDNN's diagonal band or flash's
 local-attention kernels (flex is windowless only), or the math kernel.
 """
 
@@ -115,8 +115,8 @@ def _cudnn_applies(q: Tensor, k: Tensor, v: Tensor) -> bool:
 # dims 64 and 128, MHA and GQA 16/4, causal and not) and at 16K with head dim 128; below that the
 # op's host-side cost decides (4K: flash 1.6 ms, cuDNN 2.4 ms per fwd+bwd; 16K with head dim 64:
 # flash ahead). flex measured faster than flash at T >= 16K with head dim 128, and runs there when
-# the cuDNN package is absent; below that, at head dim 128, it also runs for boundaries with a
-# slot per token (`_use_flex`: flash would first cut them by a host read).
+# the cuDNN package is absent. Below 16K it was within 1.5% of flash + the host read on the Trainer
+# path (8K, H100), not enough for a graph build per token count.
 FLEX_MIN_TOKENS = 16384
 FLEX_HEAD_DIMS = (128,)
 AUTO_TABLE: tuple[tuple[str, int, tuple[int, ...]], ...] = (
@@ -151,10 +151,7 @@ def _use_flex(
         return False
     if flex_kernel.plan_key(q, k, v, is_causal, scale) in _flex_broken:
         return False
-    if _cuda_kernel == "flex" or _auto_kernel(q) == "flex":
-        return True
-    # auto below flex's table: boundaries that flash would cut by a host read run flex (no read)
-    return q.shape[-1] in FLEX_HEAD_DIMS and _would_cut(cu_q, cu_k, q.shape[0])
+    return _cuda_kernel == "flex" or _auto_kernel(q) == "flex"
 
 
 # What a missing cuDNN frontend costs (BENCHMARKS.md, H200, transformers Llama 4 layers at 128K
