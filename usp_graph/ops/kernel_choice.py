@@ -22,8 +22,9 @@ one host read per boundary tensor, once per step (`_fitted`), for the kernels wh
 grows with slots x max_seqlen (flash, cuDNN); flex reads its documents per token on the device and
 takes them as they are, with no read. auto does not pick flex for that below 16K tokens: flex
 builds its graphs per token count (about 20 s each), and the Trainer path's count changes with
-every batch, for a step within 1.5% of flash's (H100, 8K tokens, BENCHMARKS.md 0j). Windows run on cuDNN's diagonal band or flash's
-local-attention kernels (flex is windowless only), or the math kernel.
+every batch, for a step within 1.5% of flash's (H100, 8K tokens, BENCHMARKS.md 0j). Windows run on
+cuDNN's diagonal band or flash's local-attention kernels (flex is windowless only), or the math
+kernel.
 """
 
 from __future__ import annotations
@@ -321,15 +322,10 @@ def _cudnn_metadata(cu_q, cu_k, q, k, slots):
 FIT_MIN_TOKENS = 2048
 
 
-def _would_cut(cu_q: Tensor, cu_k: Tensor, t_q: int) -> bool:
-    """`_fitted` would cut these boundaries (a slot per token, shared, long enough, no capture)."""
-    if cu_q is not cu_k or cu_q.shape[0] - 1 < t_q or t_q < FIT_MIN_TOKENS:
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
 def _fitted(cu_q: Tensor, cu_k: Tensor, t_q: int, max_q: int, max_k: int) -> tuple[Tensor, Tensor, int, int]:
-    if not _would_cut(cu_q, cu_k, t_q):
+    if cu_q is not cu_k or cu_q.shape[0] - 1 < t_q or t_q < FIT_MIN_TOKENS:
+        return cu_q, cu_k, max_q, max_k
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return cu_q, cu_k, max_q, max_k
     top = max(max_q, max_k)
     cu, bound = per_boundaries("fit", cu_q, cu_k, (top,), lambda: fit_to_documents(cu_q, top))
