@@ -398,16 +398,16 @@ OLDEST_TRANSFORMERS = (5, 17)
 def _refuse_old_transformers() -> None:
     import transformers
 
-    version = getattr(transformers, "__version__", "0")
+    version = getattr(transformers, "__version__", "")
     parts = re.match(r"(\d+)\.(\d+)", version)
     if parts is None or (int(parts[1]), int(parts[2])) >= OLDEST_TRANSFORMERS:
-        return  # a development build without a release number: let it run
+        return  # a release this new, or a build without a release number
+    oldest = ".".join(map(str, OLDEST_TRANSFORMERS))
     raise _refuse(
-        f"transformers {version} is older than {'.'.join(map(str, OLDEST_TRANSFORMERS))}, the oldest release usp was "
-        "checked on (older ones pass masks and attention arguments that usp reads differently, and some models "
-        "would attend the wrong documents)",
-        f"upgrade it (pip install -U 'transformers>={'.'.join(map(str, OLDEST_TRANSFORMERS))}'), or keep this "
-        'model on attn_implementation="sdpa"',
+        f"transformers {version} is older than {oldest}, the oldest release usp was checked on (older ones pass "
+        "masks and attention arguments that usp reads differently, and some models would attend the wrong "
+        "documents)",
+        f"upgrade it (pip install -U 'transformers>={oldest}'), or keep this model on attn_implementation=\"sdpa\"",
     )
 
 
