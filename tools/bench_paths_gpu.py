@@ -111,6 +111,13 @@ def _run_row(row: str, a: argparse.Namespace, tokens: int, ckpt: bool, batch, me
             # what the row holds before its timed steps (model, grads, what earlier rows left): the
             # peak is absolute, so a row's own share is peak - base
             record["base_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+            if a.base_trace:
+                from mem_peak import live_now
+
+                record["base_live"] = live_now()
+                print(f"  {row}: {record['base_gib']} GiB held before the timed steps, by allocation site:")
+                for g in record["base_live"]:
+                    print(f"    {g['gib']:7.3f} GiB {g['blocks']:4d}x  {g['site'][:150]}  [{g['owner']}]")
             torch.cuda.reset_peak_memory_stats()
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(a.iters)]  # fmt: skip
             for start, end in events:
@@ -167,6 +174,10 @@ def _one_column(a: argparse.Namespace, text: str, rows: list[str]) -> list[dict[
     print(
         f"T={tokens} N={len(lengths)} checkpointing={ckpt} torch {torch.__version__} transformers {tf.__version__}"
     )
+    if a.base_trace and device == "cuda":
+        from mem_peak import record_history
+
+        record_history()
     records = [_run_row(row, a, tokens, ckpt, batch, meta, device) for row in rows]
     flex = next((r for r in records if r["row"] == "flex" and "ms" in r), None)
     for r in records:
@@ -237,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--memory-trace", action="store_true",
         help="after the timed steps, one more under the allocator history: what is alive at the peak (tools/mem_peak.py)",
+    )  # fmt: skip
+    p.add_argument(
+        "--base-trace", action="store_true",
+        help="allocator history from the column's start: what each row holds before its timed steps, by allocation site",
     )  # fmt: skip
     p.add_argument(
         "--profile",

@@ -86,6 +86,28 @@ def peak_live(step: Callable[[], Any], *, top: int = 15, max_entries: int = 400_
     }
 
 
+def live_now(*, top: int = 15) -> list[dict[str, Any]]:
+    """The blocks allocated now, grouped by allocation site as `peak_live` groups them. Blocks
+    allocated before the history was turned on (`record_history`) have no frames: one group."""
+    torch.cuda.synchronize()
+    groups: dict[tuple[str, str], list[int]] = {}
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        for b in seg["blocks"]:
+            if b["state"] != "active_allocated":
+                continue
+            frames = (b.get("frames") or [])
+            g = groups.setdefault(_site(frames) if frames else ("(no history)", ""), [0, 0])
+            g[0] += b["size"]
+            g[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"gib": round(b / 2**30, 3), "blocks": n, "site": site, "owner": owner} for (site, owner), (b, n) in ranked]
+
+
+def record_history(max_entries: int = 400_000) -> None:
+    """Turn the allocator history on (Python stacks) for `live_now`."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+
+
 def print_peak(label: str, result: dict[str, Any]) -> None:
     print(f"  {label}: peak {result['peak_gib']} GiB ({result['before_step_gib']} before the step), "
           f"at {result['peak_at']}: {result['peak_site']}")  # fmt: skip
