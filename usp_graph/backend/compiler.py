@@ -270,6 +270,10 @@ class _Compile:
             cp=opts.cp,
         )
         self._report(time.perf_counter() - start, todo, kept, mode)
+        # The compiled function keeps this object (AOTAutograd compiles the backward later, through
+        # its hooks): it must not keep the first call's tensors, the activations (and the autograd
+        # graphs) Dynamo handed over as examples, for as long as the compiled graph lives.
+        self.example_inputs = []
         return _with_metadata(compiled, feed)
 
     def _sites(self, gm: fx.GraphModule, rewrite: bool) -> tuple[list[Any], list[Any], list[Any]]:
