@@ -95,12 +95,15 @@ def live_now(*, top: int = 15) -> list[dict[str, Any]]:
         for b in seg["blocks"]:
             if b["state"] != "active_allocated":
                 continue
-            frames = (b.get("frames") or [])
+            frames = b.get("frames") or []
             g = groups.setdefault(_site(frames) if frames else ("(no history)", ""), [0, 0])
             g[0] += b["size"]
             g[1] += 1
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
-    return [{"gib": round(b / 2**30, 3), "blocks": n, "site": site, "owner": owner} for (site, owner), (b, n) in ranked]
+    return [
+        {"gib": round(b / 2**30, 3), "blocks": n, "site": site, "owner": owner}
+        for (site, owner), (b, n) in ranked
+    ]
 
 
 def record_history(max_entries: int = 400_000) -> None:
