@@ -133,6 +133,10 @@ def _run_row(row: str, a: argparse.Namespace, tokens: int, ckpt: bool, batch, me
 
                 record["memory_trace"] = peak_live(step)
                 print_peak(row, record["memory_trace"])
+                if a.base_trace:  # peak_live turned the history off
+                    from mem_peak import record_history
+
+                    record_history()
             if a.profile:
                 _profile_step(step, row, a.profile)
         else:
