@@ -834,3 +834,33 @@ def test_a_compiled_graph_keeps_no_tensor_of_the_call_it_was_compiled_for():
     gc.collect()
     assert [(rx() is None, rh() is None) for rx, rh in refs] == [(True, True)] * 2
     torch._dynamo.reset()
+
+
+def test_a_checkpointed_transformers_model_under_backend_usp_keeps_no_activation_between_steps():
+    """The same on a transformers model as users run it: checkpointed layers (where transformers
+    5.25 breaks the graph), backend usp; between steps no activation of the batch stays alive."""
+    import gc
+
+    pytest.importorskip("transformers")
+    from tests.realmodels import checkpoint_layers, lm_batch, lm_forward, make_lm, weighted_loss
+
+    torch._dynamo.reset()
+    model = make_lm("llama")
+    checkpoint_layers(model, use_reentrant=False)
+    compiled = torch.compile(model, backend="usp")
+    ids, pos = lm_batch(1, 24, seed=0)
+    own = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+
+    def activations() -> list[tuple[int, ...]]:
+        gc.collect()
+        return [
+            tuple(o.shape)
+            for o in gc.get_objects()
+            if type(o) is torch.Tensor and id(o) not in own and o.dim() == 3 and o.shape[:2] == (1, 24)
+        ]
+
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        weighted_loss(lm_forward(compiled, ids, pos)).backward()
+        assert activations() == []
+    torch._dynamo.reset()
