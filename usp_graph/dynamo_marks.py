@@ -27,16 +27,22 @@ def disable(fn: Callable[..., Any]) -> Callable[..., Any]:
     loaded. Before that nothing can compile a frame of the call, so `fn` runs as it is and the call
     imports nothing (the usp ops' kernels carry this mark: `usp_graph.ops.define`)."""
     wrapped: Callable[..., Any] | None = None
+    callback: Callable[[], Any] | None = None
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        nonlocal wrapped
+        nonlocal wrapped, callback
         if wrapped is None:
             if "torch._dynamo" not in sys.modules:
                 return fn(*args, **kwargs)
             import torch
 
             wrapped = torch.compiler.disable(fn)
+            callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+        if callback() is None:
+            # No frame is being watched (eager code, or a compiled graph's own call): torch's
+            # wrapper would switch nothing off and back, a few microseconds per call.
+            return fn(*args, **kwargs)
         return wrapped(*args, **kwargs)
 
     call._torchdynamo_disable = True  # type: ignore[attr-defined]

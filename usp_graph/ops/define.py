@@ -44,6 +44,19 @@ def _library(namespace: str) -> torch.library.Library:
     return lib
 
 
+def _plain_keysets() -> tuple[torch._C.DispatchKeySet, ...]:
+    """The keysets below Autograd of a call on plain CPU or CUDA tensors with no mode, transform or
+    subclass in play (with and without ADInplaceOrView, which inference tensors lack): there the
+    redispatch can only reach the op's own kernel."""
+    keys = torch._C.DispatchKey
+    view = torch._C.DispatchKeySet(keys.ADInplaceOrView)
+    dense = (torch._C.DispatchKeySet(keys.CPU), torch._C.DispatchKeySet(keys.CUDA))
+    return (*dense, *(d | view for d in dense))
+
+
+_PLAIN = _plain_keysets()
+
+
 def _autograd_kernel(op: torch._ops.OpOverload, info: Op) -> Callable[..., Any]:
     """The op's Autograd kernel: what `custom_op`'s (``torch._library.autograd.make_autograd_impl``)
     does for an op with positional arguments only, without its per-call costs (0.1 ms of a
@@ -60,10 +73,21 @@ def _autograd_kernel(op: torch._ops.OpOverload, info: Op) -> Callable[..., Any]:
     # The dispatcher drops trailing arguments equal to their defaults: setup_context sees them all.
     defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments)
     after_autograd = torch._C._after_autograd_keyset
+    kernel = info._plain_kernel
+
+    def below(keyset: torch._C.DispatchKeySet, args: tuple[Any, ...]) -> Any:
+        # Plain tensors, nothing traced: the op's kernel is all the redispatch would reach, so it is
+        # called without the second dispatcher trip (a short CUDA call is host-bound:
+        # tools/profile_varlen_host.py). Anything else (a mode, a fake or functional tensor, a
+        # transform) goes through the dispatcher.
+        keyset = keyset & after_autograd
+        with torch._C._AutoDispatchBelowAutograd():
+            if keyset in _PLAIN:
+                return kernel(*args)
+            return op.redispatch(keyset, *args)
 
     def forward(ctx: Any, keyset: torch._C.DispatchKeySet, *args: Any) -> Any:
-        with torch._C._AutoDispatchBelowAutograd():
-            result = op.redispatch(keyset & after_autograd, *args)
+        result = below(keyset, args)
         if info._setup_context_fn:
             info._setup_context_fn(ctx=ctx, inputs=args + defaults[len(args) :], output=result)
         return result
@@ -91,8 +115,7 @@ def _autograd_kernel(op: torch._ops.OpOverload, info: Op) -> Callable[..., Any]:
     def autograd_impl(keyset: torch._C.DispatchKeySet, *args: Any) -> Any:
         if torch._C.is_grad_enabled() and torch._C._any_requires_grad(*args):
             return generated.apply(keyset, *args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & after_autograd, *args)
+        return below(keyset, args)
 
     return autograd_impl
 
@@ -110,7 +133,8 @@ class Op:
         self._lib = _library(namespace)
         self._lib.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
         self._opoverload: torch._ops.OpOverload = getattr(getattr(torch.ops, namespace), name).default
-        self._lib.impl(name, self._kernel(fn), "CompositeExplicitAutograd")
+        self._plain_kernel = self._kernel(fn)
+        self._lib.impl(name, self._plain_kernel, "CompositeExplicitAutograd")
         # Read at each backward: `register_autograd` fills them in later (custom_op does the same).
         self._backward_fn: Callable[..., Any] | None = None
         self._setup_context_fn: Callable[..., Any] | None = None

@@ -30,6 +30,10 @@ def check_window(window: object, where: str = "window") -> tuple[int, int]:
     """`window` as a `(left, right)` tuple of ints >= -1 (None: no window); ValueError otherwise."""
     if window is None:
         return NO_WINDOW
+    if type(window) is tuple and len(window) == 2:  # the ops' own call: no ABC check (host time)
+        left, right = window
+        if type(left) is int and type(right) is int and left >= -1 and right >= -1:
+            return window
     ok = (
         isinstance(window, Sequence)
         and not isinstance(window, str)
