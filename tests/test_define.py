@@ -186,3 +186,58 @@ def test_a_compiled_caller_keeps_the_op_as_one_node_and_runs_its_kernel_in_eager
     assert torch.equal(out, torch.full((3,), 2.0)) and ran == [False]
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert torch.ops.usp_define_test.seen.default in targets
+
+
+def test_a_kernel_called_where_dynamo_watches_frames_is_not_compiled():
+    # Eager code inside a compiled region (a frame Dynamo skips, calling the op): the kernel's frames
+    # stay uncompiled, as under torch.compiler.disable; outside such a region nothing is switched.
+    ran: list[bool] = []
+    watched = define("usp_define_test::watched", schema="(Tensor x) -> Tensor")(
+        lambda x: ran.append(torch.compiler.is_compiling()) or x + 1
+    )
+    watched.register_fake(lambda x: torch.empty_like(x))
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    @torch._dynamo.disable(recursive=False)
+    def skipped(x):
+        return watched(x)
+
+    torch._dynamo.reset()
+    out = torch.compile(lambda x: skipped(x) * 2, backend=backend)(torch.zeros(3))
+    assert torch.equal(out, torch.full((3,), 2.0)) and ran == [False]
+    ops = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.add.Tensor not in ops and "add" not in str(ops), ops
+    assert torch.equal(watched(torch.zeros(2)), torch.ones(2)) and ran == [False, False]
+
+
+class _Seen(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_call_under_a_dispatch_mode_reaches_it_below_autograd_and_matches_the_plain_call_bitwise():
+    # The autograd kernel calls a plain call's kernel directly; anything else (here a mode) must still
+    # see the op below autograd, forward and backward, and compute the same numbers.
+    import usp_graph
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(9, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 1, 1, 9], dtype=torch.int32)
+    grads = []
+    for mode in (None, _Seen()):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        with mode or torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            out = usp_graph.varlen_attn(*leaves, cu, cu, 8, 8, is_causal=True)
+            out.sum().backward()
+        grads.append((out.detach(), *(x.grad for x in leaves)))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert "usp.varlen_fwd.default" in mode.ops and "usp.varlen_bwd.default" in mode.ops, mode.ops
