@@ -50,8 +50,8 @@ def _plain_keysets() -> tuple[torch._C.DispatchKeySet, ...]:
     redispatch can only reach the op's own kernel."""
     keys = torch._C.DispatchKey
     view = torch._C.DispatchKeySet(keys.ADInplaceOrView)
-    dense = (torch._C.DispatchKeySet(keys.CPU), torch._C.DispatchKeySet(keys.CUDA))
-    return (*dense, *(d | view for d in dense))
+    dense = (torch._C.DispatchKeySet(keys.CUDA), torch._C.DispatchKeySet(keys.CPU))
+    return (*(d | view for d in dense), *dense)  # the common case first: `in` compares in order
 
 
 _PLAIN = _plain_keysets()
