@@ -395,6 +395,44 @@ def test_each_group_of_a_grouped_backward_gets_its_own_heads(monkeypatch, heads,
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("setting", "under_peak", "launches"), [(None, False, 4), (None, True, 1), ("0", True, 4)])
+def test_a_backward_over_the_limit_runs_whole_where_its_workspace_fits_under_the_peak(
+    monkeypatch, setting, under_peak, launches
+):
+    """Without the setting, a backward whose whole workspace fits under the memory peak so far runs
+    in one launch (grouping would save no peak memory and costs time); a limit the user set holds."""
+    _with_build(monkeypatch, _workspace_by_heads)
+    monkeypatch.setattr(cudnn_kernel, "_grouped", {})
+    monkeypatch.setattr(cudnn_kernel, "backward_workspace_limit", lambda: 0)
+    if setting is None:
+        monkeypatch.delenv("USP_CUDNN_BACKWARD_WORKSPACE_MB", raising=False)
+    else:
+        monkeypatch.setenv("USP_CUDNN_BACKWARD_WORKSPACE_MB", setting)
+    asked: list[int] = []
+    monkeypatch.setattr(cudnn_kernel, "_under_peak", lambda nbytes, device: asked.append(nbytes) or under_peak)
+    seen: list[int] = []
+    monkeypatch.setattr(cudnn_kernel, "_execute", lambda plan, key, pack, ws=None: seen.append(pack[cudnn_kernel._Q].shape[1]))
+    q, k, v = _qkv(64, 8, 4, 16)
+    out, dout = torch.randn_like(q), torch.randn_like(q)
+    lse = torch.zeros(8, 64)
+    cudnn_kernel.cudnn_bwd(dout, q, k, v, out, lse, _cu(0, 64), _cu(0, 64), 64, 64, True, 0.25, square=True)
+    assert len(seen) == launches and sum(seen) == 8
+    if setting is None:  # asked with the whole backward's workspace: float32 T x H x K, three times with GQA
+        assert asked == [64 * 8 * 16 * 4 * 3]
+
+
+def test_under_peak_compares_the_allocator_high_water_mark(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 12 * 2**30)
+    assert cudnn_kernel._under_peak(2**30, cuda)
+    assert not cudnn_kernel._under_peak(2 * 2**30, cuda)  # the allocator's rounding: not a byte over
+    assert not cudnn_kernel._under_peak(1, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not cudnn_kernel._under_peak(2**30, cuda)  # a graph being captured keeps the limit
+
+
 def test_importing_usp_graph_does_not_import_cudnn():
     code = "import sys, usp_graph, usp_graph.ops.varlen; print('cudnn' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -201,9 +201,25 @@ def _env_mb(name: str) -> int | None:
 
 def backward_workspace_limit() -> int:
     """Bytes the default backward's workspace may take before it runs in groups of KV heads
-    (`grouped_backward`): ``USP_CUDNN_BACKWARD_WORKSPACE_MB``, by default 256 MiB."""
+    (`grouped_backward`): ``USP_CUDNN_BACKWARD_WORKSPACE_MB``, by default 256 MiB. Without the
+    setting, a backward over it still runs whole where its workspace fits under the memory peak the
+    process already reached (`_under_peak`)."""
     env = _env_mb("USP_CUDNN_BACKWARD_WORKSPACE_MB")
     return env if env is not None else 256 * 2**20
+
+
+# The caching allocator rounds a large block up to whole 2 MiB pages.
+_ALLOCATOR_ROUNDING = 2 * 2**20
+
+
+def _under_peak(nbytes: int, device: torch.device) -> bool:
+    """`nbytes` more on `device` now would not raise the allocator's high-water mark
+    (``torch.cuda.max_memory_allocated``): a train step's backward runs after its forward reached
+    its peak (the logits and loss, or every layer's activations), so a workspace that fits beneath
+    it costs no memory the step did not already need. Not while a CUDA graph is being captured."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return False
+    return torch.cuda.memory_allocated(device) + nbytes + _ALLOCATOR_ROUNDING <= torch.cuda.max_memory_allocated(device)
 
 
 def deterministic_workspace_limit(device: int | None = None) -> int:
@@ -447,7 +463,11 @@ def _execute(plan: _Plan, key: PlanKey, pack: dict[int, Tensor], ws: Tensor | No
 # train step's peak memory 4% over flex's (its backward holds none; BENCHMARKS.md 0f). The heads
 # are independent, so a backward over that limit runs in groups of KV heads, each with its query
 # heads, copied out to buffers of their own (sliced buffers kept the whole workspace: cuDNN sizes it
-# by the buffers' strides): a graph of H / groups heads, its workspace 1 / groups.
+# by the buffers' strides): a graph of H / groups heads, its workspace 1 / groups. Groups cost time
+# (64K tokens, 4 groups: 6.7 against 4.8 ms per call on an H100), so without a setting a backward
+# whose whole workspace fits under the step's memory peak so far runs whole (`_under_peak`;
+# BENCHMARKS.md 0l): where the peak lies elsewhere (the logits, with transformers 5.25's
+# checkpointing) the step keeps flex's peak and runs 2% faster.
 _grouped: dict[PlanKey, int] = {}
 
 
@@ -546,8 +566,6 @@ def cudnn_bwd(
         det = torch.are_deterministic_algorithms_enabled()
         key = plan_key(q, k, cu_q, max_q, max_k, is_causal, scale, window, square=square, backward=True,
                        deterministic=det)  # fmt: skip
-    groups = grouped_backward(key)
-    plan = _plan("bwd", key if groups == 1 else _group_key(key, groups))
     t_q, h, d = q.shape
     q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
     stats = lse.float()
@@ -559,6 +577,14 @@ def cudnn_bwd(
     (seq_q, seq_k), (off_q, off_k, off_s) = metadata
     new = torch.empty_like if square else torch.zeros_like  # rows outside every document: zero
     dq, dk, dv = new(q), new(k), new(v)
+    groups = grouped_backward(key)
+    if (
+        groups > 1
+        and _env_mb("USP_CUDNN_BACKWARD_WORKSPACE_MB") is None
+        and _under_peak(_plan("bwd", key).workspace, q.device)
+    ):
+        groups = 1  # its whole workspace raises no peak: the faster launch
+    plan = _plan("bwd", key if groups == 1 else _group_key(key, groups))
     if groups == 1:
         pack = {_Q: q, _K: k, _V: v, _O: out, _DO: dout, _STATS: stats, _DQ: dq, _DK: dk, _DV: dv,
                 _SEQ_Q: seq_q, _SEQ_K: seq_k, _OFF_Q: off_q, _OFF_K: off_k, _OFF_S: off_s}  # fmt: skip
