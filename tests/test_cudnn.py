@@ -395,7 +395,9 @@ def test_each_group_of_a_grouped_backward_gets_its_own_heads(monkeypatch, heads,
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("setting", "under_peak", "launches"), [(None, False, 4), (None, True, 1), ("0", True, 4)])
+@pytest.mark.parametrize(
+    ("setting", "under_peak", "launches"), [(None, False, 4), (None, True, 1), ("0", True, 4)]
+)
 def test_a_backward_over_the_limit_runs_whole_where_its_workspace_fits_under_the_peak(
     monkeypatch, setting, under_peak, launches
 ):
@@ -409,9 +411,13 @@ def test_a_backward_over_the_limit_runs_whole_where_its_workspace_fits_under_the
     else:
         monkeypatch.setenv("USP_CUDNN_BACKWARD_WORKSPACE_MB", setting)
     asked: list[int] = []
-    monkeypatch.setattr(cudnn_kernel, "_under_peak", lambda nbytes, device: asked.append(nbytes) or under_peak)
+    monkeypatch.setattr(
+        cudnn_kernel, "_under_peak", lambda nbytes, device: asked.append(nbytes) or under_peak
+    )
     seen: list[int] = []
-    monkeypatch.setattr(cudnn_kernel, "_execute", lambda plan, key, pack, ws=None: seen.append(pack[cudnn_kernel._Q].shape[1]))
+    monkeypatch.setattr(
+        cudnn_kernel, "_execute", lambda plan, key, pack, ws=None: seen.append(pack[cudnn_kernel._Q].shape[1])
+    )
     q, k, v = _qkv(64, 8, 4, 16)
     out, dout = torch.randn_like(q), torch.randn_like(q)
     lse = torch.zeros(8, 64)

@@ -239,5 +239,5 @@ def test_a_call_under_a_dispatch_mode_reaches_it_below_autograd_and_matches_the_
             out = usp_graph.varlen_attn(*leaves, cu, cu, 8, 8, is_causal=True)
             out.sum().backward()
         grads.append((out.detach(), *(x.grad for x in leaves)))
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
     assert "usp.varlen_fwd.default" in mode.ops and "usp.varlen_bwd.default" in mode.ops, mode.ops

@@ -219,7 +219,8 @@ def _under_peak(nbytes: int, device: torch.device) -> bool:
     it costs no memory the step did not already need. Not while a CUDA graph is being captured."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return False
-    return torch.cuda.memory_allocated(device) + nbytes + _ALLOCATOR_ROUNDING <= torch.cuda.max_memory_allocated(device)
+    needed = torch.cuda.memory_allocated(device) + nbytes + _ALLOCATOR_ROUNDING
+    return needed <= torch.cuda.max_memory_allocated(device)
 
 
 def deterministic_workspace_limit(device: int | None = None) -> int:
