@@ -170,18 +170,25 @@ def test_a_kernel_that_returns_its_input_is_refused():
         same(torch.ones(2))
 
 
-def test_a_compiled_caller_keeps_the_op_as_one_node_and_runs_its_kernel_in_eager():
+def _recording_op(name: str):
+    """An op adding 1 that records whether each run of its kernel was being compiled, and a Dynamo
+    backend that keeps the graphs it is given."""
     ran: list[bool] = []
-    seen = define("usp_define_test::seen", schema="(Tensor x) -> Tensor")(
+    op = define(f"usp_define_test::{name}", schema="(Tensor x) -> Tensor")(
         lambda x: ran.append(torch.compiler.is_compiling()) or x + 1
     )
-    seen.register_fake(lambda x: torch.empty_like(x))
+    op.register_fake(lambda x: torch.empty_like(x))
     graphs: list[torch.fx.GraphModule] = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm
 
+    return op, ran, graphs, backend
+
+
+def test_a_compiled_caller_keeps_the_op_as_one_node_and_runs_its_kernel_in_eager():
+    seen, ran, graphs, backend = _recording_op("seen")
     out = torch.compile(lambda x: seen(x) * 2, backend=backend, fullgraph=True)(torch.zeros(3))
     assert torch.equal(out, torch.full((3,), 2.0)) and ran == [False]
     targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
@@ -191,16 +198,7 @@ def test_a_compiled_caller_keeps_the_op_as_one_node_and_runs_its_kernel_in_eager
 def test_a_kernel_called_where_dynamo_watches_frames_is_not_compiled():
     # Eager code inside a compiled region (a frame Dynamo skips, calling the op): the kernel's frames
     # stay uncompiled, as under torch.compiler.disable; outside such a region nothing is switched.
-    ran: list[bool] = []
-    watched = define("usp_define_test::watched", schema="(Tensor x) -> Tensor")(
-        lambda x: ran.append(torch.compiler.is_compiling()) or x + 1
-    )
-    watched.register_fake(lambda x: torch.empty_like(x))
-    graphs: list[torch.fx.GraphModule] = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm
+    watched, ran, graphs, backend = _recording_op("watched")
 
     @torch._dynamo.disable(recursive=False)
     def skipped(x):
