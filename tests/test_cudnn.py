@@ -501,6 +501,7 @@ def _fake_cuda(monkeypatch, cudnn_result=None, cudnn_grads=None, build_error=Fal
     monkeypatch.setattr(cudnn_kernel, "available", lambda: True)
     monkeypatch.setattr(cudnn_kernel, "cudnn_fwd", counted("cudnn_fwd", fake_fwd))
     monkeypatch.setattr(cudnn_kernel, "cudnn_bwd", counted("cudnn_bwd", fake_bwd))
+    monkeypatch.setattr(cudnn_kernel, "backward_groups", lambda key, device, to_allocate=0: 1)
     monkeypatch.setattr(kernel_choice, "_cudnn_checked", set())
     monkeypatch.setattr(kernel_choice, "_cudnn_broken", set())
     monkeypatch.setattr(kernel_choice, "_flex_broken", set())
@@ -527,6 +528,28 @@ def test_cudnn_first_call_agrees_then_runs_unchecked(monkeypatch):
     assert _same((out, lse), nudge(varlen._cpu_fwd(*args)))  # cuDNN's own result, not flash's
     assert _same(grads, nudge(varlen._cpu_bwd(dout, *args[:3], out, lse, *args[3:])))
     assert calls == {"flash_fwd": 1, "flash_bwd": 1, "cudnn_fwd": 2, "cudnn_bwd": 2}
+
+
+def test_each_launch_form_of_the_cudnn_backward_is_checked_on_its_own_first_call(monkeypatch):
+    """Whole or in groups of KV heads (the memory peak decides per call): a form's first call is
+    checked against flash even when the other form of the same shape was checked already."""
+    calls, args, dout = _fake_cuda(monkeypatch)
+    forms = iter([4, 4, 1, 1, 4])
+    given = []
+    monkeypatch.setattr(cudnn_kernel, "backward_groups", lambda key, device, to_allocate=0: next(forms))
+    fake = cudnn_kernel.cudnn_bwd
+    monkeypatch.setattr(
+        cudnn_kernel, "cudnn_bwd", lambda *a, **kw: given.append(kw["groups"]) or fake(*a, **kw)
+    )
+    with varlen.cuda_kernel("cudnn"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = varlen._cuda_fwd(*args)
+        checks = []
+        for _ in range(5):
+            before = calls["flash_bwd"]
+            varlen._cuda_bwd(dout, *args[:3], out, lse, *args[3:])
+            checks.append(calls["flash_bwd"] - before)
+    assert given == [4, 4, 1, 1, 4] and checks == [1, 0, 1, 0, 0]
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])

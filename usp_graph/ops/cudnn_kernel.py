@@ -74,6 +74,7 @@ __all__ = [
     "deterministic_workspace_limit",
     "backward_workspace_limit",
     "grouped_backward",
+    "backward_groups",
 ]
 
 
@@ -500,6 +501,20 @@ def grouped_backward(key: PlanKey) -> int:
     return groups
 
 
+def backward_groups(key: PlanKey, device: torch.device, to_allocate: int = 0) -> int:
+    """The groups the backward of `key` runs in now: `grouped_backward`'s, or 1 where no limit is
+    set and the whole backward's workspace (and `to_allocate` bytes still to be allocated before
+    it, the gradients) fits under the memory peak so far (`_under_peak`)."""
+    groups = grouped_backward(key)
+    if (
+        groups > 1
+        and _env_mb("USP_CUDNN_BACKWARD_WORKSPACE_MB") is None
+        and _under_peak(_plan("bwd", key).workspace + to_allocate, device)
+    ):
+        return 1  # its whole workspace raises no peak: the faster launch
+    return groups
+
+
 def cudnn_fwd(
     q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, is_causal: bool,
     scale: float, window: tuple[int, int] = (-1, -1), *, square: bool, key: PlanKey | None = None,
@@ -559,10 +574,12 @@ def cudnn_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor,
     max_q: int, max_k: int, is_causal: bool, scale: float, window: tuple[int, int] = (-1, -1), *, square: bool,
     key: PlanKey | None = None, metadata: tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None = None,
+    groups: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """`(dq, dk, dv)` by cuDNN's ragged backward from the forward's `out` and natural-log `lse_HT`
     (+inf rows add nothing; -inf rows see no key and add nothing either). The deterministic
-    backward is built under `torch.use_deterministic_algorithms(True)`."""
+    backward is built under `torch.use_deterministic_algorithms(True)`. `groups`: the launch's
+    groups of KV heads (`backward_groups`), decided here when not given."""
     if key is None:
         det = torch.are_deterministic_algorithms_enabled()
         key = plan_key(q, k, cu_q, max_q, max_k, is_causal, scale, window, square=square, backward=True,
@@ -578,13 +595,8 @@ def cudnn_bwd(
     (seq_q, seq_k), (off_q, off_k, off_s) = metadata
     new = torch.empty_like if square else torch.zeros_like  # rows outside every document: zero
     dq, dk, dv = new(q), new(k), new(v)
-    groups = grouped_backward(key)
-    if (
-        groups > 1
-        and _env_mb("USP_CUDNN_BACKWARD_WORKSPACE_MB") is None
-        and _under_peak(_plan("bwd", key).workspace, q.device)
-    ):
-        groups = 1  # its whole workspace raises no peak: the faster launch
+    if groups is None:
+        groups = backward_groups(key, q.device)
     plan = _plan("bwd", key if groups == 1 else _group_key(key, groups))
     if groups == 1:
         pack = {_Q: q, _K: k, _V: v, _O: out, _DO: dout, _STATS: stats, _DQ: dq, _DK: dk, _DV: dv,

@@ -399,14 +399,18 @@ def cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale
         square, key, bkey = _cudnn_keys(q, k, cu_q, cu_k, max_q, max_k, is_causal, scale, left, right)
         if _use_cudnn(q, k, v, (key, bkey)):
             try:
+                # Whole or in groups of KV heads (by the memory peak so far): each launch form is
+                # checked against flash on its own first call. The gradients are still to come.
+                grads = sum(x.numel() * x.element_size() for x in (q, k, v))
+                groups = cudnn_kernel.backward_groups(bkey, q.device, grads)
                 got = cudnn_kernel.cudnn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale,
-                                             (left, right), square=square, key=bkey,
+                                             (left, right), square=square, key=bkey, groups=groups,
                                              metadata=_cudnn_metadata(cu_q, cu_k, q, k, bkey.slots))  # fmt: skip
             except cudnn_kernel.BuildError as exc:
                 _kernel_failed("cudnn", _cudnn_broken, bkey, exc)
             else:
-                return _checked_or_flash("cudnn", "backward", ("dq", "dk", "dv"), got, flash, bkey, _cudnn_checked,
-                                         _cudnn_broken, bkey)  # fmt: skip
+                return _checked_or_flash("cudnn", "backward", ("dq", "dk", "dv"), got, flash, (bkey, groups),
+                                         _cudnn_checked, _cudnn_broken, bkey)  # fmt: skip
     if flex:
         try:
             got = flex_kernel.flex_bwd(dout, q, k, v, out, lse, cu_q, is_causal, scale)
