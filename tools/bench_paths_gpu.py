@@ -13,6 +13,9 @@ forward + backward per step. Rows (what the user wrote), each a fresh model with
 - ``flex``: ``attn_implementation="flex_attention"`` + ``torch.compile``: the peer;
 - ``usp_plain``: ``"usp"`` + plain ``torch.compile``: documents from the position ids inside the
   graph (the Trainer / TRL path);
+- ``usp_collator``: the same with flash-attention's ``cu_seq_lens_q/k`` and ``max_length_q/k`` in
+  the batch too (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): boundaries with a
+  slot per document, so no kernel needs the host read that cuts position ids' slot per token;
 - ``usp_backend``: ``"usp"`` + ``torch.compile(backend="usp")`` under ``usp_graph.documents(meta)``,
   default options (the README's snippet);
 - ``sdpa_backend``: ``"sdpa"`` + backend usp under ``documents(meta)``, default options.
@@ -50,8 +53,16 @@ import usp_graph
 from usp_graph import AttentionMetadata
 from usp_graph.testing import lognormal_lengths
 
-ROWS = ("flex", "usp_plain", "usp_backend", "sdpa_backend")
-_ATTN = {"flex": "flex_attention", "usp_plain": "usp", "usp_backend": "usp", "sdpa_backend": "sdpa"}
+ROWS = ("flex", "usp_plain", "usp_collator", "usp_backend", "sdpa_backend")
+_ATTN = {"flex": "flex_attention", "usp_plain": "usp", "usp_collator": "usp", "usp_backend": "usp",
+         "sdpa_backend": "sdpa"}  # fmt: skip
+
+
+def _flash_kwargs(lengths: list[int], device: str) -> dict[str, Any]:
+    """What ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` adds to a packed batch."""
+    cu = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+    longest = max(lengths)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 COLUMNS = "8192,32768,65536,131072,65536c,262144c"
 
 
@@ -182,7 +193,9 @@ def _one_column(a: argparse.Namespace, text: str, rows: list[str]) -> list[dict[
         from mem_peak import record_history
 
         record_history()
-    records = [_run_row(row, a, tokens, ckpt, batch, meta, device) for row in rows]
+    collated = {**batch, **_flash_kwargs(lengths, device)}
+    records = [_run_row(row, a, tokens, ckpt, collated if row == "usp_collator" else batch, meta, device)
+               for row in rows]  # fmt: skip
     flex = next((r for r in records if r["row"] == "flex" and "ms" in r), None)
     for r in records:
         r.update(documents=len(lengths), transformers=tf.__version__)
