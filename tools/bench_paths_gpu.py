@@ -63,6 +63,8 @@ def _flash_kwargs(lengths: list[int], device: str) -> dict[str, Any]:
     cu = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
     longest = max(lengths)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 COLUMNS = "8192,32768,65536,131072,65536c,262144c"
 
 
