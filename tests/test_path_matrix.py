@@ -4,7 +4,9 @@ gradients (fp64, the model's own ``labels=`` loss), and every attention call of 
 op, inside checkpointed layers too (their recompute in backward included).
 
 Paths: ``usp_plain`` (``attn_implementation="usp"`` + a plain ``torch.compile``: documents from the
-position ids, the Trainer / TRL path; aot_eager stands in for inductor on the CPU), ``usp_backend``
+position ids, the Trainer / TRL path; aot_eager stands in for inductor on the CPU), ``usp_collator``
+(the same with ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``'s ``cu_seq_lens_q/k``
+and ``max_length_q/k`` in the batch), ``usp_backend``
 (``"usp"`` + ``backend="usp"`` under ``documents(meta)``) and ``sdpa_backend`` (``"sdpa"`` + backend usp
 under ``documents(meta)``). The flex peer has no CPU backward.
 """
@@ -25,7 +27,8 @@ transformers = pytest.importorskip("transformers")
 
 LENGTHS = [5, 2, 7, 3]
 LAYERS = 2
-PATHS = ["usp_plain", "usp_backend", "sdpa_backend"]
+PATHS = ["usp_plain", "usp_collator", "usp_backend", "sdpa_backend"]
+PLAIN = ("usp_plain", "usp_collator")  # plain torch.compile: documents from the batch itself
 
 
 def _model(attn: str):
@@ -46,6 +49,17 @@ def _batch():
     starts = torch.tensor([0, *LENGTHS[:-1]]).cumsum(0)
     labels[0, starts] = -100  # the model shifts labels: a document's last token predicts no next document
     return ids, pos, labels
+
+
+def _flash_kwargs() -> dict:
+    """What ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` adds to the batch."""
+    cu = torch.tensor([0, *LENGTHS]).cumsum(0).to(torch.int32)
+    return {
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max(LENGTHS),
+        "max_length_k": max(LENGTHS),
+    }
 
 
 def _each_document_alone(model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -88,7 +102,7 @@ class _VarlenCalls:
 
 
 def _compiled(path: str, model, reports: list):
-    if path == "usp_plain":
+    if path in PLAIN:
         return torch.compile(model, backend="aot_eager")  # the attention function runs in Dynamo's graph
     return torch.compile(model, backend="usp", options={"on_compile": reports.append})
 
@@ -118,8 +132,9 @@ def _check_path(path: str, checkpointing: bool, monkeypatch) -> None:
     compiled = _compiled(path, model, reports)
     ids, pos, labels = _batch()
     meta = AttentionMetadata.from_lengths(LENGTHS, max_docs=6)
-    with documents(meta) if path != "usp_plain" else contextlib.nullcontext():
-        loss = compiled(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
+    extra = _flash_kwargs() if path == "usp_collator" else {}
+    with documents(meta) if path not in PLAIN else contextlib.nullcontext():
+        loss = compiled(input_ids=ids, position_ids=pos, labels=labels, use_cache=False, **extra).loss
     loss.backward()
     assert rel_err(loss.detach(), ref_loss) <= 1e-6  # Llama's RMSNorm computes in fp32
     for name, g in ref_grads.items():
@@ -128,8 +143,8 @@ def _check_path(path: str, checkpointing: bool, monkeypatch) -> None:
     # backward (counted on the second step: the first of a plain compile also runs one eager forward
     # under the row rules, usp_graph.hf_rows, without grad)
     calls = _VarlenCalls(monkeypatch)
-    with documents(meta) if path != "usp_plain" else contextlib.nullcontext():
-        again = compiled(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
+    with documents(meta) if path not in PLAIN else contextlib.nullcontext():
+        again = compiled(input_ids=ids, position_ids=pos, labels=labels, use_cache=False, **extra).loss
     again.backward()
     assert torch.equal(again.detach(), loss.detach())
     assert (calls.fwd, calls.bwd) == (LAYERS * (2 if checkpointing else 1), LAYERS), (calls.fwd, calls.bwd)
