@@ -188,3 +188,28 @@ def _check_report() -> None:
     else:
         assert sum(r.checkpointed for r in reports) == LAYERS
     torch._dynamo.reset()
+
+
+def test_the_collator_path_compiles_once_for_batches_of_other_longest_documents():
+    """`DataCollatorWithFlattening(return_flash_attn_kwargs=True)` hands each batch its longest
+    document as an int (``max_length_q/k``), which usp never reads: a batch of the same shapes with
+    another longest document reuses the compiled graphs (usp's row-rule hook used to hand the ints to
+    Dynamo, which guarded on their values and recompiled for each new one)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = _model("usp")
+    compiled = torch.compile(model, backend="aot_eager")
+    graphs = []
+    for lengths in ([5, 2, 7, 3], [3, 3, 3, 8], [4, 4, 4, 5], [1, 1, 1, 14]):
+        ids = torch.randint(0, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(len(graphs)))
+        cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+        batch = {
+            "input_ids": ids, "position_ids": torch.cat([torch.arange(n) for n in lengths])[None], "labels": ids,
+            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths),
+        }  # fmt: skip
+        loss = compiled(**batch, use_cache=False).loss
+        assert rel_err(loss.detach(), model(**batch, use_cache=False).loss.detach()) <= 1e-12
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == graphs[:1] * 3, graphs
+    torch._dynamo.reset()

@@ -113,6 +113,12 @@ _MODELS: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDi
 _UNKNOWN_MODEL = "unknown model"
 
 
+# transformers' flash-attention kwargs that usp never reads (it takes the documents from
+# cu_seq_lens_q/k): left out of the verdict's inputs, or Dynamo would guard on each batch's longest
+# document and recompile as it changes.
+_UNREAD = frozenset({"max_length_q", "max_length_k"})
+
+
 def _plain(value: Any) -> bool:
     """A value Dynamo can hand a constant function (`_verdict_while_tracing`)."""
     return value is None or isinstance(value, (torch.Tensor, bool, int, float, str))
@@ -127,7 +133,7 @@ def _enter_row_rules(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
         # fullgraph=True holds), kept on the model.
         if kwargs.get("position_ids") is not None or kwargs.get("cu_seq_lens_q") is not None:
             # The model by its id (Dynamo hands a constant function tensors and constants only).
-            inputs = {k: v for k, v in kwargs.items() if _plain(v)}
+            inputs = {k: v for k, v in kwargs.items() if k not in _UNREAD and _plain(v)}
             refusal = _verdict_while_tracing(id(model), *[a if _plain(a) else None for a in args], **inputs)
             if refusal == _UNKNOWN_MODEL:  # not met in eager (a copy, unpickled): checked in eager
                 _verdict_in_eager(model, args, kwargs)
