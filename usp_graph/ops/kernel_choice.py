@@ -400,9 +400,10 @@ def cuda_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale
         if _use_cudnn(q, k, v, (key, bkey)):
             try:
                 # Whole or in groups of KV heads (by the memory peak so far): each launch form is
-                # checked against flash on its own first call. The gradients are still to come.
-                grads = sum(x.numel() * x.element_size() for x in (q, k, v))
-                groups = cudnn_kernel.backward_groups(bkey, q.device, grads)
+                # checked against flash on its own first call. The gradients and cuDNN's float32
+                # stats (two copies of lse) are still to come.
+                coming = sum(x.numel() * x.element_size() for x in (q, k, v)) + 2 * 4 * lse.numel()
+                groups = cudnn_kernel.backward_groups(bkey, q.device, coming)
                 got = cudnn_kernel.cudnn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale,
                                              (left, right), square=square, key=bkey, groups=groups,
                                              metadata=_cudnn_metadata(cu_q, cu_k, q, k, bkey.slots))  # fmt: skip
