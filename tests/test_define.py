@@ -239,3 +239,31 @@ def test_a_call_under_a_dispatch_mode_reaches_it_below_autograd_and_matches_the_
         grads.append((out.detach(), *(x.grad for x in leaves)))
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
     assert "usp.varlen_fwd.default" in mode.ops and "usp.varlen_bwd.default" in mode.ops, mode.ops
+
+
+def test_a_plain_differentiable_call_skips_torchs_python_apply_and_a_transform_still_takes_it(monkeypatch):
+    # The autograd kernel of a plain call enters autograd through the C apply (torch's Python apply
+    # would only unwrap dead functorch wrappers); under a functorch transform torch's apply still
+    # decides (and refuses it for want of a setup_context staticmethod, as custom_op's does).
+    import usp_graph
+
+    applied: list[str] = []
+    original = torch.autograd.Function.apply.__func__
+
+    def counting(cls, *args, **kwargs):
+        applied.append(cls.__name__)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd.Function, "apply", classmethod(counting))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(9, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 1, 1, 9], dtype=torch.int32)
+    leaf = q.clone().requires_grad_()
+    out = usp_graph.varlen_attn(leaf, k, v, cu, cu, 8, 8, is_causal=True)
+    out.sum().backward()
+    assert applied == [] and out.grad_fn is not None and leaf.grad is not None
+    with torch.no_grad():
+        assert torch.equal(out, usp_graph.varlen_attn(q, k, v, cu, cu, 8, 8, is_causal=True))
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda x: usp_graph.varlen_attn(x, k, v, cu, cu, 8, 8, is_causal=True).sum())(q)
+    assert applied == ["GeneratedBackwardFor_usp_varlen_fwd_default"], applied
