@@ -213,3 +213,26 @@ def test_the_collator_path_compiles_once_for_batches_of_other_longest_documents(
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[1:] == graphs[:1] * 3, graphs
     torch._dynamo.reset()
+
+
+def test_the_compiled_paths_check_runs_no_loss():
+    # The first compiled call's row check (one eager forward without grad) leaves out the model's
+    # own loss: a transformers loss upcasts the whole row's logits to float32, which at 256K tokens
+    # was more memory than the training step's peak (an out-of-memory error on an H100).
+    from usp_graph import hf_rows
+
+    model = _model("usp")
+    seen: list[tuple[set, bool]] = []
+
+    def record(module, args, kwargs):
+        if getattr(hf_rows._ENTERED, "checking", False):
+            seen.append((set(kwargs), torch.is_grad_enabled()))
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    ids, pos, labels = _batch()
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="aot_eager")(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
+    assert seen and all("labels" not in keys and not grad for keys, grad in seen), seen
+    assert "position_ids" in seen[0][0]
+    loss, _ = _each_document_alone(_model("sdpa"))
+    assert torch.allclose(out.loss, loss, rtol=1e-9, atol=0)

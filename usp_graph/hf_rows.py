@@ -221,7 +221,7 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
             # Its own random numbers (dropout): the compiled step draws the same as without the check.
             cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
             with torch.random.fork_rng(devices=cuda), torch.no_grad(), RowRules(RowTracker(meta), key=key):
-                model._call_impl(*args, **kwargs)  # eager: the hooks, not the compiled call
+                model._call_impl(*args, **_without_loss(model, kwargs))  # eager: the hooks, not the compiled call
             verdicts[key] = None
         except ValueError as e:
             # Another refusal of eager code (a mask function eager can read and compiled code cannot,
@@ -231,6 +231,20 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
             _ENTERED.checking = False
     if verdicts.get(key) is not None:
         raise type(verdicts[key])(*verdicts[key].args)
+
+
+# What the check's forward leaves out: the model's own loss. The rules look at what mixes tokens
+# along the row on the way to attention; a loss works on the logits token by token, and a
+# transformers loss upcasts the whole row's logits to float32 first (31 GiB at 256K tokens and a
+# 32K vocabulary: the check of a compiled first step ran out of memory on an H100 where the step
+# itself fits). An encoder-decoder keeps its labels: it makes its decoder's inputs from them.
+_LOSS_ONLY = frozenset({"labels", "num_items_in_batch"})
+
+
+def _without_loss(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k not in _LOSS_ONLY}
 
 
 @dynamo_marks.assume_constant_result
