@@ -231,7 +231,9 @@ def test_the_compiled_paths_check_runs_no_loss():
     model.register_forward_pre_hook(record, with_kwargs=True)
     ids, pos, labels = _batch()
     torch._dynamo.reset()
-    out = torch.compile(model, backend="aot_eager")(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
+    out = torch.compile(model, backend="aot_eager")(
+        input_ids=ids, position_ids=pos, labels=labels, use_cache=False
+    )
     assert seen and all("labels" not in keys and not grad for keys, grad in seen), seen
     assert "position_ids" in seen[0][0]
     loss, _ = _each_document_alone(_model("sdpa"))

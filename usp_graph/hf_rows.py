@@ -221,7 +221,8 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
             # Its own random numbers (dropout): the compiled step draws the same as without the check.
             cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
             with torch.random.fork_rng(devices=cuda), torch.no_grad(), RowRules(RowTracker(meta), key=key):
-                model._call_impl(*args, **_without_loss(model, kwargs))  # eager: the hooks, not the compiled call
+                # eager: the hooks, not the compiled call
+                model._call_impl(*args, **_without_loss(model, kwargs))
             verdicts[key] = None
         except ValueError as e:
             # Another refusal of eager code (a mask function eager can read and compiled code cannot,
