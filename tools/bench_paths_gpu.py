@@ -15,7 +15,7 @@ forward + backward per step. Rows (what the user wrote), each a fresh model with
   graph (the Trainer / TRL path);
 - ``usp_collator``: the same with flash-attention's ``cu_seq_lens_q/k`` and ``max_length_q/k`` in
   the batch too (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): boundaries with a
-  slot per document, so no kernel needs the host read that cuts position ids' slot per token;
+  slot per document (in a compiled graph joined with the model's mask's starts, a slot per token);
 - ``usp_backend``: ``"usp"`` + ``torch.compile(backend="usp")`` under ``usp_graph.documents(meta)``,
   default options (the README's snippet);
 - ``sdpa_backend``: ``"sdpa"`` + backend usp under ``documents(meta)``, default options.
