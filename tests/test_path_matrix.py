@@ -217,8 +217,9 @@ def test_the_collator_path_compiles_once_for_batches_of_other_longest_documents(
 
 def test_the_compiled_paths_check_runs_no_loss():
     # The first compiled call's row check (one eager forward without grad) leaves out the model's
-    # own loss: a transformers loss upcasts the whole row's logits to float32, which at 256K tokens
-    # was more memory than the training step's peak (an out-of-memory error on an H100).
+    # own loss and all logits but the last token's: a transformers loss upcasts the whole row's
+    # logits to float32, which at 256K tokens was more memory than the training step's peak (an
+    # out-of-memory error on an H100).
     from usp_graph import hf_rows
 
     model = _model("usp")
@@ -235,6 +236,6 @@ def test_the_compiled_paths_check_runs_no_loss():
         input_ids=ids, position_ids=pos, labels=labels, use_cache=False
     )
     assert seen and all("labels" not in keys and not grad for keys, grad in seen), seen
-    assert "position_ids" in seen[0][0]
+    assert {"position_ids", "logits_to_keep"} <= seen[0][0]
     loss, _ = _each_document_alone(_model("sdpa"))
     assert torch.allclose(out.loss, loss, rtol=1e-9, atol=0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import threading
 import weakref
@@ -222,7 +223,7 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
             cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
             with torch.random.fork_rng(devices=cuda), torch.no_grad(), RowRules(RowTracker(meta), key=key):
                 # eager: the hooks, not the compiled call
-                model._call_impl(*args, **_without_loss(model, kwargs))
+                model._call_impl(*args, **_check_inputs(model, kwargs))
             verdicts[key] = None
         except ValueError as e:
             # Another refusal of eager code (a mask function eager can read and compiled code cannot,
@@ -234,18 +235,32 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
         raise type(verdicts[key])(*verdicts[key].args)
 
 
-# What the check's forward leaves out: the model's own loss. The rules look at what mixes tokens
-# along the row on the way to attention; a loss works on the logits token by token, and a
-# transformers loss upcasts the whole row's logits to float32 first (31 GiB at 256K tokens and a
-# 32K vocabulary: the check of a compiled first step ran out of memory on an H100 where the step
-# itself fits). An encoder-decoder keeps its labels: it makes its decoder's inputs from them.
+# What the check's forward leaves out: the model's own loss and the logits of all tokens but the
+# last. The rules look at what mixes tokens along the row on the way to attention; the LM head and
+# the loss work token by token. A transformers loss upcasts the whole row's logits to float32 (31
+# GiB at 256K tokens and a 32K vocabulary: the check of a compiled first step ran out of memory on
+# an H100 where the step itself fits), and without labels a model patched with a fused loss would
+# make the logits its training step never makes. An encoder-decoder keeps its labels: it makes its
+# decoder's inputs from them.
 _LOSS_ONLY = frozenset({"labels", "num_items_in_batch"})
 
 
-def _without_loss(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _check_inputs(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return kwargs
-    return {k: v for k, v in kwargs.items() if k not in _LOSS_ONLY}
+    kept = {k: v for k, v in kwargs.items() if k not in _LOSS_ONLY}
+    if "logits_to_keep" not in kept and _takes_logits_to_keep(type(model)):
+        kept["logits_to_keep"] = 1
+    return kept
+
+
+@functools.cache
+def _takes_logits_to_keep(cls: type) -> bool:
+    """transformers' causal LMs take ``logits_to_keep`` (the LM head runs on the last tokens only)."""
+    try:
+        return "logits_to_keep" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @dynamo_marks.assume_constant_result
