@@ -239,3 +239,25 @@ def test_the_compiled_paths_check_runs_no_loss():
     assert {"position_ids", "logits_to_keep"} <= seen[0][0]
     loss, _ = _each_document_alone(_model("sdpa"))
     assert torch.allclose(out.loss, loss, rtol=1e-9, atol=0)
+
+
+def test_the_row_checks_inputs_keep_an_encoder_decoders_labels_and_a_given_logits_to_keep():
+    from types import SimpleNamespace
+
+    from usp_graph.hf_rows import _check_inputs
+
+    class NoLogitsArg(torch.nn.Module):
+        config = SimpleNamespace(is_encoder_decoder=False)
+
+        def forward(self, input_ids, labels=None):
+            return input_ids
+
+    class Seq2Seq(NoLogitsArg):
+        config = SimpleNamespace(is_encoder_decoder=True)
+
+    given = {"input_ids": 1, "labels": 2, "num_items_in_batch": 3}
+    assert _check_inputs(NoLogitsArg(), given) == {"input_ids": 1}
+    assert _check_inputs(Seq2Seq(), given) == given  # its decoder's inputs come from the labels
+    llama = _model("usp")
+    assert _check_inputs(llama, given) == {"input_ids": 1, "logits_to_keep": 1}
+    assert _check_inputs(llama, {**given, "logits_to_keep": 5})["logits_to_keep"] == 5
