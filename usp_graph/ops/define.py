@@ -55,7 +55,9 @@ def _plain_keysets() -> tuple[torch._C.DispatchKeySet, ...]:
 
 
 _PLAIN = _plain_keysets()
-_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
+# The C apply under torch's Python `Function.apply` (None on a torch without it: every call then
+# takes torch's apply).
+_C_APPLY = getattr(torch._C, "_FunctionBase", object).__dict__.get("apply")
 
 
 def _autograd_kernel(op: torch._ops.OpOverload, info: Op) -> Callable[..., Any]:
@@ -115,11 +117,15 @@ def _autograd_kernel(op: torch._ops.OpOverload, info: Op) -> Callable[..., Any]:
 
     # torch's Python `Function.apply` only unwraps dead functorch wrappers before the C apply when
     # no transform is active: a plain call enters the C apply itself (a few us of a short call).
-    plain_apply = _C_APPLY.__get__(None, generated)
+    plain_apply = _C_APPLY.__get__(None, generated) if _C_APPLY is not None else None
 
     def autograd_impl(keyset: torch._C.DispatchKeySet, *args: Any) -> Any:
         if torch._C.is_grad_enabled() and torch._C._any_requires_grad(*args):
-            if keyset & after_autograd in _PLAIN and not torch._C._are_functorch_transforms_active():
+            if (
+                plain_apply is not None
+                and keyset & after_autograd in _PLAIN
+                and not torch._C._are_functorch_transforms_active()
+            ):
                 return plain_apply(keyset, *args)
             return generated.apply(keyset, *args)
         return below(keyset, args)
