@@ -27,6 +27,12 @@ after ``--warmup`` (CUDA events, compile excluded), peak memory over the timed s
 its relative difference to flex's, the attention kernel each usp row ran (`kernel_calls`), Dynamo's
 graph breaks, and for the backend rows the attention sites the backend rewrote (`CompileReport`).
 One JSON line per row (`harness.Results`) and a summary line per column (speed against flex).
+
+``--paired R`` settles a column whose rows sit within their steps' spread (8K: +-1 ms on a 24 ms
+step, and the GPU's clock drifts between rows run one after the other): every row's model stays
+alive, and R rounds then run one step of each row, the order rotated per round; ``x_flex_paired``
+is the median over rounds of flex's step over the row's step of the same round, with its quartiles.
+Peak memory is then not per row (the earlier rows' models stay), so no ``peak_x_flex`` is given.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +168,41 @@ def _run_row(row: str, a: argparse.Namespace, tokens: int, ckpt: bool, batch, me
     except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
         record["error"] = f"{type(e).__name__}: {e}"[:1500]
         record.setdefault("graph_breaks", _graph_breaks() - breaks)
-    return record
+        return record, None
+    return record, step
+
+
+def _paired(steps: dict[str, Any], rounds: int, device: str) -> dict[str, list[float]]:
+    """`rounds` rounds of one step of every row, the order rotated each round: ms per step per row.
+    One untimed round first (rows compiled before a later row's ``_dynamo.reset`` compile again)."""
+    order = list(steps)
+    for row in order:
+        steps[row]()
+    timed: dict[str, list[Any]] = {row: [] for row in order}
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    for i in range(rounds):
+        for row in order[i % len(order) :] + order[: i % len(order)]:
+            if cuda:  # CUDA events, as the rows' own timed steps: no synchronization between steps
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                steps[row]()
+                end.record()
+                timed[row].append((start, end))
+            else:
+                t0 = time.perf_counter()
+                steps[row]()
+                timed[row].append(time.perf_counter() - t0)
+    if cuda:
+        torch.cuda.synchronize()
+        return {row: [round(s.elapsed_time(e), 2) for s, e in pairs] for row, pairs in timed.items()}
+    return {row: [round(t * 1e3, 2) for t in ts] for row, ts in timed.items()}
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return round(q[0], 4), round(q[1], 4), round(q[2], 4)
 
 
 def _profile_step(step, row: str, top: int) -> None:
@@ -196,21 +237,37 @@ def _one_column(a: argparse.Namespace, text: str, rows: list[str]) -> list[dict[
 
         record_history()
     collated = {**batch, **_flash_kwargs(lengths, device)}
-    records = [_run_row(row, a, tokens, ckpt, collated if row == "usp_collator" else batch, meta, device)
-               for row in rows]  # fmt: skip
+    records, steps = [], {}
+    for row in rows:
+        record, step = _run_row(row, a, tokens, ckpt, collated if row == "usp_collator" else batch, meta, device)
+        records.append(record)
+        if a.paired and step is not None:  # kept alive: the rows after it hold its model too
+            steps[row] = step
+        del step
+    if a.paired and steps:
+        times = _paired(steps, a.paired, device)
+        for r in records:
+            if r["row"] in times:
+                r["paired_ms_each"] = times[r["row"]]
+                r["paired_ms"] = round(statistics.median(times[r["row"]]), 2)
+                if "flex" in times:  # per round: flex's step over this row's, the same round
+                    q1, q2, q3 = _quartiles([f / m for f, m in zip(times["flex"], times[r["row"]])])
+                    r["x_flex_paired"], r["x_flex_paired_iqr"] = q2, [q1, q3]
     flex = next((r for r in records if r["row"] == "flex" and "ms" in r), None)
     for r in records:
         r.update(documents=len(lengths), transformers=tf.__version__)
         if flex is not None and "ms" in r:
             r["x_flex"] = round(flex["ms"] / r["ms"], 3)
             r["loss_rel_flex"] = abs(r["loss"] - flex["loss"]) / abs(flex["loss"])
-            if r.get("peak_gib") and flex.get("peak_gib"):
+            if r.get("peak_gib") and flex.get("peak_gib") and not a.paired:
                 r["peak_x_flex"] = round(r["peak_gib"] / flex["peak_gib"], 3)
         what = r.get("error") or (
             f"{r['ms']:9.1f} ms  x{r.get('x_flex', float('nan')):.3f}  peak {r.get('peak_gib')} GiB "
             f"(x{r.get('peak_x_flex', float('nan')):.3f}, base {r.get('base_gib')})  loss {r['loss']:.5f}  breaks {r['graph_breaks']}  "
             f"kernels {r.get('kernels')}  sites {r.get('sites_rewritten')}/{r.get('sites_kept')}"
         )
+        if "x_flex_paired" in r:
+            what = f"paired x{r['x_flex_paired']:.4f} (IQR {r['x_flex_paired_iqr']})  " + what
         print(f"  {r['row']:13s} {what[:400]}")
     return records
 
@@ -240,6 +297,8 @@ def _isolated(a: argparse.Namespace, argv: list[str]) -> int:
                 "peak_gib",
                 "peak_x_flex",
                 "base_gib",
+                "x_flex_paired",
+                "x_flex_paired_iqr",
                 "loss_rel_flex",
                 "kernels",
                 "graph_breaks",
@@ -279,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="profile one step of each row (torch.profiler): its top N ops by GPU and by host time",
     )
+    p.add_argument(
+        "--paired", type=int, default=0, metavar="R",
+        help="then R rounds of one step of every row (order rotated; every row's model kept alive): flex's "
+        "step over each row's, round by round (x_flex_paired: the median, with its quartiles)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny sizes on any device (a smoke test)")
     add_json_arg(p)
     a = p.parse_args(argv)
