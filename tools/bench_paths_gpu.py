@@ -239,7 +239,9 @@ def _one_column(a: argparse.Namespace, text: str, rows: list[str]) -> list[dict[
     collated = {**batch, **_flash_kwargs(lengths, device)}
     records, steps = [], {}
     for row in rows:
-        record, step = _run_row(row, a, tokens, ckpt, collated if row == "usp_collator" else batch, meta, device)
+        record, step = _run_row(
+            row, a, tokens, ckpt, collated if row == "usp_collator" else batch, meta, device
+        )
         records.append(record)
         if a.paired and step is not None:  # kept alive: the rows after it hold its model too
             steps[row] = step
@@ -251,7 +253,9 @@ def _one_column(a: argparse.Namespace, text: str, rows: list[str]) -> list[dict[
                 r["paired_ms_each"] = times[r["row"]]
                 r["paired_ms"] = round(statistics.median(times[r["row"]]), 2)
                 if "flex" in times:  # per round: flex's step over this row's, the same round
-                    q1, q2, q3 = _quartiles([f / m for f, m in zip(times["flex"], times[r["row"]])])
+                    q1, q2, q3 = _quartiles(
+                        [f / m for f, m in zip(times["flex"], times[r["row"]], strict=True)]
+                    )
                     r["x_flex_paired"], r["x_flex_paired_iqr"] = q2, [q1, q3]
     flex = next((r for r in records if r["row"] == "flex" and "ms" in r), None)
     for r in records:
