@@ -372,3 +372,45 @@ def test_gradcheck_value_head_dim_differs():
         return varlen_attn(q, k, v, cu, cu, m, m, is_causal=True, scale=0.6, enable_gqa=True, return_lse=True)
 
     assert torch.autograd.gradcheck(f, (q, k, v), fast_mode=True)
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "math"])
+def test_a_boundary_tensor_is_walked_once_per_step_and_again_after_a_write(monkeypatch, kernel):
+    """Boundaries with a slot per token (documents from position ids in a compiled graph) made the
+    CPU and math kernels walk every slot in Python at each call; every layer and the backward share
+    the tensor, so they walk it once. The result is bitwise that of the slot-per-document form, and
+    an in-place write to the tensor is walked again (never a stale answer)."""
+    from usp_graph import masks
+    from usp_graph.ops import boundaries, math_kernel, varlen
+
+    if kernel == "math":  # the math kernel as the CPU varlen op's kernel
+        monkeypatch.setattr(varlen, "_cpu_fwd", math_kernel.math_fwd)
+        monkeypatch.setattr(varlen, "_cpu_bwd", math_kernel.math_bwd)
+    walks = []
+    real = boundaries.doc_bounds
+    monkeypatch.setattr(boundaries, "doc_bounds", lambda *a: walks.append(a[0].numel()) or real(*a))
+    gen = torch.Generator().manual_seed(7)
+    lengths = _random_lengths(gen, 9, 12)
+    t = sum(lengths)
+    pos = torch.cat([torch.arange(n) for n in lengths if n])[None]
+    per_token = masks.cu_seqlens_from_positions(pos)  # T + 1 slots
+    per_doc = AttentionMetadata.from_lengths(lengths).cu_seqlens
+    q, k, v = _qkv(gen, t, t, 4, 2, 8, torch.float64)
+
+    def step(cu):
+        x = q
+        for _ in range(3):  # three layers
+            x = varlen_attn(x, k, v, cu, cu, t, t, is_causal=True, enable_gqa=True)
+        return (x, *torch.autograd.grad(x.square().sum(), (q, k, v)))
+
+    got = step(per_token)
+    assert walks == [t + 1]  # forward and backward of every layer: one walk
+    want = step(per_doc)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    walks.clear()
+    with torch.no_grad():
+        per_token[1:] = per_token[-1]  # one document of all the tokens, written in place
+    whole = step(per_token)
+    assert walks == [t + 1]
+    one = torch.tensor([0, t], dtype=torch.int32)
+    assert all(torch.equal(a, b) for a, b in zip(whole, step(one), strict=True))

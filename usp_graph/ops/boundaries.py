@@ -19,6 +19,7 @@ from torch import Tensor
 __all__ = [
     "lse_dtype",
     "doc_bounds",
+    "documents_of",
     "same_boundaries",
     "boundaries_ok",
     "assert_boundaries",
@@ -160,6 +161,19 @@ def per_boundaries(name: str, cu_q: Tensor, cu_k: Tensor, settings: tuple[object
             _boundary_cache.clear()
     _boundary_cache[key] = (weakref.ref(cu_q), weakref.ref(cu_k), versions, value)
     return value
+
+
+def documents_of(
+    cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, max_q: int, max_k: int
+) -> list[tuple[int, int, int, int]]:
+    """`doc_bounds` without the documents a kernel skips (no query or no key), once per boundary
+    tensor: the CPU and math kernels walk it for every call, and boundaries with a slot per token
+    (documents from position ids in a compiled graph) made each call walk T + 1 slots in Python;
+    every layer and the backward share the tensor."""
+    return per_boundaries(
+        "documents", cu_q, cu_k, (t_q, t_k, max_q, max_k),
+        lambda: [d for d in doc_bounds(cu_q, cu_k, t_q, t_k, max_q, max_k) if d[1] > d[0] and d[3] > d[2]],
+    )  # fmt: skip
 
 
 def checked_lengths(cu_q, cu_k, t_q, t_k, max_q, max_k):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .boundaries import doc_bounds, lse_dtype
+from .boundaries import documents_of, lse_dtype
 from .window import NO_WINDOW, doc_plan, keep_mask
 
 __all__ = ["cpu_fwd", "cpu_bwd", "group_sum", "WINDOW_ROWS"]
@@ -111,7 +111,7 @@ def cpu_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=
     t_q, h, _ = q.shape
     out = q.new_zeros(t_q, h, v.shape[-1])
     lse = torch.full((h, t_q), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
-    for sq, eq, sk, ek in doc_bounds(cu_q, cu_k, t_q, k.shape[0], max_q, max_k):
+    for sq, eq, sk, ek in documents_of(cu_q, cu_k, t_q, k.shape[0], max_q, max_k):
         lq, lk = eq - sq, ek - sk
         if lq == 0 or lk == 0:  # the kernel crashes on empty inputs; the answer is out 0, lse -inf
             continue
@@ -192,7 +192,7 @@ def cpu_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale,
         dq, dk_h, dv_h = cpu_bwd(dout, q, k_h, v_h, out, lse, *args)
         return dq, group_sum(dk_h, g), group_sum(dv_h, g)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for sq, eq, sk, ek in doc_bounds(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k):
+    for sq, eq, sk, ek in documents_of(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k):
         lq, lk = eq - sq, ek - sk
         if lq == 0 or lk == 0:
             continue

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .boundaries import doc_bounds, lse_dtype
+from .boundaries import documents_of, lse_dtype
 from .window import NO_WINDOW, bounds, keep_mask
 
 __all__ = ["math_fwd", "math_bwd"]
@@ -46,7 +46,7 @@ def math_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right
     out = q.new_zeros(t_q, h, v.shape[-1])
     lse = torch.full((h, t_q), float("-inf"), dtype=acc, device=q.device)
     g = k.shape[1]
-    for sq, eq, sk, ek in doc_bounds(cu_q, cu_k, t_q, k.shape[0], max_q, max_k):
+    for sq, eq, sk, ek in documents_of(cu_q, cu_k, t_q, k.shape[0], max_q, max_k):
         lq, lk = eq - sq, ek - sk
         if lq == 0 or lk == 0:
             continue
@@ -64,7 +64,7 @@ def math_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale
     g = k.shape[1]
     acc = lse_dtype(q.dtype)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for sq, eq, sk, ek in doc_bounds(cu_q, cu_k, t_q, k.shape[0], max_q, max_k):
+    for sq, eq, sk, ek in documents_of(cu_q, cu_k, t_q, k.shape[0], max_q, max_k):
         lq, lk = eq - sq, ek - sk
         if lq == 0 or lk == 0:
             continue
