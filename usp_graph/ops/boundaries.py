@@ -192,8 +192,14 @@ def documents_of(
         _walked.clear()
     snap_q = cu_q.detach().clone()
     snap_k = snap_q if cu_k is cu_q else cu_k.detach().clone()
-    _walked[key] = (weakref.ref(cu_q), weakref.ref(cu_k), snap_q, snap_k, docs)
-    return docs
+    _walked[key] = (
+        weakref.ref(cu_q, lambda _, key=key: _walked.pop(key, None)),
+        weakref.ref(cu_k),
+        snap_q,
+        snap_k,
+        docs,
+    )
+    return docs  # (the entry, its copies included, goes with cu_q)
 
 
 def checked_lengths(cu_q, cu_k, t_q, t_k, max_q, max_k):
