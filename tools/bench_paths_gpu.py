@@ -355,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         a.iters, a.warmup = 2, 1
         if a.columns == COLUMNS:
             a.columns = "256,256c"
+    if a.paired < 0:
+        p.error(f"--paired: a number of rounds (0: none), got {a.paired}")
     rows = [r for r in a.rows.split(",") if r]
     for r in rows:
         if r not in ROWS:
