@@ -158,7 +158,10 @@ def _run_row(row: str, a: argparse.Namespace, tokens: int, ckpt: bool, batch, me
 
                     record_history()
             if a.profile:
-                _profile_step(step, row, a.profile)
+                keep = (
+                    None if a.profile_traces is None else a.profile_traces / f"{tokens}{'c' if ckpt else ''}"
+                )
+                record["gpu_idle"] = _profile_step(step, row, a.profile, keep)
         else:
             record["ms"] = round(
                 time_ms(lambda: losses.append(step()), device, warmup=0, reps=a.iters).median_ms, 2
@@ -205,8 +208,12 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return round(q[0], 4), round(q[1], 4), round(q[2], 4)
 
 
-def _profile_step(step, row: str, top: int) -> None:
-    """One step under torch.profiler: the ops that take the GPU's time and the host's."""
+def _profile_step(step, row: str, top: int, keep: Path | None) -> dict[str, Any]:
+    """One step under torch.profiler: the ops that take the GPU's time and the host's, and where the
+    GPU waits between kernels (`gpu_gaps`); the trace itself (gzipped) into `keep` if given."""
+    import gzip
+
+    from gpu_gaps import idle_gaps, print_gaps
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -216,6 +223,16 @@ def _profile_step(step, row: str, top: int) -> None:
     for key in ("cuda_time_total", "cpu_time_total"):
         print(f"  {row} by {key}:")
         print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=60))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        text = path.read_text()
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        (keep / f"{row}.json.gz").write_bytes(gzip.compress(text.encode()))
+    found = idle_gaps(json.loads(text), top=top)
+    print_gaps(f"{row} GPU idle", found)
+    return found
 
 
 def _one_column(a: argparse.Namespace, text: str, rows: list[str]) -> list[dict[str, Any]]:
@@ -342,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="profile one step of each row (torch.profiler): its top N ops by GPU and by host time",
     )
+    p.add_argument(
+        "--profile-traces", type=Path, default=None, metavar="DIR",
+        help="with --profile: keep each row's trace as DIR/<column>/<row>.json.gz (tools/gpu_gaps.py reads it unzipped)",
+    )  # fmt: skip
     p.add_argument(
         "--paired", type=int, default=0, metavar="R",
         help="then R rounds of one step of every row (order rotated; every row's model kept alive): flex's "
