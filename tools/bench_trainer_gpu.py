@@ -99,7 +99,7 @@ def _trainer_class(tf: Any) -> Any:
 
 def _callback(tf: Any, cuda: bool) -> Any:
     class Steps(tf.TrainerCallback):
-        """A CUDA event (or the wall clock) at each step's start, and one after the last step."""
+        """A CUDA event (or the wall clock) at each step's start, and one at the last step's end."""
 
         def __init__(self) -> None:
             self.marks: list[Any] = []
@@ -117,8 +117,9 @@ def _callback(tf: Any, cuda: bool) -> Any:
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self._mark()
 
-        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self._mark()
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == state.max_steps:  # the last step ends before the final logging
+                self._mark()
 
         def step_ms(self) -> list[float]:
             pairs = zip(self.marks[:-1], self.marks[1:], strict=True)
