@@ -16,6 +16,7 @@ so the optimizer moved parameters too.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -64,7 +65,8 @@ def _recording(trainer_cls):
         record: list
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            # (a model the Trainer compiled is an OptimizedModule: its names start with _orig_mod.)
+            params = {n.removeprefix("_orig_mod."): p.detach().clone() for n, p in model.named_parameters()}
             out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             loss = out[0] if return_outputs else out
             self.record.append((dict(inputs), params, loss.detach().clone()))
@@ -76,7 +78,7 @@ def _recording(trainer_cls):
 
 def _per_document(reference: torch.nn.Module, inputs, params) -> tuple[torch.Tensor, dict]:
     """Loss and grads of the batch with every document run alone through `reference`."""
-    reference.load_state_dict(params, strict=False)
+    reference.load_state_dict(params)  # every parameter, by the reference's own names
     reference.zero_grad(set_to_none=True)
     ids, pos, labels = inputs["input_ids"][0], inputs["position_ids"][0], inputs["labels"][0]
     starts = [*torch.nonzero(pos == 0).flatten().tolist(), ids.numel()]
@@ -195,3 +197,43 @@ def test_trainer_torch_compile_backend_usp_is_refused_by_accelerate(tmp_path):
     args = _args(transformers.TrainingArguments, tmp_path, torch_compile=True, torch_compile_backend="usp")
     with pytest.raises(ValueError, match="'USP' is not a valid DynamoBackend"):
         transformers.Trainer(model=_model(), args=args)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_the_trainer_path_as_a_user_writes_it_trains_each_document_alone(tmp_path, checkpointing):
+    """``attn_implementation="usp"``, the flattening collator's position ids alone and the
+    Trainer's own ``torch_compile=True`` (aot_eager standing in for inductor on the CPU), with
+    transformers' checkpointing off and on: the documents come from the position ids inside the
+    compiled graph (or the eager layers Dynamo leaves out of it)."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    model.set_attn_implementation("usp")
+    trainer_cls = _recording(transformers.Trainer)
+    steps = _Steps(model)
+    ckpt = {}
+    if checkpointing:
+        fields = transformers.TrainingArguments.__dataclass_fields__
+        ckpt = {
+            "activation_checkpointing"
+            if "activation_checkpointing" in fields
+            else "gradient_checkpointing": True
+        }
+    args = _args(
+        transformers.TrainingArguments,
+        tmp_path,
+        torch_compile=True,
+        torch_compile_backend="aot_eager",
+        **ckpt,
+    )
+    trainer = trainer_cls(
+        model=model,
+        args=args,
+        train_dataset=_documents(),
+        data_collator=transformers.DataCollatorWithFlattening(),
+        callbacks=[steps],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers >= 5.25's checkpointing: usp names the Dynamo setting
+        trainer.train()
+    assert all("cu_seq_lens_q" not in inputs for inputs, _, _ in trainer_cls.record)
+    _check(trainer_cls, steps, reference, [], rewritten=0)
