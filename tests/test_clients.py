@@ -237,3 +237,30 @@ def test_the_trainer_path_as_a_user_writes_it_trains_each_document_alone(tmp_pat
         trainer.train()
     assert all("cu_seq_lens_q" not in inputs for inputs, _, _ in trainer_cls.record)
     _check(trainer_cls, steps, reference, [], rewritten=0)
+
+
+def test_trl_padding_free_with_its_own_compile_and_default_checkpointing_trains_each_document_alone(tmp_path):
+    """TRL as a user writes it: ``attn_implementation="usp"``, ``SFTConfig(padding_free=True,
+    torch_compile=True)`` and TRL's defaults otherwise (its gradient checkpointing on)."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    model = _model()
+    reference = copy.deepcopy(model)
+    model.set_attn_implementation("usp")
+    trainer_cls = _recording(trl.SFTTrainer)
+    steps = _Steps(model)
+    args = _args(
+        trl.SFTConfig, tmp_path, padding_free=True, max_length=None, bf16=False, torch_compile=True,
+        torch_compile_backend="aot_eager",
+    )  # fmt: skip
+    trainer = trainer_cls(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(_documents()),
+        processing_class=_tokenizer(),
+        callbacks=[steps],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers >= 5.25's checkpointing: usp names the Dynamo setting
+        trainer.train()
+    _check(trainer_cls, steps, reference, [], rewritten=0)

@@ -11,6 +11,8 @@ under plain `torch.compile`; backend usp under `documents(meta)` with "usp" and 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -186,3 +188,46 @@ def test_an_eager_usp_model_is_checked_once_per_kind_of_documents():
         with pytest.raises(ValueError, match=RULES["convolution"][2]):
             hybrid(input_ids=IDS, position_ids=POS, use_cache=False)
     assert isinstance(hybrid._usp_row_verdicts[("position_ids",)], ValueError)
+
+
+def _with_fused_loss(model):
+    """`model` with its forward patched as a client fuses its loss into it (TRL's fused LM head): a
+    keyword that takes the labels the model's own forward never sees, failing without them."""
+    original = model.forward
+
+    @functools.wraps(type(model).forward)
+    def forward(*args, fused_loss=False, labels=None, **kwargs):
+        out = original(*args, **kwargs)
+        if fused_loss:
+            out.fused = out.logits[:, :-1].logsumexp(-1).sum() + labels[:, 1:].sum()  # None: TypeError
+        return out
+
+    model.forward = forward
+    return model
+
+
+def test_a_forward_that_needs_the_labels_left_out_of_the_check_is_checked_on_its_inputs_as_given():
+    """Under plain torch.compile the check's forward leaves out the loss's inputs; a client's
+    patched forward that needs them is checked again with them (it failed inside Dynamo, issue 38):
+    a model that passes gives each document's own result, a hybrid model is refused."""
+    labels = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    try:
+        model = _with_fused_loss(_model("llama", "usp"))
+        with torch.no_grad():
+            got = torch.compile(model, backend="aot_eager")(
+                input_ids=IDS, position_ids=POS, use_cache=False, labels=labels, fused_loss=True
+            ).logits
+            parts, start = [], 0
+            for n in LENGTHS:
+                s = slice(start, start + n)
+                parts.append(model(input_ids=IDS[:, s], position_ids=POS[:, s], use_cache=False).logits)
+                start += n
+        assert (got - torch.cat(parts, 1)).abs().max() <= 1e-10
+        assert model._usp_row_verdicts == {("position_ids",): None}
+        torch._dynamo.reset()
+        hybrid = torch.compile(_with_fused_loss(_model("lfm2", "usp")), backend="aot_eager")
+        with pytest.raises(ValueError, match=RULES["convolution"][2]):
+            hybrid(input_ids=IDS, position_ids=POS, use_cache=False, labels=labels, fused_loss=True)
+    finally:
+        torch._dynamo.reset()

@@ -219,11 +219,7 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
     if key not in verdicts and not getattr(_ENTERED, "checking", False):
         _ENTERED.checking = True  # the check's own forward passes the compiled hooks: check once
         try:
-            # Its own random numbers (dropout): the compiled step draws the same as without the check.
-            cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-            with torch.random.fork_rng(devices=cuda), torch.no_grad(), RowRules(RowTracker(meta), key=key):
-                # eager: the hooks, not the compiled call
-                model._call_impl(*args, **_check_inputs(model, kwargs))
+            _check_forward(model, args, kwargs, meta, key)
             verdicts[key] = None
         except ValueError as e:
             # Another refusal of eager code (a mask function eager can read and compiled code cannot,
@@ -233,6 +229,26 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
             _ENTERED.checking = False
     if verdicts.get(key) is not None:
         raise type(verdicts[key])(*verdicts[key].args)
+
+
+def _check_forward(
+    model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], meta: AttentionMetadata, key
+) -> None:
+    """The check's forward: eager, without grad, under `RowRules`, on its own random numbers
+    (dropout: the compiled step draws the same as without the check). Without the loss first
+    (`_check_inputs`); a forward that fails for what that left out (a client's patched forward
+    that needs the labels, such as TRL's fused LM head) runs again on the inputs as given."""
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    light = _check_inputs(model, kwargs)
+    trimmed = light.keys() != kwargs.keys() or any(light[k] is not kwargs[k] for k in light)
+    for inputs in (light, kwargs) if trimmed else (kwargs,):
+        try:
+            with torch.random.fork_rng(devices=cuda), torch.no_grad(), RowRules(RowTracker(meta), key=key):
+                model._call_impl(*args, **inputs)  # eager: the hooks, not the compiled call
+            return
+        except Exception as e:
+            if inputs is kwargs or (isinstance(e, ValueError) and _is_row_refusal(e)):
+                raise
 
 
 # What the check's forward leaves out: the model's own loss and the logits of all tokens but the
