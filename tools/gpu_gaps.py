@@ -67,24 +67,26 @@ def idle_gaps(trace: dict[str, Any], top: int = 15, min_us: float = 20.0, depth:
             continue
         while k < len(next_kernel) and float(next_kernel[k]["ts"]) < start:
             k += 1
-        ending = next_kernel[k] if k < len(next_kernel) else None
+        gaps.append((start - end, end, next_kernel[k] if k < len(next_kernel) else None))
+    gaps.sort(key=lambda g: -g[0])
+    shown = []
+    for us, end, ending in gaps[:top]:  # the host stacks of the longest only (a scan of the trace each)
         launch = launches.get(ending.get("args", {}).get("correlation")) if ending else None
-        gaps.append(
+        shown.append(
             {
-                "us": round(start - end, 1),
+                "us": round(us, 1),
                 "at_ms": round((end - busy[0][0]) / 1e3, 3),
                 "host": _host_stack(host, end, depth),
                 "then": (ending or {}).get("name", "")[:80],
                 "launched_by": _host_stack(host, float(launch["ts"]), depth) if launch else [],
             }
         )
-    gaps.sort(key=lambda g: -g["us"])
     return {
         "busy_ms": round(sum(e - s for s, e in busy) / 1e3, 3),
         "idle_ms": round(idle / 1e3, 3),
         "span_ms": round((busy[-1][1] - busy[0][0]) / 1e3, 3),
         "counted": len(gaps),
-        "gaps": gaps[:top],
+        "gaps": shown,
     }
 
 
