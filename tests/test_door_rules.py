@@ -206,16 +206,22 @@ def _with_fused_loss(model):
     return model
 
 
-def test_a_forward_that_needs_the_labels_left_out_of_the_check_is_checked_on_its_inputs_as_given():
-    """Under plain torch.compile the check's forward leaves out the loss's inputs; a client's
-    patched forward that needs them is checked again with them (it failed inside Dynamo, issue 38):
-    a model that passes gives each document's own result, a hybrid model is refused."""
+@pytest.mark.parametrize("compiled", ["plain_compile", "backend_usp"])
+def test_a_forward_that_needs_the_labels_left_out_of_the_check_is_checked_on_its_inputs_as_given(compiled):
+    """Compiled (plain torch.compile, or backend usp without a documents block), the check's
+    forward leaves out the loss's inputs; a client's patched forward that needs them is checked
+    again with them (it failed inside Dynamo, issue 38): a model that passes gives each document's
+    own result, a hybrid model is refused."""
     labels = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(1))
+
+    def compile_(m):
+        return torch.compile(m, backend="aot_eager") if compiled == "plain_compile" else compile_usp(m)
+
     torch._dynamo.reset()
     try:
         model = _with_fused_loss(_model("llama", "usp"))
         with torch.no_grad():
-            got = torch.compile(model, backend="aot_eager")(
+            got = compile_(model)(
                 input_ids=IDS, position_ids=POS, use_cache=False, labels=labels, fused_loss=True
             ).logits
             parts, start = [], 0
@@ -226,7 +232,7 @@ def test_a_forward_that_needs_the_labels_left_out_of_the_check_is_checked_on_its
         assert (got - torch.cat(parts, 1)).abs().max() <= 1e-10
         assert model._usp_row_verdicts == {("position_ids",): None}
         torch._dynamo.reset()
-        hybrid = torch.compile(_with_fused_loss(_model("lfm2", "usp")), backend="aot_eager")
+        hybrid = compile_(_with_fused_loss(_model("lfm2", "usp")))
         with pytest.raises(ValueError, match=RULES["convolution"][2]):
             hybrid(input_ids=IDS, position_ids=POS, use_cache=False, labels=labels, fused_loss=True)
     finally:
