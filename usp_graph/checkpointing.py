@@ -34,6 +34,7 @@ __all__ = [
     "POLICIES",
     "attention_ops",
     "checkpoint_blocks",
+    "graph_break_summary",
     "recompute_under",
     "selective_context_fn",
     "side_effect_breaks",
@@ -138,6 +139,28 @@ def side_effect_breaks() -> int:
         for reason, n in counters["graph_break"].items()
         if _SIDE_EFFECT_BREAK in reason and "checkpoint" in reason
     )
+
+
+def graph_break_summary(limit: int = 3) -> str:
+    """Dynamo's graph breaks so far in this process, the most frequent first: each reason's first
+    line and Dynamo's explanation, with its count ("" without any, or before Dynamo loaded). What a
+    message shows where code it expected compiled ran eagerly."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return ""
+    from torch._dynamo.utils import counters
+
+    found = sorted(counters["graph_break"].items(), key=lambda item: -item[1])
+    parts = []
+    for reason, n in found[:limit]:
+        lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
+        why = [
+            line.removeprefix("Explanation:").strip() for line in lines[1:] if line.startswith("Explanation:")
+        ]
+        text = ": ".join(lines[:1] + why[:1])
+        parts.append(f"'{text[:240]}' ({n}x)")
+    if len(found) > limit:
+        parts.append(f"{len(found) - limit} more (TORCH_LOGS=graph_breaks shows each)")
+    return "; ".join(parts)
 
 
 _seen_breaks = 0  # such breaks when the backend last looked (Dynamo's counters are never cleared)

@@ -62,6 +62,7 @@ from ..sites import (
     weight_dims_of,
 )
 from .arguments import argument_names, find_argument
+from .documents import mask_like, note_graph_masks
 from .dump import AOT_GRAPHS, GraphDump, site_record, usp_op_counts
 from .inputs import MetadataFeed, check_not_guarded, metadata_hints, shared_rows
 from .joint import input_requires_grad
@@ -274,7 +275,7 @@ class _Compile:
         # its hooks): it must not keep the first call's tensors, the activations (and the autograd
         # graphs) Dynamo handed over as examples, for as long as the compiled graph lives.
         self.example_inputs = []
-        return _with_metadata(compiled, feed)
+        return _with_metadata(compiled, feed, _mask_outputs(self.dynamo_gm))
 
     def _sites(self, gm: fx.GraphModule, rewrite: bool) -> tuple[list[Any], list[Any], list[Any]]:
         """(every attention site, those the rewrite replaces, those kept as SDPA: refused under CP,
@@ -799,13 +800,34 @@ def _cp_record(cp: Any) -> dict[str, Any] | None:
     }
 
 
-def _with_metadata(compiled: Callable[..., Any], feed: MetadataFeed) -> Callable[..., Any]:
-    """Dynamo's arguments -> the compiled graph's: its own plus the metadata of this call."""
+def _mask_outputs(gm: fx.GraphModule) -> tuple[int, ...]:
+    """Indices of the graph's outputs that may be attention masks (`documents.mask_like`): code
+    after a graph break gets them, and an SDPA call there runs on them eagerly."""
+    outputs = gm.graph.output_node().args[0]
+    if not isinstance(outputs, (tuple, list)):
+        return ()
+    return tuple(i for i, n in enumerate(outputs) if isinstance(n, fx.Node) and mask_like(node_value(n)))
+
+
+def _with_metadata(
+    compiled: Callable[..., Any], feed: MetadataFeed, masks: tuple[int, ...] = ()
+) -> Callable[..., Any]:
+    """Dynamo's arguments -> the compiled graph's: its own plus the metadata of this call. The
+    outputs at `masks` are marked as masks usp built (an eager SDPA on one is named)."""
     # Dynamo calls a backend's result with positional arguments, as is aot_module_simplified's
     # result called (whatever its copied `_boxed_call` attribute says).
 
-    def usp_compiled(*args: Any) -> Any:
-        return compiled(*args, *feed(args))
+    if masks:
+
+        def usp_compiled(*args: Any) -> Any:
+            out = compiled(*args, *feed(args))
+            note_graph_masks(out, masks)
+            return out
+
+    else:
+
+        def usp_compiled(*args: Any) -> Any:
+            return compiled(*args, *feed(args))
 
     usp_compiled.feed = feed  # type: ignore[attr-defined]
     return usp_compiled

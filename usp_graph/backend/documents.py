@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -155,42 +156,116 @@ def _checked_sdpa(*args: Any, **kwargs: Any) -> Any:
         if isinstance(query, torch.Tensor):
             refuse_unhonoured(query)
         return _PLAIN_SDPA(*args, **kwargs)
-    if _CURRENT.get()[0] is None or attention_mode_active() or _traced(args):
+    outside = _CURRENT.get()[0] is None
+    if outside or attention_mode_active() or _traced(args):
+        if outside and _GRAPH_MASKS and not _eager_mask_warned:
+            _warn_if_graph_mask(args[3] if len(args) > 3 else kwargs.get("attn_mask"))
         return _PLAIN_SDPA(*args, **kwargs)
     raise EagerAttentionError(
         "scaled_dot_product_attention ran eagerly, outside every graph of backend 'usp', while "
         "usp_graph.documents(...) is active: it would attend across the documents. Dynamo runs a frame "
         "eagerly past its recompile limit (all transformers models share one forward code object: raise "
         "torch._dynamo.config.recompile_limit), under torch.compiler.disable, or when the call is not in "
-        "compiled code at all; for eager code use usp_graph.attention_mode(metadata)" + _checkpoint_breaks()
+        "compiled code at all; for eager code use usp_graph.attention_mode(metadata)" + _dynamo_breaks()
     )
 
 
 def refuse_left_out_region(block: AttentionMetadata, tokens: int) -> None:
     """An eager attention call inside the block (transformers' "usp") whose token count is not the
-    block's, in a process where Dynamo left checkpointed regions out of its graphs: a layer that runs
-    eagerly, outside backend usp and its context parallelism (each rank's call sees its shard of the
-    block's global tokens). Refused with the setting that compiles it, not the token count alone."""
-    if tokens == block.total_tokens or not _checkpoint_breaks():
+    block's, in a process where Dynamo broke its graphs: a layer left out of them (a checkpointed one
+    it cannot compile, say) runs eagerly, outside backend usp and its context parallelism (each rank's
+    call sees its shard of the block's global tokens). Refused with Dynamo's breaks and, where one is
+    known, the setting that compiles the layer, not with the token count alone."""
+    if tokens == block.total_tokens or not _dynamo_breaks():
         return
     raise resolve.refuse(
         f"this attention call runs eagerly with {tokens} tokens, and the active usp_graph.documents(metadata) "
-        f"describes {block.total_tokens}: a checkpointed layer Dynamo left out of its graph runs outside "
-        "backend usp (and its context parallelism, where each rank sees its shard)" + _checkpoint_breaks(),
+        f"describes {block.total_tokens}: a layer Dynamo left out of its graph runs outside "
+        "backend usp (and its context parallelism, where each rank sees its shard)" + _dynamo_breaks(),
         "or give metadata for this call's tokens",
     )
 
 
-def _checkpoint_breaks() -> str:
-    """The fix, when Dynamo left checkpointed regions out of its graphs in this process (they run
-    eagerly, so their SDPA calls land here: transformers >= 5.25's checkpointed layers)."""
-    from ..checkpointing import SIDE_EFFECT_FIX, side_effect_breaks
+def _dynamo_breaks() -> str:
+    """Why code ran eagerly, as far as Dynamo says: its graph breaks in this process, and the fix
+    where they include checkpointed regions it refused for a side effect (transformers >= 5.25's
+    checkpointed layers)."""
+    from ..checkpointing import SIDE_EFFECT_FIX, graph_break_summary, side_effect_breaks
 
-    if "torch._dynamo.utils" not in sys.modules or not side_effect_breaks():
+    summary = graph_break_summary()
+    if not summary:
         return ""
-    return (
-        ". Dynamo broke the graph at checkpointed regions in this process (graph break 'HOP: Unsafe side "
-        "effect'), which then run eagerly: to compile them, set " + SIDE_EFFECT_FIX
+    text = ". Dynamo's graph breaks in this process: " + summary
+    if side_effect_breaks():
+        text += (
+            ". Where it broke at checkpointed regions ('HOP: Unsafe side effect'), they run eagerly: to compile "
+            "them, set " + SIDE_EFFECT_FIX
+        )
+    return text
+
+
+# -- SDPA run eagerly on a mask a backend-usp graph built ------------------------------------------
+#
+# Outside a documents block, backend usp keeps a model's own semantics: it rewrites the SDPA calls
+# it compiles, reading the model's mask. An SDPA call that Dynamo leaves out of its graphs (a
+# checkpointed layer it cannot compile, such as transformers' checkpointing with offload=True, whose
+# `save_on_cpu` Dynamo will not trace; a region under torch.compiler.disable; a frame past the
+# recompile limit) still runs, eagerly, on the (T, T) mask a compiled graph built: right numbers,
+# quadratic memory and no varlen kernel. Graphs mark the masks they return, so that call is named.
+
+_GRAPH_MASKS: dict[int, weakref.ref] = {}  # id -> the mask-like outputs of usp graphs still alive
+_eager_mask_warned = False
+
+
+def mask_like(value: Any) -> bool:
+    """A graph output that may be an attention mask: boolean of two or more dims, or a (B, 1, Tq, Tk)
+    float mask (transformers' additive masks)."""
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return False
+    return value.dtype == torch.bool or (
+        value.dim() == 4 and value.shape[1] == 1 and value.is_floating_point()
+    )
+
+
+def note_graph_masks(outputs: Any, indices: tuple[int, ...]) -> None:
+    """Mark `outputs[i]` for each of `indices` (a usp graph's mask-like outputs) as built by usp."""
+    for i in indices:
+        mask = outputs[i]
+        if isinstance(mask, torch.Tensor):
+            key = id(mask)
+            _GRAPH_MASKS[key] = weakref.ref(mask, functools.partial(_forget_mask, key))
+
+
+def _forget_mask(key: int, ref: weakref.ref) -> None:
+    if _GRAPH_MASKS.get(key) is ref:
+        del _GRAPH_MASKS[key]
+
+
+def _from_graph(mask: torch.Tensor) -> bool:
+    for t in (mask, mask._base):  # transformers slices the mask to the keys: a view of the output
+        ref = _GRAPH_MASKS.get(id(t)) if t is not None else None
+        if ref is not None and ref() is t:
+            return True
+    return False
+
+
+def _warn_if_graph_mask(mask: Any) -> None:
+    global _eager_mask_warned
+    if not isinstance(mask, torch.Tensor) or not _from_graph(mask) or attention_mode_active():
+        return
+    _eager_mask_warned = True
+    import warnings
+
+    warnings.warn(
+        f"usp backend: scaled_dot_product_attention ran eagerly on the {tuple(mask.shape)} mask a backend-usp "
+        "graph built: Dynamo left this attention call out of its graphs, so the backend never rewrote it and it "
+        "attends with the model's own mask (correct, but (T, T) memory and time, and no varlen kernel). Keep the "
+        "call in the compiled graph (TORCH_LOGS=graph_breaks shows where Dynamo broke), or use "
+        'attn_implementation="usp", whose eager calls attend packed documents without a mask'
+        + _dynamo_breaks()
+        + " (warned once per process)",
+        UserWarning,
+        stacklevel=3,
     )
 
 
