@@ -168,7 +168,7 @@ def lm_batch(rows: int, length: int, *, seed: int) -> tuple[torch.Tensor, torch.
 
 def checkpoint_layers(model: nn.Module, use_reentrant: bool | None = None) -> None:
     """transformers' own activation checkpointing (its default kind where `use_reentrant` is None):
-    `activation_checkpointing_enable` from transformers 5.25, `gradient_checkpointing_enable`
+    `activation_checkpointing_enable` from transformers 5.23, `gradient_checkpointing_enable`
     (deprecated there) before."""
     kwargs = None if use_reentrant is None else {"use_reentrant": use_reentrant}
     enable = getattr(model, "activation_checkpointing_enable", None)

@@ -44,7 +44,7 @@ def hf_llama(a: argparse.Namespace, attn: str, *, tokens: int, device: str) -> A
 
 
 def checkpoint_layers(model: Any) -> None:
-    """transformers' own activation checkpointing, non-reentrant (5.25 renamed the entry point)."""
+    """transformers' own activation checkpointing, non-reentrant (5.23 renamed the entry point)."""
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})

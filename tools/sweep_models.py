@@ -13,7 +13,7 @@ no document crosses a row). Checks, each printed as ok / FAIL / refused / ERR / 
   ``use_cache=False`` vs every document run alone through the plain model: the output and every
   parameter grad of a linear loss within the family's fp64 tolerance (`SweepSpec.tol`).
 - bitwise: the same compiled call vs eager ``attention_mode(meta)``: output and grads equal.
-- ckpt: ``gradient_checkpointing_enable()``, compiled again: matches each document alone and
+- ckpt: transformers' checkpointing (``activation_checkpointing_enable()``), compiled again: matches each document alone and
   rewrote as many attention calls as without checkpointing, keeping none as SDPA.
 - dumps: the packed compile ran with option ``dump_dir``: every graph it made wrote its graph
   file (``summary.json`` records no failure; joint, forward and backward of each trained graph).
@@ -70,6 +70,7 @@ import usp_graph  # noqa: E402
 from tests.realmodels import (  # noqa: E402
     SWEEP_SPECS,
     VOCAB,
+    checkpoint_layers,
     grads,
     make_sweep_model,
     max_err,
@@ -455,7 +456,7 @@ def sweep_one(name: str) -> dict:
         return row
     try:
         torch._dynamo.reset()
-        model.gradient_checkpointing_enable()
+        checkpoint_layers(model)
         model.train()
         ck_reports: list = []
         fn = torch.compile(
@@ -506,7 +507,7 @@ def cp_rank(rank: int, world: int, names: list[str], strategy: str) -> dict:
                 if not model.supports_gradient_checkpointing:
                     continue
                 torch._dynamo.reset()
-                model.gradient_checkpointing_enable()
+                checkpoint_layers(model)
                 model.train()
             if how == "eager":
                 fn, block = model, usp_graph.attention_mode(batch.meta, cp=cp)
