@@ -29,6 +29,7 @@ LENGTHS = [5, 2, 7, 3]
 LAYERS = 2
 PATHS = ["usp_plain", "usp_collator", "usp_backend", "sdpa_backend"]
 PLAIN = ("usp_plain", "usp_collator")  # plain torch.compile: documents from the batch itself
+SIDE_EFFECT_SETTING = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 
 def _model(attn: str):
@@ -178,9 +179,7 @@ def _check_report() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss.backward()
-    said = [
-        str(w.message) for w in caught if "skip_fwd_side_effects_in_bwd_under_checkpoint" in str(w.message)
-    ]
+    said = [str(w.message) for w in caught if SIDE_EFFECT_SETTING in str(w.message)]
     breaks = checkpointing.side_effect_breaks() - before
     assert bool(said) == (breaks > 0), (breaks, said)
     if breaks:
@@ -188,6 +187,42 @@ def _check_report() -> None:
     else:
         assert sum(r.checkpointed for r in reports) == LAYERS
     torch._dynamo.reset()
+
+
+def test_checkpointed_regions_dynamo_leaves_out_of_a_plain_compile_are_reported_once():
+    """The Trainer / TRL path (``"usp"`` + a plain ``torch.compile``) with checkpointing, where Dynamo
+    breaks the graph at each checkpointed region: the regions' attention runs as usp's in eager
+    (each document's own loss and grads), and the first eager call after the breaks says so once,
+    naming the setting that compiles them; the next step adds no word."""
+    from usp_graph import checkpointing
+
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            checkpointing.warn_side_effect_breaks()  # breaks of earlier tests in this process: seen
+        before = checkpointing.side_effect_breaks()
+        model = _model("usp")
+        ref_loss, ref_grads = _each_document_alone(copy.deepcopy(model))
+        _checkpoint(model)
+        compiled = torch.compile(model, backend="aot_eager")
+        ids, pos, labels = _batch()
+        said = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loss = compiled(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
+                loss.backward()
+            said.append([str(w.message) for w in caught if SIDE_EFFECT_SETTING in str(w.message)])
+        breaks = checkpointing.side_effect_breaks() - before
+        assert rel_err(loss.detach(), ref_loss) <= 1e-6
+        for name, g in ref_grads.items():
+            assert rel_err(model.get_parameter(name).grad, g) <= 1e-6, name
+        assert len(said[0]) == (1 if breaks else 0) and said[1] == [], (breaks, said)
+        if breaks:
+            assert "run eagerly" in said[0][0] and 'attn_implementation="usp" attends' in said[0][0]
+        torch._dynamo.reset()
 
 
 def test_the_collator_path_compiles_once_for_batches_of_other_longest_documents():

@@ -35,6 +35,7 @@ __all__ = [
     "attention_ops",
     "checkpoint_blocks",
     "graph_break_summary",
+    "note_eager_attention",
     "recompute_under",
     "selective_context_fn",
     "side_effect_breaks",
@@ -163,13 +164,15 @@ def graph_break_summary(limit: int = 3) -> str:
     return "; ".join(parts)
 
 
-_seen_breaks = 0  # such breaks when the backend last looked (Dynamo's counters are never cleared)
+_seen_breaks = 0  # such breaks when last looked (Dynamo's counters are never cleared)
+_seen_total = 0  # Dynamo's graph breaks when an eager attention call last looked
 
 
 def warn_side_effect_breaks() -> bool:
-    """Warn when Dynamo broke the graph at checkpointed regions since the backend last looked (it
-    looks at every compile): those regions run outside any compiled graph, so their attention is not
-    usp's. Returns whether it warned."""
+    """Warn when Dynamo broke the graph at checkpointed regions since the last look (backend usp
+    looks at every compile, transformers' "usp" attention at an eager call after new breaks): those
+    regions run outside any compiled graph, so their attention is not usp's compiled attention.
+    Returns whether it warned."""
     global _seen_breaks
     count = side_effect_breaks()
     new, _seen_breaks = count > _seen_breaks, count
@@ -178,15 +181,30 @@ def warn_side_effect_breaks() -> bool:
     import warnings
 
     warnings.warn(
-        "usp backend: Dynamo broke the graph at a checkpointed region (graph break 'HOP: Unsafe side "
-        "effect': the region's forward mutates Python state from outside it), so those regions run eagerly and "
-        'the backend rewrites none of their attention: attn_implementation="usp" attends their documents in '
-        "eager (slower), plain SDPA inside usp_graph.documents(...) is refused, and outside it attends with the "
-        "model's own (T, T) mask. To compile them, set " + SIDE_EFFECT_FIX,
+        "usp: Dynamo broke the graph at a checkpointed region (graph break 'HOP: Unsafe side effect': the "
+        "region's forward mutates Python state from outside it), so those regions run eagerly, outside every "
+        'compiled graph: attn_implementation="usp" attends their documents in eager (correct, slower), backend '
+        "usp rewrites none of their attention, plain SDPA inside usp_graph.documents(...) is refused, and "
+        "outside it attends with the model's own (T, T) mask. To compile them, set " + SIDE_EFFECT_FIX,
         UserWarning,
         stacklevel=3,
     )
     return True
+
+
+def note_eager_attention() -> None:
+    """An attention call ran outside any compiled graph. Where Dynamo has recorded new graph breaks
+    since the last call and some are at checkpointed regions, the model was meant compiled and those
+    regions were left out: `warn_side_effect_breaks`. Costs a sum over the distinct break reasons
+    (a handful) per call once Dynamo is loaded, nothing before."""
+    global _seen_total
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:  # Dynamo never loaded: nothing was compiled
+        return
+    total = utils.counters["graph_break"].total()
+    if total != _seen_total:
+        _seen_total = total
+        warn_side_effect_breaks()
 
 
 # -- the recompute runs under the state of its forward ---------------------------------------------

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import resolve
+from .checkpointing import note_eager_attention
 from .masks import check_mask_window, document_starts, positions_mask
 from .ops.boundaries import device_assert
 from .resolve import ROUTED, DocumentStarts, UnsupportedAttention, documents_for_call
@@ -69,6 +70,8 @@ def usp_attention_forward(
 ) -> tuple[Tensor, None]:
     """transformers' attention interface: (B, H, L, K) query, (B, G, L, K) key/value ->
     ((B, L, H, K) output, None)."""
+    if not torch.compiler.is_compiling():  # a region Dynamo left out of a compiled model says so
+        note_eager_attention()
     mask_starts = mask_window = mask_function = None
     if isinstance(attention_mask, DocumentStarts):
         mask_starts, mask_window = attention_mask.starts, attention_mask.window
