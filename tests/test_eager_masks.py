@@ -80,7 +80,35 @@ def _counted_varlen(monkeypatch) -> list[int]:
     return calls
 
 
+def _earlier_breaks_in_this_process() -> None:
+    """Graph breaks of other code earlier in the process, more frequent than the model's own: what a
+    message names is still the model's (the most recent since the last reset)."""
+
+    def cut(i: int) -> None:  # a reason of its own for each i where graph_break takes a message
+        if "msg" in inspect.signature(torch._dynamo.graph_break).parameters:
+            torch._dynamo.graph_break(msg=f"earlier code {i}")
+        else:
+            torch._dynamo.graph_break()
+
+    def broken(x: torch.Tensor) -> torch.Tensor:  # four reasons, each more frequent than the model's own
+        x = x + 1
+        cut(0)
+        x = x + 1
+        cut(1)
+        x = x + 1
+        cut(2)
+        x = x + 1
+        cut(3)
+        return x + 1
+
+    for n in range(12):
+        torch._dynamo.reset()
+        torch.compile(broken, backend="eager")(torch.ones(n + 1))
+    torch._dynamo.reset()
+
+
 def test_offloaded_checkpointed_layers_left_out_of_the_graph_warn_once_with_dynamos_reason(monkeypatch):
+    _earlier_breaks_in_this_process()
     model = _offloaded(monkeypatch)
     ids = torch.randint(0, 64, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(0))
     pos = packed_positions(LENGTHS)
@@ -109,6 +137,7 @@ def test_offloaded_checkpointed_layers_inside_documents_are_refused_with_dynamos
     model = _offloaded(monkeypatch)
     ids = torch.randint(0, 64, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(0))
     meta = AttentionMetadata.from_lengths(LENGTHS, max_docs=6)
+    _earlier_breaks_in_this_process()
     with pytest.raises(usp_graph.EagerAttentionError, match="save_on_cpu"), usp_graph.documents(meta):
         compile_usp(model)(input_ids=ids, position_ids=packed_positions(LENGTHS), use_cache=False)
 

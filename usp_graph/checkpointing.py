@@ -143,14 +143,22 @@ def side_effect_breaks() -> int:
 
 
 def graph_break_summary(limit: int = 3) -> str:
-    """Dynamo's graph breaks so far in this process, the most frequent first: each reason's first
-    line and Dynamo's explanation, with its count ("" without any, or before Dynamo loaded). What a
-    message shows where code it expected compiled ran eagerly."""
-    if "torch._dynamo.utils" not in sys.modules:
+    """Dynamo's graph breaks in this process, the most recent first (those since the last
+    ``torch._dynamo.reset()`` that made Dynamo cut a graph, then the rest by count): each reason's
+    first line and Dynamo's explanation, with its count ("" without any, or before Dynamo loaded).
+    What a message shows where code it expected compiled ran eagerly: the breaks of the model at
+    hand, not those of whatever ran in the process before it."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
         return ""
-    from torch._dynamo.utils import counters
-
-    found = sorted(counters["graph_break"].items(), key=lambda item: -item[1])
+    counts = utils.counters["graph_break"]
+    recent = [r.reason for r in reversed(getattr(utils, "graph_break_reasons", None) or [])]
+    order = list(dict.fromkeys(recent))
+    listed = set(order)
+    order += [
+        reason for reason, _ in sorted(counts.items(), key=lambda item: -item[1]) if reason not in listed
+    ]
+    found = [(reason, counts.get(reason) or recent.count(reason)) for reason in order]
     parts = []
     for reason, n in found[:limit]:
         lines = [line.strip() for line in str(reason).splitlines() if line.strip()]
