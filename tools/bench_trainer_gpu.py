@@ -84,11 +84,21 @@ def _trainer_class(tf: Any) -> Any:
 
         counted_at = -1
         kernels: dict[str, int] | None = None
+        traced_at = -1  # --memory-trace: this step's forward and backward under the allocator history
+        memory_trace: dict[str, Any] | None = None
 
         def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
         def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            if self.state.global_step == self.traced_at:
+                from mem_peak import peak_live
+
+                out: list[Any] = []
+                self.memory_trace = peak_live(
+                    lambda: out.append(super(Timed, self).training_step(*args, **kwargs))
+                )
+                return out[0]
             if self.state.global_step != self.counted_at:
                 return super().training_step(*args, **kwargs)
             loss, self.kernels = kernel_calls(lambda: super(Timed, self).training_step(*args, **kwargs))
@@ -171,7 +181,8 @@ def run_row(row: str, a: argparse.Namespace, data: list[dict[str, list[int]]], d
     if row == "usp_backend":
         model.compile(backend="usp", options={"on_compile": reports.append})
     collator = tf.DataCollatorWithFlattening(return_flash_attn_kwargs=row == "usp_collator")
-    steps = a.warmup + a.steps
+    # --memory-trace traces one more step, after the timed ones
+    steps = a.warmup + a.steps + (1 if a.memory_trace and cuda else 0)
     record: dict[str, Any] = {
         "row": row,
         "tokens": a.tokens,
@@ -195,13 +206,15 @@ def run_row(row: str, a: argparse.Namespace, data: list[dict[str, list[int]]], d
             callbacks=[timer, peak.callback],
         )
         trainer.counted_at = a.warmup - 1
+        if a.memory_trace and cuda:
+            trainer.traced_at = steps - 1
         try:
             result = trainer.train()
         except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
             record["error"] = f"{type(e).__name__}: {e}"[:1500]
             record["graph_breaks"] = _graph_breaks() - breaks
             return record
-    timed = timer.step_ms()[a.warmup :]
+    timed = timer.step_ms()[a.warmup : a.warmup + a.steps]
     record["ms_each"] = timed
     record["ms"] = round(statistics.median(timed), 2)
     record["mean_ms"] = round(statistics.fmean(timed), 2)
@@ -210,6 +223,11 @@ def run_row(row: str, a: argparse.Namespace, data: list[dict[str, list[int]]], d
         record["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     record["loss"] = result.training_loss
     record["kernels"] = trainer.kernels
+    if trainer.memory_trace is not None:
+        from mem_peak import print_peak
+
+        record["memory_trace"] = trainer.memory_trace
+        print_peak(row, trainer.memory_trace)
     record["graph_breaks"] = _graph_breaks() - breaks
     if reports:
         record["sites_rewritten"] = sum(len(r.rewritten) for r in reports)
@@ -228,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     add_size_args(p)
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=4, help="steps before the timed ones (compiling)")
+    p.add_argument(
+        "--memory-trace", action="store_true",
+        help="the last step's forward and backward under the allocator history: what is alive at its peak (tools/mem_peak.py)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny sizes on any device (a smoke test)")
     add_json_arg(p)
     a = p.parse_args(argv)
@@ -244,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.remove("flex")  # flex_attention has no CPU backward here
         print("flex: not run on the CPU (no backward there)")
     docs = max(1, a.tokens // _mean_doc(a.tokens))
-    data = documents(a.tokens, docs, a.warmup + a.steps, a.vocab)
+    data = documents(a.tokens, docs, a.warmup + a.steps + 1, a.vocab)  # one batch more for --memory-trace
     import transformers as tf
 
     print(
