@@ -80,9 +80,11 @@ def _counted_varlen(monkeypatch) -> list[int]:
     return calls
 
 
-def _earlier_breaks_in_this_process() -> None:
+@pytest.fixture(scope="module")
+def earlier_breaks() -> None:
     """Graph breaks of other code earlier in the process, more frequent than the model's own: what a
-    message names is still the model's (the most recent since the last reset)."""
+    message names is still the model's (the most recent since the last reset). Dynamo's counters
+    keep them for the process: made once for the module."""
 
     def cut(i: int) -> None:  # a reason of its own for each i where graph_break takes a message
         if "msg" in inspect.signature(torch._dynamo.graph_break).parameters:
@@ -90,7 +92,7 @@ def _earlier_breaks_in_this_process() -> None:
         else:
             torch._dynamo.graph_break()
 
-    def broken(x: torch.Tensor) -> torch.Tensor:  # four reasons, each more frequent than the model's own
+    def broken(x: torch.Tensor) -> torch.Tensor:
         x = x + 1
         cut(0)
         x = x + 1
@@ -101,14 +103,16 @@ def _earlier_breaks_in_this_process() -> None:
         cut(3)
         return x + 1
 
-    for n in range(12):
-        torch._dynamo.reset()
-        torch.compile(broken, backend="eager")(torch.ones(n + 1))
+    torch._dynamo.reset()
+    compiled = torch.compile(broken, backend="eager", dynamic=False)
+    for n in range(8):  # a compile per shape: four reasons, 8 breaks each (the model makes fewer)
+        compiled(torch.ones(n + 1))
     torch._dynamo.reset()
 
 
-def test_offloaded_checkpointed_layers_left_out_of_the_graph_warn_once_with_dynamos_reason(monkeypatch):
-    _earlier_breaks_in_this_process()
+def test_offloaded_checkpointed_layers_left_out_of_the_graph_warn_once_with_dynamos_reason(
+    monkeypatch, earlier_breaks
+):
     model = _offloaded(monkeypatch)
     ids = torch.randint(0, 64, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(0))
     pos = packed_positions(LENGTHS)
@@ -133,11 +137,12 @@ def test_offloaded_checkpointed_layers_left_out_of_the_graph_warn_once_with_dyna
     assert max_err(out.detach(), want) <= 1e-12  # correct, as the model computes it
 
 
-def test_offloaded_checkpointed_layers_inside_documents_are_refused_with_dynamos_reason(monkeypatch):
+def test_offloaded_checkpointed_layers_inside_documents_are_refused_with_dynamos_reason(
+    monkeypatch, earlier_breaks
+):
     model = _offloaded(monkeypatch)
     ids = torch.randint(0, 64, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(0))
     meta = AttentionMetadata.from_lengths(LENGTHS, max_docs=6)
-    _earlier_breaks_in_this_process()
     with pytest.raises(usp_graph.EagerAttentionError, match="save_on_cpu"), usp_graph.documents(meta):
         compile_usp(model)(input_ids=ids, position_ids=packed_positions(LENGTHS), use_cache=False)
 
