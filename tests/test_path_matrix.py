@@ -163,14 +163,22 @@ def test_checkpointed_regions_dynamo_leaves_out_are_reported_with_the_fix():
         _check_report()
 
 
-def _check_report() -> None:
+def _side_effect_breaks_seen() -> int:
+    """Dynamo reset, and the side-effect breaks of earlier tests in this process counted and marked
+    seen (warned about, silently): a test's own breaks are those above the returned count."""
     from usp_graph import checkpointing
 
     torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        checkpointing.warn_side_effect_breaks()  # breaks of earlier tests in this process: seen
-    before = checkpointing.side_effect_breaks()
+        checkpointing.warn_side_effect_breaks()
+    return checkpointing.side_effect_breaks()
+
+
+def _check_report() -> None:
+    from usp_graph import checkpointing
+
+    before = _side_effect_breaks_seen()
     model = _model("sdpa")
     _checkpoint(model)
     reports: list = []
@@ -197,11 +205,7 @@ def test_checkpointed_regions_dynamo_leaves_out_of_a_plain_compile_are_reported_
     from usp_graph import checkpointing
 
     with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
-        torch._dynamo.reset()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            checkpointing.warn_side_effect_breaks()  # breaks of earlier tests in this process: seen
-        before = checkpointing.side_effect_breaks()
+        before = _side_effect_breaks_seen()
         model = _model("usp")
         ref_loss, ref_grads = _each_document_alone(copy.deepcopy(model))
         _checkpoint(model)
