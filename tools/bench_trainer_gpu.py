@@ -29,7 +29,8 @@ weights, one after the other in this process:
 
 Each row: step time (CUDA events at each step's start, so a step's time runs to the next one's
 start: data, host work and idle GPU included), median and mean over the steps after ``--warmup``,
-peak memory over them, the Trainer's mean training loss and its relative difference to flex's,
+peak memory over them (``left_gib``: what earlier rows left allocated when the row began, after
+Dynamo's reset and a garbage collection), the Trainer's mean training loss and its relative difference to flex's,
 the attention kernel calls and host reads of one step (`kernel_calls`), Dynamo's graph breaks.
 """
 
@@ -176,6 +177,7 @@ def run_row(row: str, a: argparse.Namespace, data: list[dict[str, list[int]]], d
     cuda = a.device == "cuda"
     if cuda:
         torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated() if cuda else None  # what earlier rows left allocated
     model = hf_llama(a, _ATTN[row], tokens=a.tokens, device=a.device)
     reports: list[Any] = []
     if row == "usp_backend":
@@ -189,6 +191,8 @@ def run_row(row: str, a: argparse.Namespace, data: list[dict[str, list[int]]], d
         "documents": docs,
         "checkpointing": a.checkpointing,
     }
+    if base is not None:
+        record["left_gib"] = round(base / 2**30, 3)
     breaks = _graph_breaks()
     timer = _callback(tf, cuda)
     peak = _PeakAfter(tf, a.warmup)
