@@ -178,6 +178,10 @@ def run_row(row: str, a: argparse.Namespace, data: list[dict[str, list[int]]], d
     if cuda:
         torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated() if cuda else None  # what earlier rows left allocated
+    if a.held_trace and cuda:
+        from mem_peak import record_history
+
+        record_history()
     model = hf_llama(a, _ATTN[row], tokens=a.tokens, device=a.device)
     reports: list[Any] = []
     if row == "usp_backend":
@@ -218,6 +222,14 @@ def run_row(row: str, a: argparse.Namespace, data: list[dict[str, list[int]]], d
             record["error"] = f"{type(e).__name__}: {e}"[:1500]
             record["graph_breaks"] = _graph_breaks() - breaks
             return record
+        if a.held_trace and cuda:
+            from mem_peak import live_now
+
+            record["held"] = live_now(top=12)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            print(f"  {row}: allocated after training, by allocation site")
+            for g in record["held"]:
+                print(f"    {g['gib']:7.3f} GiB {g['blocks']:4d}x  {g['site'][:150]}  [{g['owner']}]")
     timed = timer.step_ms()[a.warmup : a.warmup + a.steps]
     record["ms_each"] = timed
     record["ms"] = round(statistics.median(timed), 2)
@@ -253,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--memory-trace", action="store_true",
         help="the last step's forward and backward under the allocator history: what is alive at its peak (tools/mem_peak.py)",
+    )  # fmt: skip
+    p.add_argument(
+        "--held-trace", action="store_true",
+        help="allocator history from each row's start: what is allocated once its training ends, by allocation site",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny sizes on any device (a smoke test)")
     add_json_arg(p)
