@@ -44,3 +44,21 @@ def test_the_trainer_rows_train_on_the_same_batches_to_the_same_loss(bench, tmp_
         assert all(ms > 0 for ms in r["ms_each"]), r
     # documents from the position ids, or from the collator's cu_seq_lens: the same attention
     assert rows["usp"]["loss"] == pytest.approx(rows["usp_collator"]["loss"], rel=1e-6)
+
+
+def test_python_holders_names_who_holds_a_tensor_and_leaves_out_the_excluded(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS))
+    import torch
+    from mem_peak import python_holders
+
+    class Cache:
+        pass
+
+    held, known = Cache(), torch.zeros(2**20 + 5)  # sizes no other test's tensors have
+    held.logits = {"last": torch.zeros(2**20 + 7)}
+    lines = python_holders(2**22, exclude=[known], device="cpu")
+    ours = lines.index("(1048583,) torch.float32 (0.004 GiB)")
+    assert "<- dict ['last']" in lines[ours + 1] and lines[ours + 2].strip().endswith("Cache"), lines
+    assert not any(line.startswith("(1048581,)") for line in lines), lines
+    again = python_holders(2**22, exclude=[known, held.logits["last"]], device="cpu")
+    assert not any(line.startswith("(1048583,)") for line in again), again

@@ -230,6 +230,14 @@ def run_row(row: str, a: argparse.Namespace, data: list[dict[str, list[int]]], d
             print(f"  {row}: allocated after training, by allocation site")
             for g in record["held"]:
                 print(f"    {g['gib']:7.3f} GiB {g['blocks']:4d}x  {g['site'][:150]}  [{g['owner']}]")
+            from mem_peak import python_holders
+
+            state = [t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+            known = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None), *state]
+            record["holders"] = python_holders(16 * 2**20, exclude=known)
+            print(f"  {row}: who in Python holds the other tensors of 16 MiB or more")
+            for line in record["holders"]:
+                print(f"    {line}")
     timed = timer.step_ms()[a.warmup : a.warmup + a.steps]
     record["ms_each"] = timed
     record["ms"] = round(statistics.median(timed), 2)
@@ -268,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument(
         "--held-trace", action="store_true",
-        help="allocator history from each row's start: what is allocated once its training ends, by allocation site",
+        help="allocator history from each row's start: what is allocated once its training ends, by allocation site, and who in Python holds it (tools/mem_peak.py)",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny sizes on any device (a smoke test)")
     add_json_arg(p)

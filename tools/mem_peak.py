@@ -116,3 +116,58 @@ def print_peak(label: str, result: dict[str, Any]) -> None:
           f"at {result['peak_at']}: {result['peak_site']}")  # fmt: skip
     for g in result["live"]:
         print(f"    {g['gib']:7.3f} GiB {g['blocks']:4d}x  {g['site'][:150]}  [{g['owner']}]")
+
+
+def python_holders(
+    min_bytes: int, *, exclude: Any = (), depth: int = 4, lines: int = 40, device: str = "cuda"
+) -> list[str]:
+    """Who in Python holds each `device` tensor of at least `min_bytes` not in `exclude` (parameters,
+    their gradients and optimizer states, say): chains of referrers, by type, up to `depth` steps
+    and `lines` lines in all. A tensor held only from C++ (an autograd node's saved tensors, a
+    compiled graph's own buffers) has no Python holder and is not listed."""
+    import gc
+    import types
+    import warnings
+
+    gc.collect()
+    skip = {id(t) for t in exclude}
+    objects = gc.get_objects()
+    with warnings.catch_warnings():  # isinstance on a deprecated alias warns
+        warnings.simplefilter("ignore")
+        found = [
+        o for o in objects
+            if isinstance(o, torch.Tensor) and o.device.type == device and id(o) not in skip
+            and o.untyped_storage().nbytes() >= min_bytes
+        ]  # fmt: skip
+    out: list[str] = []
+    seen = {id(objects), id(found)}
+
+    def name(o: Any) -> str:
+        if isinstance(o, types.FrameType):
+            return f"frame {o.f_code.co_filename}:{o.f_lineno} {o.f_code.co_name}"
+        if isinstance(o, types.FunctionType):
+            return f"function {o.__qualname__}"
+        if isinstance(o, dict):
+            return f"dict {list(o)[:5]}"
+        if isinstance(o, (list, tuple)):
+            return f"{type(o).__name__} of {len(o)}"
+        return f"{type(o).__module__}.{type(o).__qualname__}"
+
+    def walk(o: Any, level: int) -> None:
+        if level > depth or len(out) >= lines:
+            return
+        referrers = gc.get_referrers(o)
+        seen.add(id(referrers))
+        for r in referrers:
+            if id(r) in seen or len(out) >= lines or type(r).__name__.endswith("iterator"):
+                continue
+            seen.add(id(r))
+            out.append("  " * level + "<- " + name(r)[:160])
+            if not isinstance(r, (types.ModuleType, type)):
+                walk(r, level + 1)
+
+    for t in found:
+        out.append(f"{tuple(t.shape)} {t.dtype} ({t.untyped_storage().nbytes() / 2**30:.3f} GiB)")
+        walk(t, 1)
+    del objects
+    return out
