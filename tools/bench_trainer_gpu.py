@@ -30,8 +30,9 @@ weights, one after the other in this process:
 Each row: step time (CUDA events at each step's start, so a step's time runs to the next one's
 start: data, host work and idle GPU included), median and mean over the steps after ``--warmup``,
 peak memory over them (``left_gib``: what earlier rows left allocated when the row began, after
-Dynamo's reset and a garbage collection), the Trainer's mean training loss and its relative difference to flex's,
-the attention kernel calls and host reads of one step (`kernel_calls`), Dynamo's graph breaks.
+Dynamo's reset and a garbage collection), the Trainer's mean training loss and its relative
+difference to flex's, the attention kernel calls and host reads of one step (`kernel_calls`),
+Dynamo's graph breaks.
 """
 
 from __future__ import annotations
@@ -223,15 +224,13 @@ def run_row(row: str, a: argparse.Namespace, data: list[dict[str, list[int]]], d
             record["graph_breaks"] = _graph_breaks() - breaks
             return record
         if a.held_trace and cuda:
-            from mem_peak import live_now
+            from mem_peak import live_now, python_holders
 
             record["held"] = live_now(top=12)
             torch.cuda.memory._record_memory_history(enabled=None)
             print(f"  {row}: allocated after training, by allocation site")
             for g in record["held"]:
                 print(f"    {g['gib']:7.3f} GiB {g['blocks']:4d}x  {g['site'][:150]}  [{g['owner']}]")
-            from mem_peak import python_holders
-
             state = [t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
             known = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None), *state]
             record["holders"] = python_holders(16 * 2**20, exclude=known)

@@ -135,7 +135,7 @@ def python_holders(
     with warnings.catch_warnings():  # isinstance on a deprecated alias warns
         warnings.simplefilter("ignore")
         found = [
-        o for o in objects
+            o for o in objects
             if isinstance(o, torch.Tensor) and o.device.type == device and id(o) not in skip
             and o.untyped_storage().nbytes() >= min_bytes
         ]  # fmt: skip
