@@ -461,15 +461,16 @@ def _positions_eager(
     if tokens == 0:
         return None
     starts = _starts(pos_BL, mask_starts, b, length)
-    cu = torch.cat([starts.nonzero().squeeze(1), starts.new_tensor([tokens], dtype=torch.long)]).to(
-        torch.int32
-    )
-    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    if pos_BL is not None and bool((pos_BL < 0).any()):
+    if pos_BL is not None:  # the starts and the negative-position flag in one transfer
+        starts = torch.cat([starts, (pos_BL < 0).any().reshape(1)])
+    flags = starts.cpu()  # the forward's one host read (a sync on an accelerator)
+    if pos_BL is not None and bool(flags[tokens]):
         raise refuse(
             "position_ids hold a negative position", "pass position ids that restart at 0 at each document"
         )
-    return _remember(key, source, AttentionMetadata(cu, longest, tokens))
+    cu = torch.cat([flags[:tokens].nonzero().squeeze(1), torch.tensor([tokens])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    return _remember(key, source, AttentionMetadata(cu.to(source.device), longest, tokens))
 
 
 def _starts(pos_BL: Tensor | None, mask_starts: Tensor | None, b: int, length: int) -> Tensor:
