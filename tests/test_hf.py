@@ -240,6 +240,31 @@ def test_eager_usp_runs_under_inference_mode():
     assert own_positions.shape[1] == 5
 
 
+def test_eager_position_ids_give_their_documents_and_a_negative_position_is_refused():
+    """The eager read of the documents (one transfer of starts and the negative flag): random
+    lengths with length-1 documents, on 1 and 2 rows, and cut also at the model's mask starts."""
+    import usp_graph.resolve as hf
+
+    gen = torch.Generator().manual_seed(11)
+    for rows in (1, 2):
+        lengths = [int(n) for n in torch.randint(1, 9, (7,), generator=gen)] + [1, 1]
+        pos = packed_positions(lengths).repeat(rows, 1)
+        meta = hf._positions_eager(pos, rows, pos.shape[1])
+        expected = [0, *torch.tensor(lengths * rows).cumsum(0).tolist()]
+        assert meta.cu_seqlens.dtype == torch.int32 and meta.cu_seqlens.tolist() == expected
+        assert meta.max_seqlen == max(lengths) and meta.total_tokens == rows * sum(lengths)
+        starts = torch.zeros(rows, pos.shape[1], dtype=torch.bool)
+        starts[:, 3] = True  # a cut inside the first document (a chunk of chunked attention)
+        cut = hf._positions_eager(pos, rows, pos.shape[1], starts).cu_seqlens.tolist()
+        assert cut == sorted(set(expected) | {3 + r * sum(lengths) for r in range(rows)})
+    _, model = _models("llama")
+    ids = _batch(12)[0]
+    bad = packed_positions(LENGTHS)
+    bad[0, 5] = -1
+    with pytest.raises(UnsupportedAttention, match="negative position"):
+        model(input_ids=ids, position_ids=bad, use_cache=False)
+
+
 def test_flash_attention_kwargs_that_disagree_with_the_position_ids_are_refused():
     _, model = _models("llama")
     ids, _ = _batch(6)
