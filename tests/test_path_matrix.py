@@ -280,6 +280,27 @@ def test_the_compiled_paths_check_runs_no_loss():
     assert torch.allclose(out.loss, loss, rtol=1e-9, atol=0)
 
 
+def test_a_compiled_models_row_check_runs_one_forward_for_it_and_its_inner_model(monkeypatch):
+    # The check's forward of the causal LM runs its inner model (which carries the hooks too) under
+    # the same rules: the inner model's own traced hook takes that verdict, not a second forward.
+    from usp_graph import hf_rows
+
+    calls: list[type] = []
+    check = hf_rows._check_forward
+    monkeypatch.setattr(
+        hf_rows, "_check_forward", lambda model, *a: calls.append(type(model)) or check(model, *a)
+    )
+    model = _model("usp")
+    assert getattr(model.model, "_usp_row_rules", False)  # the inner model is hooked as well
+    ids, pos, labels = _batch()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    for _ in range(2):
+        compiled(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss.backward()
+    assert calls == [type(model)], calls
+    torch._dynamo.reset()
+
+
 def test_the_row_checks_inputs_keep_an_encoder_decoders_labels_and_a_given_logits_to_keep():
     from types import SimpleNamespace
 

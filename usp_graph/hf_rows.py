@@ -177,6 +177,7 @@ def _leave_row_rules(model: torch.nn.Module, args: tuple, *rest: Any) -> None:
         verdicts[mode.key] = mode.tracker.refused
     elif sys.exc_info()[0] is None:  # called after a completed forward, not for an error in it
         verdicts[mode.key] = None
+        _passed_inside(model, mode.key)
 
 
 def _checks(model: torch.nn.Module) -> bool:
@@ -221,6 +222,7 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
         try:
             _check_forward(model, args, kwargs, meta, key)
             verdicts[key] = None
+            _passed_inside(model, key)
         except ValueError as e:
             # Another refusal of eager code (a mask function eager can read and compiled code cannot,
             # e.g. Llama 4's chunks) stopped the check: the compiled call decides for itself.
@@ -229,6 +231,15 @@ def _verdict_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any
             _ENTERED.checking = False
     if verdicts.get(key) is not None:
         raise type(verdicts[key])(*verdicts[key].args)
+
+
+def _passed_inside(model: torch.nn.Module, key: tuple[str, ...]) -> None:
+    """The hooked models inside `model` (a causal LM's base model) ran under the same rules in its
+    check's forward: they pass for the same kinds of documents, without a forward of their own
+    (their hooks are traced after the outer one's and would check again)."""
+    for sub in model.modules():
+        if sub is not model and getattr(sub, "_usp_row_rules", False):
+            sub.__dict__.setdefault("_usp_row_verdicts", {}).setdefault(key, None)
 
 
 def _check_forward(
