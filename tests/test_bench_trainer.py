@@ -54,9 +54,14 @@ def test_python_holders_names_who_holds_a_tensor_and_leaves_out_the_excluded(mon
     class Cache:
         pass
 
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     held, known = Cache(), torch.zeros(2**20 + 5)  # sizes no other test's tensors have
     held.logits = {"last": torch.zeros(2**20 + 7)}
+    with FakeTensorMode():  # a compile's fake tensor claims a size and holds no memory
+        held.fake = torch.zeros(2**20 + 9)
     lines = python_holders(2**22, exclude=[known], device="cpu")
+    assert not any(line.startswith("(1048585,)") for line in lines), lines
     ours = lines.index("(1048583,) torch.float32 (0.004 GiB)")
     assert "<- dict ['last']" in lines[ours + 1] and lines[ours + 2].strip().endswith("Cache"), lines
     assert not any(line.startswith("(1048581,)") for line in lines), lines

@@ -255,6 +255,13 @@ def run_row(row: str, a: argparse.Namespace, data: list[dict[str, list[int]]], d
     if reports:
         record["sites_rewritten"] = sum(len(r.rewritten) for r in reports)
         record["sites_kept"] = sum(len(r.kept) for r in reports)
+    if a.held_trace and cuda:
+        # What Dynamo's compiled code and caches held: allocated once they are dropped, the model and
+        # trainer still alive (what the next row's `left_gib` adds is what those held).
+        torch._dynamo.reset()
+        gc.collect()
+        record["held_after_reset_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
+        print(f"  {row}: allocated once Dynamo's caches are dropped: {record['held_after_reset_gib']} GiB")
     return record
 
 
@@ -275,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument(
         "--held-trace", action="store_true",
-        help="allocator history from each row's start: what is allocated once its training ends, by allocation site, and who in Python holds it (tools/mem_peak.py)",
+        help="allocator history from each row's start: what is allocated once its training ends, by allocation site, who in Python holds it (tools/mem_peak.py), and what stays allocated once Dynamo's caches are dropped",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny sizes on any device (a smoke test)")
     add_json_arg(p)

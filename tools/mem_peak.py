@@ -124,10 +124,13 @@ def python_holders(
     """Who in Python holds each `device` tensor of at least `min_bytes` not in `exclude` (parameters,
     their gradients and optimizer states, say): chains of referrers, by type, up to `depth` steps
     and `lines` lines in all. A tensor held only from C++ (an autograd node's saved tensors, a
-    compiled graph's own buffers) has no Python holder and is not listed."""
+    compiled graph's own buffers) has no Python holder and is not listed; a compile's fake tensors
+    (which hold no memory) are left out."""
     import gc
     import types
     import warnings
+
+    from torch._subclasses.fake_tensor import is_fake
 
     gc.collect()
     skip = {id(t) for t in exclude}
@@ -137,7 +140,7 @@ def python_holders(
         found = [
             o for o in objects
             if isinstance(o, torch.Tensor) and o.device.type == device and id(o) not in skip
-            and o.untyped_storage().nbytes() >= min_bytes
+            and not is_fake(o) and o.untyped_storage().nbytes() >= min_bytes
         ]  # fmt: skip
     out: list[str] = []
     seen = {id(objects), id(found)}
