@@ -470,9 +470,9 @@ def _positions_eager(
         )
     cu = torch.cat([flags[:tokens].nonzero().squeeze(1), torch.tensor([tokens])]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    if source.is_cuda:  # from pinned memory, without a second sync
-        cu = cu.pin_memory().to(source.device, non_blocking=True)
-    return _remember(key, source, AttentionMetadata(cu.to(source.device), longest, tokens))
+    # to CUDA from pinned memory, without a second sync
+    cu = cu.pin_memory().to(source.device, non_blocking=True) if source.is_cuda else cu.to(source.device)
+    return _remember(key, source, AttentionMetadata(cu, longest, tokens))
 
 
 def _starts(pos_BL: Tensor | None, mask_starts: Tensor | None, b: int, length: int) -> Tensor:
