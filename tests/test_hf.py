@@ -11,6 +11,7 @@ import contextlib
 import subprocess
 import sys
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from tests.realmodels import (  # noqa: E402
 )
 from usp_graph import AttentionMetadata, attention_mode, documents  # noqa: E402
 from usp_graph.hf import UnsupportedAttention, usp_mask  # noqa: E402
+from usp_graph.ops import boundaries  # noqa: E402
 
 # One row with a length-1 document and documents longer than the sliding window (4 tokens).
 LENGTHS = (5, 1, 9, 3, 14)
@@ -257,6 +259,21 @@ def test_eager_position_ids_give_their_documents_and_a_negative_position_is_refu
         starts[:, 3] = True  # a cut inside the first document (a chunk of chunked attention)
         cut = hf._positions_eager(pos, rows, pos.shape[1], starts).cu_seqlens.tolist()
         assert cut == sorted(set(expected) | {3 + r * sum(lengths) for r in range(rows)})
+        # The boundaries were checked where they were read: the kernels' check is recorded, not run
+        # again, with each document's length (`checked_lengths` would launch kernels on a GPU).
+        t = rows * sum(lengths)
+        with mock.patch.object(boundaries, "assert_boundaries", side_effect=AssertionError("checked twice")):
+            lens_q, lens_k = boundaries.checked_lengths(
+                meta.cu_seqlens, meta.cu_seqlens, t, t, max(lengths), max(lengths)
+            )
+        assert lens_q is lens_k and lens_q.flatten().tolist() == lengths * rows
+        # The model's mask's starts alone: where every row starts, and refused where token 0 starts none.
+        alone = hf._positions_eager(None, rows, pos.shape[1], starts | (pos == 0))
+        assert alone.cu_seqlens.tolist() == cut
+        assert alone.max_seqlen == int(torch.tensor(cut).diff().max())
+        starts[:, 0] = False
+        with pytest.raises(ValueError, match="must start at 0"):
+            hf._positions_eager(None, rows, pos.shape[1], starts)
     _, model = _models("llama")
     ids = _batch(12)[0]
     bad = packed_positions(LENGTHS)

@@ -144,6 +144,17 @@ class AttentionMetadata:
         if _is_real(cu):
             _check_cu_seqlens(cu, self.max_seqlen, self.total_tokens)
 
+    @classmethod
+    def _read_on_host(cls, cu_seqlens: torch.Tensor, max_seqlen: int, total_tokens: int) -> AttentionMetadata:
+        """Metadata whose boundaries the caller has just read and checked on the host (usp's own
+        readings of position ids or flash-attention's kwargs, once per forward): validation would
+        copy them to the host a second time (a second sync on an accelerator)."""
+        self = object.__new__(cls)
+        object.__setattr__(self, "cu_seqlens", cu_seqlens)
+        object.__setattr__(self, "max_seqlen", max_seqlen)
+        object.__setattr__(self, "total_tokens", total_tokens)
+        return self
+
     # ---- constructors -------------------------------------------------------------------------
 
     @classmethod

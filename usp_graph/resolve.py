@@ -38,7 +38,7 @@ from torch import Tensor
 from .dynamo_marks import assume_constant_result
 from .masks import check_positions_match, cu_seqlens_from_starts, document_starts
 from .metadata import AttentionMetadata
-from .ops.boundaries import device_assert
+from .ops.boundaries import device_assert, vouch_checked
 
 __all__ = [
     "ROUTED",
@@ -461,18 +461,28 @@ def _positions_eager(
     if tokens == 0:
         return None
     starts = _starts(pos_BL, mask_starts, b, length)
-    if pos_BL is not None:  # the starts and the negative-position flag in one transfer
-        starts = torch.cat([starts, (pos_BL < 0).any().reshape(1)])
-    flags = starts.cpu()  # the forward's one host read (a sync on an accelerator)
-    if pos_BL is not None and bool(flags[tokens]):
+    # On the device, before the one host read: the boundaries with a slot per token (unused slots
+    # repeat T), their lengths, and the five values read: the document count n, the longest, the
+    # negative-position flag and the two ends cu[0] and cu[n]. After the read nothing is left for
+    # the GPU to wait on: the boundaries are a view of the first n + 1 slots, checked here.
+    cu_all = cu_seqlens_from_starts(starts)
+    lengths = cu_all[1:] - cu_all[:-1]
+    count = starts.sum()
+    negative = (pos_BL < 0).any() if pos_BL is not None else torch.zeros_like(count, dtype=torch.bool)
+    ends = torch.stack([cu_all[0], cu_all.gather(0, count.reshape(1))[0]])
+    values = torch.cat([torch.stack([count, lengths.max().long(), negative.long()]), ends.long()])
+    n, longest, negative, first, end = values.tolist()  # the forward's one host read (a sync on CUDA)
+    if negative:
         raise refuse(
             "position_ids hold a negative position", "pass position ids that restart at 0 at each document"
         )
-    cu = torch.cat([flags[:tokens].nonzero().squeeze(1), torch.tensor([tokens])]).to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    # to CUDA from pinned memory, without a second sync
-    cu = cu.pin_memory().to(source.device, non_blocking=True) if source.is_cuda else cu.to(source.device)
-    return _remember(key, source, AttentionMetadata(cu, longest, tokens))
+    cu = cu_all[: n + 1]
+    if first != 0 or end != tokens:  # no start at token 0 (a mask's starts alone): validation says so
+        return _remember(key, source, AttentionMetadata(cu, longest, tokens))
+    # Every boundary is a start's index (searchsorted of the document counts: never decreasing),
+    # the first 0 and the last T: checked, and so is every length against the longest.
+    vouch_checked(cu, tokens, longest, lengths[:n])
+    return _remember(key, source, AttentionMetadata._read_on_host(cu, longest, tokens))
 
 
 def _starts(pos_BL: Tensor | None, mask_starts: Tensor | None, b: int, length: int) -> Tensor:
@@ -550,29 +560,38 @@ def _flash_eager(kwargs: dict[str, Any], b: int, length: int) -> AttentionMetada
     cu = _flash_boundaries(kwargs, b, length)
     if cu is None:
         return None
-    pos = given[2]
+    pos_BL = _rows(given[2], b, length)
     tokens = b * length
-    ends = cu.tolist()
+    lengths = cu[1:] - cu[:-1]
+    read = cu.long()
+    if pos_BL is not None:  # the position ids' documents and negative flag, in the same transfer
+        marks = torch.zeros(tokens + 1, dtype=torch.bool, device=cu.device)
+        marks = marks.scatter(0, read.clamp(0, tokens), True)[:tokens]
+        agree = torch.eq(marks, document_starts(pos_BL).to(cu.device)).all()
+        read = torch.cat([read, torch.stack([agree, (pos_BL < 0).any().to(cu.device)]).long()])
+    values = read.tolist()  # the forward's one host read (a sync on CUDA)
+    ends = values[: cu.shape[0]]
     if ends[0] != 0 or ends[-1] != tokens or any(y < x for x, y in zip(ends, ends[1:], strict=False)):
         raise refuse(
             f"cu_seq_lens_q {ends[:4]}{'...' if len(ends) > 4 else ''}{ends[-1:]} does not describe the {tokens} "
             f"tokens of this call ({b} x {length}): it must start at 0, never decrease and end at {tokens}",
             "pass the boundaries of the packed batch the model is called with",
         )
-    if pos is not None:
-        counted = _positions_eager(pos, b, length)
-        if counted is not None and counted.cu_seqlens.tolist() != [
-            x for i, x in enumerate(ends) if i == 0 or x != ends[i - 1]
-        ]:
-            raise refuse(
-                "the position ids transformers passes to attention count other documents than cu_seq_lens_q "
-                "(positions counted along the row, e.g. a model called without position_ids, give rotary angles "
-                "that do not restart at each document)",
-                "pass position_ids restarting at each document too (DataCollatorWithFlattening's default, "
-                "return_position_ids=True)",
-            )
+    if pos_BL is not None and values[-1]:
+        raise refuse(
+            "position_ids hold a negative position", "pass position ids that restart at 0 at each document"
+        )
+    if pos_BL is not None and not values[-2]:
+        raise refuse(
+            "the position ids transformers passes to attention count other documents than cu_seq_lens_q "
+            "(positions counted along the row, e.g. a model called without position_ids, give rotary angles "
+            "that do not restart at each document)",
+            "pass position_ids restarting at each document too (DataCollatorWithFlattening's default, "
+            "return_position_ids=True)",
+        )
     longest = max((y - x for x, y in zip(ends, ends[1:], strict=False)), default=0)
-    return _remember(key, source, AttentionMetadata(cu, longest, tokens))
+    vouch_checked(cu, tokens, longest, lengths)  # checked above, on the host
+    return _remember(key, source, AttentionMetadata._read_on_host(cu, longest, tokens))
 
 
 def _flash_in_graph(

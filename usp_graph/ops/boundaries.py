@@ -27,6 +27,7 @@ __all__ = [
     "per_boundaries",
     "device_assert",
     "device_message",
+    "vouch_checked",
     "DEVICE_MESSAGE_BYTES",
 ]
 
@@ -200,6 +201,15 @@ def documents_of(
         docs,
     )
     return docs  # (the entry, its copies included, goes with cu_q)
+
+
+def vouch_checked(cu: Tensor, tokens: int, bound: int, lengths: Tensor) -> None:
+    """Record self-attention boundaries `cu` of `tokens` tokens as checked, with their per-slot
+    `lengths`: the caller read them on the host and knows they run 0..tokens, never decrease and hold
+    no document longer than `bound`, so `checked_lengths` launches no check kernels for them (kernels
+    the GPU would wait for right after that read)."""
+    shaped = lengths.view(-1, 1, 1, 1)
+    per_boundaries("check", cu, cu, (tokens, tokens, bound, bound), lambda: (shaped, shaped))
 
 
 def checked_lengths(cu_q, cu_k, t_q, t_k, max_q, max_k):
