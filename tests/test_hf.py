@@ -227,6 +227,24 @@ def test_a_buffer_refilled_in_place_between_forwards_is_read_again(source):
     assert not torch.equal(before, after) and torch.equal(after, fresh)
 
 
+def test_a_documents_block_checks_a_position_buffer_refilled_between_forwards():
+    # Inside usp_graph.documents(meta) eager attention checks that the call's position ids count the
+    # block's documents, once per forward; a buffer refilled where no version counter sees it is
+    # checked again, and a block that no longer describes it is refused.
+    _, model = _models("llama")
+    ids = _batch(9)[0]
+    buffer = packed_positions(LENGTHS)
+    with torch.no_grad(), documents(AttentionMetadata.from_lengths(LENGTHS)):
+        model(input_ids=ids, position_ids=buffer, use_cache=False)
+        buffer.data.copy_(packed_positions(list(reversed(LENGTHS))))
+        with pytest.raises(UnsupportedAttention, match="count other documents than the active"):
+            model(input_ids=ids, position_ids=buffer, use_cache=False)
+        buffer.data.copy_(packed_positions(LENGTHS))
+        buffer.data[0, 3] = -1
+        with pytest.raises(UnsupportedAttention, match="negative position"):
+            model(input_ids=ids, position_ids=buffer, use_cache=False)
+
+
 def test_eager_usp_runs_under_inference_mode():
     # Inference tensors keep no version counter: the read cache must not ask for one.
     _, model = _models("llama")

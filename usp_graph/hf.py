@@ -285,6 +285,7 @@ def usp_mask(
     compiling = torch.compiler.is_compiling()
     if not compiling:
         resolve._READ.clear()  # a new forward: documents are read again from its tensors
+        resolve._CHECKED.clear()
     unknown = _unknown_pieces(mask_function) if mask_function is not None and not compiling else []
     if unknown:
         raise _refuse(

@@ -361,24 +361,28 @@ def _in_graph(
     ) is not None else "mask"
 
 
-def _distinct(ends: list[int]) -> list[int]:
-    """Boundaries without repeats (a capacity's unused tail slots repeat the total)."""
-    return [x for i, x in enumerate(ends) if i == 0 or x != ends[i - 1]]
-
-
 def _check_block_eager(block: AttentionMetadata, position_ids: Any, b: int, length: int) -> None:
     """The position ids of a call inside a `documents` block count the block's documents (the rule
-    the "sdpa" door checks in its graph, `check_positions_match`), read once per forward."""
+    the "sdpa" door checks in its graph, `check_positions_match`), read once per forward: the
+    verdict and the negative-position flag, computed on the device, in one host read."""
     if position_ids is None or b * length != block.total_tokens:
         return  # a call of another stream: the token count check of sdpa_to_usp speaks for it
     key = ("block", id(block.cu_seqlens), _version(block.cu_seqlens), b, length)
-    counted = _positions_eager(position_ids, b, length)
-    if counted is None:
-        return
     hit = _CHECKED.get(key)
-    if hit is not None and hit[0]() is counted:
+    if hit is not None and hit[0]() is position_ids and hit[1] == _version(position_ids):
         return
-    if _distinct(block.cu_seqlens.tolist()) != _distinct(counted.cu_seqlens.tolist()):
+    pos_BL = _rows(position_ids, b, length)
+    tokens = b * length
+    cu = block.cu_seqlens.to(pos_BL.device).long()
+    marks = torch.zeros(tokens + 1, dtype=torch.bool, device=pos_BL.device)
+    marks = marks.scatter(0, cu.clamp(0, tokens), True)[:tokens]
+    agree = torch.eq(marks, document_starts(pos_BL)).all()
+    agree, negative = torch.stack([agree, (pos_BL < 0).any()]).tolist()  # one host read (a sync on CUDA)
+    if negative:
+        raise refuse(
+            "position_ids hold a negative position", "pass position ids that restart at 0 at each document"
+        )
+    if not agree:
         raise refuse(
             "the position ids of this call count other documents than the active usp_graph.documents(metadata) "
             "(metadata left from another batch, built for other lengths, or a model called without position ids)",
@@ -387,11 +391,12 @@ def _check_block_eager(block: AttentionMetadata, position_ids: Any, b: int, leng
         )
     if len(_CHECKED) >= 8:
         _CHECKED.clear()
-    _CHECKED[key] = (weakref.ref(counted),)
+    _CHECKED[key] = (weakref.ref(position_ids), _version(position_ids))
 
 
-# (block boundaries, call shape) -> the metadata read from the position ids it was checked against.
-_CHECKED: dict[tuple[Any, ...], tuple[weakref.ref]] = {}
+# (block boundaries, call shape) -> the position ids checked against them and their version;
+# emptied with `_READ` at every forward (a buffer refilled where no version counter sees it).
+_CHECKED: dict[tuple[Any, ...], tuple[weakref.ref, int | None]] = {}
 
 
 # ------------------------------------------------------------------------------------------------
