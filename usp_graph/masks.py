@@ -414,16 +414,25 @@ def cu_seqlens_from_starts(starts_T: Tensor, capacity: int | None = None) -> Ten
     return torch.searchsorted(doc, slots).to(torch.int32)
 
 
+def starts_of_boundaries(cu_seqlens: Tensor, tokens: int) -> Tensor:
+    """(tokens,) bool on the boundaries' device: the tokens where a document of `cu_seqlens` starts
+    (empty documents and a capacity's repeated tail mark nothing more). No host read."""
+    marks = torch.zeros(tokens + 1, dtype=torch.bool, device=cu_seqlens.device)
+    return marks.scatter(0, cu_seqlens.long().clamp(0, tokens), True)[:tokens]
+
+
 def check_positions_match(cu_seqlens_N1: Tensor, pos_BL: Tensor) -> None:
     """Fail the step (an async assert: no host sync on an accelerator) unless the documents of
     `cu_seqlens_N1` are exactly those `pos_BL` counts: the mask the model built from its position
     ids and the metadata usp_graph attends with must agree."""
     b, length = pos_BL.shape
     tokens = b * length
-    meta_start = torch.zeros(tokens + 1, dtype=torch.bool, device=pos_BL.device)
     cu = cu_seqlens_N1.to(pos_BL.device)
-    meta_start = meta_start.scatter(0, cu.long().clamp(0, tokens), True)
-    ok = torch.eq(meta_start[:tokens], document_starts(pos_BL)).all() & (cu[-1] == tokens) & (cu[0] == 0)
+    ok = (
+        torch.eq(starts_of_boundaries(cu, tokens), document_starts(pos_BL)).all()
+        & (cu[-1] == tokens)
+        & (cu[0] == 0)
+    )
     device_assert(
         ok,
         "usp_graph: the document metadata does not describe the documents the position ids count (one "

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .dynamo_marks import assume_constant_result
-from .masks import check_positions_match, cu_seqlens_from_starts, document_starts
+from .masks import check_positions_match, cu_seqlens_from_starts, document_starts, starts_of_boundaries
 from .metadata import AttentionMetadata
 from .ops.boundaries import device_assert, vouch_checked
 
@@ -373,15 +373,11 @@ def _check_block_eager(block: AttentionMetadata, position_ids: Any, b: int, leng
         return
     pos_BL = _rows(position_ids, b, length)
     tokens = b * length
-    cu = block.cu_seqlens.to(pos_BL.device).long()
-    marks = torch.zeros(tokens + 1, dtype=torch.bool, device=pos_BL.device)
-    marks = marks.scatter(0, cu.clamp(0, tokens), True)[:tokens]
-    agree = torch.eq(marks, document_starts(pos_BL)).all()
+    starts = starts_of_boundaries(block.cu_seqlens.to(pos_BL.device), tokens)
+    agree = torch.eq(starts, document_starts(pos_BL)).all()
     agree, negative = torch.stack([agree, (pos_BL < 0).any()]).tolist()  # one host read (a sync on CUDA)
     if negative:
-        raise refuse(
-            "position_ids hold a negative position", "pass position ids that restart at 0 at each document"
-        )
+        raise _negative_position()
     if not agree:
         raise refuse(
             "the position ids of this call count other documents than the active usp_graph.documents(metadata) "
@@ -478,9 +474,7 @@ def _positions_eager(
     values = torch.cat([torch.stack([count, lengths.max().long(), negative.long()]), ends.long()])
     n, longest, negative, first, end = values.tolist()  # the forward's one host read (a sync on CUDA)
     if negative:
-        raise refuse(
-            "position_ids hold a negative position", "pass position ids that restart at 0 at each document"
-        )
+        raise _negative_position()
     cu = cu_all[: n + 1]
     if first != 0 or end != tokens:  # no start at token 0 (a mask's starts alone): validation says so
         return _remember(key, source, AttentionMetadata(cu, longest, tokens))
@@ -488,6 +482,12 @@ def _positions_eager(
     # the first 0 and the last T: checked, and so is every length against the longest.
     vouch_checked(cu, tokens, longest, lengths[:n])
     return _remember(key, source, AttentionMetadata._read_on_host(cu, longest, tokens))
+
+
+def _negative_position() -> UnsupportedAttention:
+    return refuse(
+        "position_ids hold a negative position", "pass position ids that restart at 0 at each document"
+    )
 
 
 def _starts(pos_BL: Tensor | None, mask_starts: Tensor | None, b: int, length: int) -> Tensor:
@@ -570,9 +570,7 @@ def _flash_eager(kwargs: dict[str, Any], b: int, length: int) -> AttentionMetada
     lengths = cu[1:] - cu[:-1]
     read = cu.long()
     if pos_BL is not None:  # the position ids' documents and negative flag, in the same transfer
-        marks = torch.zeros(tokens + 1, dtype=torch.bool, device=cu.device)
-        marks = marks.scatter(0, read.clamp(0, tokens), True)[:tokens]
-        agree = torch.eq(marks, document_starts(pos_BL).to(cu.device)).all()
+        agree = torch.eq(starts_of_boundaries(cu, tokens), document_starts(pos_BL).to(cu.device)).all()
         read = torch.cat([read, torch.stack([agree, (pos_BL < 0).any().to(cu.device)]).long()])
     values = read.tolist()  # the forward's one host read (a sync on CUDA)
     ends = values[: cu.shape[0]]
@@ -583,9 +581,7 @@ def _flash_eager(kwargs: dict[str, Any], b: int, length: int) -> AttentionMetada
             "pass the boundaries of the packed batch the model is called with",
         )
     if pos_BL is not None and values[-1]:
-        raise refuse(
-            "position_ids hold a negative position", "pass position ids that restart at 0 at each document"
-        )
+        raise _negative_position()
     if pos_BL is not None and not values[-2]:
         raise refuse(
             "the position ids transformers passes to attention count other documents than cu_seq_lens_q "
