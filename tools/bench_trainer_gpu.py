@@ -11,7 +11,7 @@ for NaN on the host (``logging_nan_inf_filter``, on by default), clips the gradi
 optimizer. A host read inside the step (the Trainer path's cut of slot-per-token boundaries) costs
 what it costs there, not in the loop. This tool runs the real loop: `transformers.Trainer` with
 `DataCollatorWithFlattening` (padding-free, position ids restarting per document), the model's own
-loss, ``torch_compile=True`` and ``bf16=True`` on CUDA, every other argument at its default
+loss, ``torch_compile=True`` and ``bf16=True`` on CUDA (``--no-bf16``: off), every other argument at its default
 (AdamW, gradient clipping at 1.0), ``gradient_checkpointing=True`` with ``--checkpointing``.
 
 The model is `bench_paths_gpu`'s transformers Llama (hidden 2048, 4 layers, 16/4 heads). Each batch
@@ -205,7 +205,7 @@ def run_row(row: str, a: argparse.Namespace, data: list[dict[str, list[int]]], d
         args = tf.TrainingArguments(
             output_dir=out, per_device_train_batch_size=docs, max_steps=steps, report_to=[],
             save_strategy="no", logging_steps=steps, disable_tqdm=True, seed=0, dataloader_num_workers=0,
-            bf16=cuda, use_cpu=not cuda, torch_compile=cuda and row != "usp_backend", **_checkpointing(tf, a),
+            bf16=cuda and not a.no_bf16, use_cpu=not cuda, torch_compile=cuda and row != "usp_backend", **_checkpointing(tf, a),
         )  # fmt: skip
         trainer = _trainer_class(tf)(
             model=model,
@@ -283,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--held-trace", action="store_true",
         help="allocator history from each row's start: what is allocated once its training ends, by allocation site, who in Python holds it (tools/mem_peak.py), and what stays allocated once Dynamo's caches are dropped",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-bf16", action="store_true",
+        help="TrainingArguments(bf16=False) on CUDA too (the model stays bf16): no autocast and no float32 copy of the outputs from accelerate's ConvertOutputsToFp32",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny sizes on any device (a smoke test)")
     add_json_arg(p)
