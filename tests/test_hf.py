@@ -308,6 +308,11 @@ def test_flash_attention_kwargs_that_disagree_with_the_position_ids_are_refused(
     with pytest.raises(UnsupportedAttention, match="count other documents than cu_seq_lens_q"):
         _forward(model, batch)
     batch = _flattened(ids)
+    batch["position_ids"] = batch["position_ids"].clone()
+    batch["position_ids"][0, 2] = -1  # read with the boundaries, in the same transfer
+    with pytest.raises(UnsupportedAttention, match="negative position"):
+        _forward(model, batch)
+    batch = _flattened(ids)
     batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor([0, 5, 9], dtype=torch.int32)
     with pytest.raises(UnsupportedAttention, match="does not describe the 32 tokens"):
         _forward(model, batch)
