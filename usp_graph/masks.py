@@ -322,9 +322,14 @@ def document_starts(pos_BL: Tensor) -> Tensor:
     ids, `masking_utils.find_packed_sequence_indices`)."""
     b, length = pos_BL.shape
     flat = pos_BL.reshape(-1)
-    idx = torch.arange(flat.shape[0], device=flat.device)
-    prev = torch.cat([flat[:1] - 1, flat[:-1]])
-    return (flat != prev + 1) | (idx % length == 0)
+    if flat.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.bool, device=flat.device)
+    # Token 0 starts one; so does each later token whose position is not its predecessor's + 1 (and,
+    # with several rows, each row's first token). Few kernels: each is a launch in eager attention.
+    later = flat[1:] != flat[:-1] + 1
+    if b > 1:
+        later = later | (torch.arange(1, flat.shape[0], device=flat.device) % length == 0)
+    return torch.cat([torch.ones(1, dtype=torch.bool, device=flat.device), later])
 
 
 def positions_mask(pos_BL: Tensor, *, is_causal: bool, window: tuple[int, int] | None = None) -> Tensor:
@@ -409,9 +414,11 @@ def cu_seqlens_from_starts(starts_T: Tensor, capacity: int | None = None) -> Ten
     cap = tokens + 1 if capacity is None else capacity
     if tokens == 0:
         return torch.zeros(cap, dtype=torch.int32, device=starts_T.device)
-    doc = starts_T.long().cumsum(0) - 1
-    slots = torch.arange(cap, device=starts_T.device)
-    return torch.searchsorted(doc, slots).to(torch.int32)
+    # Boundary s is the first token whose running count of starts exceeds s (slot s past the last
+    # document: none, so T).
+    counts = starts_T.cumsum(0)
+    slots = torch.arange(1, cap + 1, device=starts_T.device)
+    return torch.searchsorted(counts, slots, out_int32=True)
 
 
 def starts_of_boundaries(cu_seqlens: Tensor, tokens: int) -> Tensor:

@@ -462,24 +462,24 @@ def _positions_eager(
     if tokens == 0:
         return None
     starts = _starts(pos_BL, mask_starts, b, length)
-    # On the device, before the one host read: the boundaries with a slot per token (unused slots
-    # repeat T), their lengths, and the five values read: the document count n, the longest, the
-    # negative-position flag and the two ends cu[0] and cu[n]. After the read nothing is left for
-    # the GPU to wait on: the boundaries are a view of the first n + 1 slots, checked here.
+    # On the device, before the one host read (few kernels: each is a launch on the host's clock):
+    # the boundaries with a slot per token (unused slots repeat T), their lengths, and the four
+    # values read: the document count n, the longest document, the least position and cu[0]. After
+    # the read nothing is left for the GPU to wait on: the boundaries are a view of the first n + 1
+    # slots, checked here.
     cu_all = cu_seqlens_from_starts(starts)
     lengths = cu_all[1:] - cu_all[:-1]
-    count = starts.sum()
-    negative = (pos_BL < 0).any() if pos_BL is not None else torch.zeros_like(count, dtype=torch.bool)
-    ends = torch.stack([cu_all[0], cu_all.gather(0, count.reshape(1))[0]])
-    values = torch.cat([torch.stack([count, lengths.max().long(), negative.long()]), ends.long()])
-    n, longest, negative, first, end = values.tolist()  # the forward's one host read (a sync on CUDA)
-    if negative:
+    least = pos_BL.min() if pos_BL is not None else torch.zeros((), dtype=torch.long, device=starts.device)
+    values = torch.stack([starts.sum(), lengths.max().long(), least.long(), cu_all[0].long()])
+    n, longest, least, first = values.tolist()  # the forward's one host read (a sync on CUDA)
+    if least < 0:
         raise _negative_position()
     cu = cu_all[: n + 1]
-    if first != 0 or end != tokens:  # no start at token 0 (a mask's starts alone): validation says so
+    if first != 0:  # no start at token 0 (a mask's starts alone): validation says so
         return _remember(key, source, AttentionMetadata(cu, longest, tokens))
-    # Every boundary is a start's index (searchsorted of the document counts: never decreasing),
-    # the first 0 and the last T: checked, and so is every length against the longest.
+    # Every boundary is a start's index (searchsorted of the running start counts: never
+    # decreasing), the first 0 and cu[n] = T (no token's count exceeds n): checked, and so is every
+    # length against the longest.
     vouch_checked(cu, tokens, longest, lengths[:n])
     return _remember(key, source, AttentionMetadata._read_on_host(cu, longest, tokens))
 
