@@ -890,3 +890,22 @@ def test_boundaries_are_left_alone_where_cutting_does_not_pay_or_cannot_run(monk
     assert reads == []
     ((_, got_cu, got_max),) = seen
     assert got_cu is cu_q and got_max == t
+
+
+def test_flash_lse_conversions_equal_the_masked_fill_forms_bitwise():
+    # flash's lse (+inf: a row that sees no key) to the contract's (-inf) and back, in one kernel
+    # each: exactly what the two-kernel masked_fill forms give, NaN and -0.0 included.
+    g = torch.Generator().manual_seed(3)
+    lse = torch.randn(4, 257, generator=g) * 30
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 0.0, 3.4e38, -3.4e38])
+    lse.view(-1)[torch.randperm(lse.numel(), generator=g)[: 7 * 20]] = specials.repeat(20)
+    out = flash_kernel.lse_out(lse)
+    assert torch.equal(out.isnan(), lse.isnan())
+    want = lse.masked_fill(lse == float("inf"), float("-inf"))
+    assert torch.equal(out.nan_to_num(nan=7.0), want.nan_to_num(nan=7.0))
+    assert torch.equal(torch.signbit(out), torch.signbit(want))
+    back = flash_kernel.lse_in(out)
+    want = out.masked_fill(out == float("-inf"), float("inf"))
+    assert torch.equal(back.nan_to_num(nan=7.0), want.nan_to_num(nan=7.0))
+    assert torch.equal(torch.signbit(back), torch.signbit(want))
+    assert torch.equal(back.isnan(), lse.isnan())

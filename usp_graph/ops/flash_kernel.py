@@ -20,6 +20,20 @@ from .window import flash_window
 __all__ = ["flash_ok", "flash_fwd", "flash_bwd"]
 
 _aten = torch.ops.aten
+_INF, _NAN = float("inf"), float("nan")
+# dropout is always 0: the backward's RNG state is never read; one per device, not a launch per call
+_NO_RNG: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+
+def lse_out(lse: Tensor) -> Tensor:
+    """flash marks rows that see no key with lse = +inf; the contract says -inf (log of an empty
+    sum). One kernel (a short call's launches are host time); NaN stays NaN, finite values exact."""
+    return lse.nan_to_num(nan=_NAN, posinf=-_INF, neginf=-_INF)
+
+
+def lse_in(lse: Tensor) -> Tensor:
+    """The contract's lse as flash's backward reads it: -inf (no key) back to +inf."""
+    return lse.nan_to_num(nan=_NAN, posinf=_INF, neginf=_INF)
 
 
 def flash_ok(q: Tensor, v: Tensor) -> bool:
@@ -36,21 +50,28 @@ def flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, righ
     out, lse, *_ = _aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False, scale=scale, **win
     )
-    # flash marks rows that see no key with lse = +inf; the contract says -inf (log of an empty sum).
-    return out, lse.masked_fill(lse == float("inf"), float("-inf"))
+    return out, lse_out(lse)
+
+
+def _no_rng(device: torch.device) -> tuple[Tensor, Tensor]:
+    hit = _NO_RNG.get(device)
+    if hit is None:
+        hit = (torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device))
+        if not torch.cuda.is_current_stream_capturing():  # never keep a CUDA graph's pool memory
+            _NO_RNG[device] = hit
+    return hit
 
 
 def flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, scale, left=-1, right=-1):
     max_k, win = flash_window(max_q, max_k, is_causal, left, right)  # no window: max_k, {}
-    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout is always 0
-    unused = torch.empty(0, device=q.device)
+    rng_state, unused = _no_rng(q.device)
     dq, dk, dv = _aten._flash_attention_backward(
         dout.contiguous(),
         q,
         k,
         v,
         out,
-        lse.masked_fill(lse == float("-inf"), float("inf")),
+        lse_in(lse),
         cu_q,
         cu_k,
         max_q,
