@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from usp_graph import AttentionMetadata
-from usp_graph.masks import cu_seqlens_from_positions
+from usp_graph.masks import cu_seqlens_from_positions, cu_seqlens_from_starts, document_starts
 
 
 def cu_list(meta: AttentionMetadata) -> list[int]:
@@ -293,3 +293,28 @@ def test_from_document_ids_matches_from_lengths_without_empty_documents(lengths:
     assert cu_list(AttentionMetadata.from_document_ids(ids)) == cu_list(
         AttentionMetadata.from_lengths(nonempty)
     )
+
+
+def test_document_starts_and_boundaries_of_random_position_ids_equal_a_token_by_token_reading() -> None:
+    """The device rule (few kernels, as eager attention launches it per forward) against the rule
+    read one token at a time: a row start, or a position that is not its predecessor's + 1; then
+    the boundaries at every capacity, a short one included (its last documents left out)."""
+    g = torch.Generator().manual_seed(11)
+    for case in range(400):
+        b, length = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 24, (1,), generator=g))
+        if case % 2:  # packed documents, length-1 ones included
+            lens = torch.randint(1, 6, (b * length,), generator=g).tolist()
+            pos = torch.cat([torch.arange(n) for n in lens])[: b * length].view(b, length)
+        else:  # anything: repeats, jumps, negative positions
+            pos = torch.randint(-2, 5, (b, length), generator=g)
+        flat = pos.reshape(-1).tolist()
+        want = [t % length == 0 or flat[t] != flat[t - 1] + 1 for t in range(b * length)]
+        starts = document_starts(pos)
+        assert starts.dtype == torch.bool and starts.tolist() == want
+        bounds = [t for t, s in enumerate(want) if s] + [b * length]
+        for cap in (None, 1, len(bounds) - 1, len(bounds), b * length + 1):
+            cap_n = b * length + 1 if cap is None else cap
+            cu = cu_seqlens_from_starts(starts, cap)
+            assert cu.dtype == torch.int32
+            assert cu.tolist() == (bounds + [b * length] * cap_n)[:cap_n]
+    assert document_starts(torch.zeros(1, 0, dtype=torch.long)).shape == (0,)
