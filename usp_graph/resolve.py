@@ -616,9 +616,8 @@ def _flash_in_graph(
         )
     tokens = b * length
     if mask_starts is not None and tuple(mask_starts.shape) == (b, length):
-        starts = torch.zeros(tokens + 1, dtype=torch.bool, device=cu.device)
-        starts = starts.scatter(0, cu.long().clamp(0, tokens), True)[:tokens]
-        cu = cu_seqlens_from_starts(starts | mask_starts.to(cu.device).reshape(-1))
+        starts = starts_of_boundaries(cu, tokens) | mask_starts.to(cu.device).reshape(-1)
+        cu = cu_seqlens_from_starts(starts)
     return AttentionMetadata(cu, length, tokens)
 
 
