@@ -264,3 +264,48 @@ def test_trl_padding_free_with_its_own_compile_and_default_checkpointing_trains_
         warnings.simplefilter("ignore")  # transformers >= 5.25's checkpointing: usp names the Dynamo setting
         trainer.train()
     _check(trainer_cls, steps, reference, [], rewritten=0)
+
+
+def test_trl_bfd_packing_with_its_own_compile_and_default_checkpointing_trains_each_document_alone(tmp_path):
+    """TRL's own packing as a user writes it: ``SFTConfig(packing=True, max_length=...)`` (best-fit
+    decreasing: whole documents per row, position ids restarting per document, padding-free),
+    ``torch_compile=True`` and TRL's default checkpointing."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    model = _model()
+    reference = copy.deepcopy(model)
+    model.set_attn_implementation("usp")
+    trainer_cls = _recording(trl.SFTTrainer)
+    steps = _Steps(model)
+    args = _args(
+        trl.SFTConfig, tmp_path, packing=True, max_length=32, bf16=False, torch_compile=True,
+        torch_compile_backend="aot_eager",
+    )  # fmt: skip
+    trainer = trainer_cls(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(_documents()),
+        processing_class=_tokenizer(),
+        callbacks=[steps],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    _check(trainer_cls, steps, reference, [], rewritten=0)
+
+
+def test_trl_wrapped_packing_with_padding_is_refused_with_trls_own_fix(tmp_path):
+    """``packing_strategy="wrapped"`` without ``padding_free`` pads its last row: refused, naming the
+    setting that packs it padding-free instead of attending the padding."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from usp_graph.hf import UnsupportedAttention
+
+    model = _model()
+    model.set_attn_implementation("usp")
+    args = _args(trl.SFTConfig, tmp_path, packing=True, packing_strategy="wrapped", max_length=32, bf16=False)
+    trainer = trl.SFTTrainer(
+        model=model, args=args, train_dataset=datasets.Dataset.from_list(_documents()), processing_class=_tokenizer()
+    )
+    with pytest.raises(UnsupportedAttention, match=r"SFTConfig\(padding_free=True\)"):
+        trainer.train()

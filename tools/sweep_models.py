@@ -14,7 +14,11 @@ no document crosses a row). Checks, each printed as ok / FAIL / refused / ERR / 
   parameter grad of a linear loss within the family's fp64 tolerance (`SweepSpec.tol`).
 - bitwise: the same compiled call vs eager ``attention_mode(meta)``: output and grads equal.
 - ckpt: transformers' checkpointing (``activation_checkpointing_enable()``), compiled again: matches each document alone and
-  rewrote as many attention calls as without checkpointing, keeping none as SDPA.
+  rewrote as many attention calls as without checkpointing, keeping none as SDPA. Under Dynamo's
+  ``skip_fwd_side_effects_in_bwd_under_checkpoint`` (`CHECKPOINT_SETTING`, as the suite runs it):
+  without it, transformers >= 5.25 breaks Dynamo's graph at the checkpointed layers of families
+  whose attention the ``kernels`` package wraps, and usp refuses them with that fix named
+  (``tests/test_documents_checkpointing.py`` checks the refusal).
 - dumps: the packed compile ran with option ``dump_dir``: every graph it made wrote its graph
   file (``summary.json`` records no failure; joint, forward and backward of each trained graph).
 - eager / flex: the family built with ``attn_implementation="eager"`` and ``"flex_attention"``
@@ -475,6 +479,15 @@ def sweep_one(name: str) -> dict:
     return row
 
 
+# Dynamo's setting that compiles transformers >= 5.25's checkpointed layers whole (the docstring's
+# ckpt), where this torch has it.
+CHECKPOINT_SETTING = (
+    {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint")
+    else {}
+)
+
+
 def cp_rank(rank: int, world: int, names: list[str], strategy: str) -> dict:
     """One rank of ``--cp``: each family's rows sharded over the ranks (documents cross the shard
     boundary), eager ``attention_mode(meta, cp=cp)`` and compiled with option ``cp`` under
@@ -485,6 +498,8 @@ def cp_rank(rank: int, world: int, names: list[str], strategy: str) -> dict:
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
+    for key, value in CHECKPOINT_SETTING.items():  # this rank's own process
+        setattr(torch._dynamo.config, key, value)
     cp = ContextParallel(strategy)
     rows: dict = {}
     for name in names:
@@ -678,7 +693,7 @@ def main(argv=None) -> int:
 
     transformers.logging.set_verbosity_error()
     rows, door_rows = [], []
-    with torch._dynamo.config.patch(recompile_limit=64, cache_size_limit=64):
+    with torch._dynamo.config.patch(recompile_limit=64, cache_size_limit=64, **CHECKPOINT_SETTING):
         for name in names:
             if doors:
                 t0 = time.perf_counter()

@@ -296,7 +296,8 @@ def usp_mask(
     if attention_mask is not None and isinstance(attention_mask, Tensor) and attention_mask.dim() == 2:
         message = (
             'attn_implementation="usp": the attention_mask pads tokens; usp attends within packed documents: '
-            "pack them into rows and pass position_ids (DataCollatorWithFlattening), without an attention_mask"
+            "pack them into rows and pass position_ids (DataCollatorWithFlattening; TRL: SFTConfig(padding_free=True)), "
+            "without an attention_mask"
         )
         if compiling or _is_tracing(attention_mask):
             device_assert(attention_mask.bool().all(), message)
