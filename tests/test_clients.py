@@ -239,9 +239,16 @@ def test_the_trainer_path_as_a_user_writes_it_trains_each_document_alone(tmp_pat
     _check(trainer_cls, steps, reference, [], rewritten=0)
 
 
-def test_trl_padding_free_with_its_own_compile_and_default_checkpointing_trains_each_document_alone(tmp_path):
-    """TRL as a user writes it: ``attn_implementation="usp"``, ``SFTConfig(padding_free=True,
-    torch_compile=True)`` and TRL's defaults otherwise (its gradient checkpointing on)."""
+@pytest.mark.parametrize(
+    "packing",
+    [{"padding_free": True, "max_length": None}, {"packing": True, "max_length": 32}],
+    ids=["padding_free", "bfd_packing"],
+)
+def test_trl_with_its_own_compile_and_default_checkpointing_trains_each_document_alone(tmp_path, packing):
+    """TRL as a user writes it: ``attn_implementation="usp"``, ``torch_compile=True`` and TRL's
+    defaults otherwise (its gradient checkpointing on), packed padding-free by the collator
+    (``padding_free=True``) or by TRL's own packing (``packing=True``: best-fit decreasing, whole
+    documents per row of ``max_length``, position ids restarting per document, padding-free)."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     model = _model()
@@ -250,9 +257,8 @@ def test_trl_padding_free_with_its_own_compile_and_default_checkpointing_trains_
     trainer_cls = _recording(trl.SFTTrainer)
     steps = _Steps(model)
     args = _args(
-        trl.SFTConfig, tmp_path, padding_free=True, max_length=None, bf16=False, torch_compile=True,
-        torch_compile_backend="aot_eager",
-    )  # fmt: skip
+        trl.SFTConfig, tmp_path, bf16=False, torch_compile=True, torch_compile_backend="aot_eager", **packing
+    )
     trainer = trainer_cls(
         model=model,
         args=args,
@@ -262,34 +268,6 @@ def test_trl_padding_free_with_its_own_compile_and_default_checkpointing_trains_
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers >= 5.25's checkpointing: usp names the Dynamo setting
-        trainer.train()
-    _check(trainer_cls, steps, reference, [], rewritten=0)
-
-
-def test_trl_bfd_packing_with_its_own_compile_and_default_checkpointing_trains_each_document_alone(tmp_path):
-    """TRL's own packing as a user writes it: ``SFTConfig(packing=True, max_length=...)`` (best-fit
-    decreasing: whole documents per row, position ids restarting per document, padding-free),
-    ``torch_compile=True`` and TRL's default checkpointing."""
-    trl = pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
-    model = _model()
-    reference = copy.deepcopy(model)
-    model.set_attn_implementation("usp")
-    trainer_cls = _recording(trl.SFTTrainer)
-    steps = _Steps(model)
-    args = _args(
-        trl.SFTConfig, tmp_path, packing=True, max_length=32, bf16=False, torch_compile=True,
-        torch_compile_backend="aot_eager",
-    )  # fmt: skip
-    trainer = trainer_cls(
-        model=model,
-        args=args,
-        train_dataset=datasets.Dataset.from_list(_documents()),
-        processing_class=_tokenizer(),
-        callbacks=[steps],
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
         trainer.train()
     _check(trainer_cls, steps, reference, [], rewritten=0)
 
@@ -305,7 +283,10 @@ def test_trl_wrapped_packing_with_padding_is_refused_with_trls_own_fix(tmp_path)
     model.set_attn_implementation("usp")
     args = _args(trl.SFTConfig, tmp_path, packing=True, packing_strategy="wrapped", max_length=32, bf16=False)
     trainer = trl.SFTTrainer(
-        model=model, args=args, train_dataset=datasets.Dataset.from_list(_documents()), processing_class=_tokenizer()
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(_documents()),
+        processing_class=_tokenizer(),
     )
     with pytest.raises(UnsupportedAttention, match=r"SFTConfig\(padding_free=True\)"):
         trainer.train()
