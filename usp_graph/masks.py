@@ -653,8 +653,8 @@ def _mask_leaves(
                 return (
                     f"the mask depends on the padding attention_mask ({leaf.name}, {val.dtype}, "
                     f"{tuple(val.shape)}): usp_graph attends within packed documents and keeps no padding; pack "
-                    "the documents into rows with position ids (e.g. DataCollatorWithFlattening) and pass no "
-                    "attention_mask"
+                    "the documents into rows with position ids (e.g. DataCollatorWithFlattening; TRL: "
+                    "SFTConfig(padding_free=True)) and pass no attention_mask"
                 )
             if leaf.op == "placeholder" and val.dim() == 4 and _hint(val.shape[-1]) == length:
                 return (
